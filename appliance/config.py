@@ -1,0 +1,466 @@
+"""Model and server configuration, validated once at the edge into typed objects.
+
+Model configs use Triton's field names (``config.yaml``; ``config.pbtxt`` comes
+with the Triton-repository work). Every error names the file, the field and what
+was expected, e.g. ``models/simple/config.yaml: input[0].dims: expected a list of
+integers >= -1, got 'x'``. A config may leave inputs, outputs and max_batch_size
+out; :func:`complete` fills them from what the engine declares, as Triton's
+auto-complete does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from appliance import datatypes
+from appliance.errors import ApplianceError, Code
+from backends.base import TensorSpec
+
+log = logging.getLogger(__name__)
+
+
+class ConfigError(ApplianceError):
+    """A config file is invalid; the message names file, field and expectation."""
+
+    def __init__(self, source: str, path: str, message: str) -> None:
+        where = f"{source}: {path}: " if path else f"{source}: "
+        super().__init__(Code.INVALID_ARG, where + message)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorConfig:
+    name: str
+    datatype: str  # KServe name
+    dims: tuple[int, ...]  # without the batch dim; -1 = any size
+    optional: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DynamicBatching:
+    preferred_batch_size: tuple[int, ...] = ()
+    max_queue_delay_us: int = 0
+    max_queue_size: int = 0  # 0 = the server's default bound (queues are never unbounded)
+    default_timeout_us: int = 0  # 0 = no queue timeout
+    allow_timeout_override: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceGroup:
+    count: int = 1
+    kind: str = "KIND_CPU"
+
+
+@dataclass(frozen=True, slots=True)
+class VersionPolicy:
+    kind: str = "latest"  # latest | all | specific
+    num_versions: int = 1
+    versions: tuple[int, ...] = ()
+
+    def select(self, available: list[int]) -> list[int]:
+        """Versions of ``available`` this policy serves, newest first."""
+        newest = sorted(available, reverse=True)
+        if self.kind == "all":
+            return newest
+        if self.kind == "specific":
+            return [v for v in newest if v in self.versions]
+        return newest[: self.num_versions]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    name: str
+    backend: str = ""
+    platform: str = ""
+    max_batch_size: int | None = None  # None until completed from the model
+    inputs: tuple[TensorConfig, ...] = ()
+    outputs: tuple[TensorConfig, ...] = ()
+    dynamic_batching: DynamicBatching | None = None
+    instance_group: tuple[InstanceGroup, ...] = (InstanceGroup(),)
+    version_policy: VersionPolicy = VersionPolicy()
+    default_model_filename: str = ""
+    parameters: dict[str, str] = field(default_factory=dict)
+    source: str = "<auto-complete>"
+
+    @property
+    def batch_size(self) -> int:
+        return self.max_batch_size or 0
+
+    @property
+    def instance_count(self) -> int:
+        return sum(g.count for g in self.instance_group)
+
+
+# Triton fields accepted but not acted on yet: warned about, never silently dropped.
+_UNSUPPORTED = {
+    "sequence_batching", "ensemble_scheduling", "optimization", "model_warmup",
+    "response_cache", "model_transaction_policy", "batch_input", "batch_output",
+    "model_operations", "model_repository_agents", "runtime", "cc_model_filenames",
+    "metric_tags", "model_metrics",
+}
+_MODEL_FIELDS = {
+    "name", "backend", "platform", "max_batch_size", "input", "output",
+    "dynamic_batching", "instance_group", "version_policy", "default_model_filename",
+    "parameters",
+} | _UNSUPPORTED
+
+
+class _Fields:
+    """Typed reads of one mapping, with errors naming the file and field path."""
+
+    def __init__(self, source: str, data: Any, path: str = "") -> None:
+        if not isinstance(data, dict):
+            raise ConfigError(source, path, f"expected a mapping, got {type(data).__name__}")
+        self.source, self.data, self.path = source, data, path
+
+    def at(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def fail(self, key: str, message: str) -> ConfigError:
+        return ConfigError(self.source, self.at(key), message)
+
+    def check_keys(self, allowed: set[str]) -> None:
+        for key in self.data:
+            if key not in allowed:
+                raise self.fail(str(key), f"unknown field, expected one of {sorted(allowed)}")
+
+    def int(self, key: str, default: int, minimum: int = 0) -> int:
+        value = self.data.get(key, default)
+        if isinstance(value, str) and re.fullmatch(r"-?\d+", value):
+            value = int(value)  # protobuf JSON writes int64 as strings
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise self.fail(key, f"expected an integer >= {minimum}, got {value!r}")
+        return value
+
+    def str(self, key: str, default: str = "") -> str:
+        value = self.data.get(key, default)
+        if not isinstance(value, str):
+            raise self.fail(key, f"expected a string, got {value!r}")
+        return value
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.data.get(key, default)
+        if not isinstance(value, bool):
+            raise self.fail(key, f"expected true or false, got {value!r}")
+        return value
+
+    def ints(self, key: str, minimum: int) -> tuple[int, ...]:
+        value = self.data.get(key, [])
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value
+        ):
+            raise self.fail(key, f"expected a list of integers >= {minimum}, got {value!r}")
+        return tuple(value)
+
+    def list(self, key: str) -> list[_Fields]:
+        value = self.data.get(key, [])
+        if not isinstance(value, list):
+            raise self.fail(key, f"expected a list, got {type(value).__name__}")
+        return [_Fields(self.source, v, f"{self.at(key)}[{i}]") for i, v in enumerate(value)]
+
+    def sub(self, key: str) -> _Fields | None:
+        if key not in self.data or self.data[key] is None:
+            return None
+        return _Fields(self.source, self.data[key], self.at(key))
+
+
+def _tensor(f: _Fields) -> TensorConfig:
+    f.check_keys({"name", "data_type", "dims", "optional", "format", "reshape"})
+    name = f.str("name")
+    if not name:
+        raise f.fail("name", "expected a non-empty tensor name")
+    raw_type = f.str("data_type")
+    try:
+        datatype = datatypes.from_config_type(raw_type)
+    except ValueError:
+        expected = ", ".join(datatypes.to_config_type(d) for d in datatypes.DATATYPES)
+        raise f.fail("data_type", f"expected one of {expected}, got {raw_type!r}") from None
+    if "reshape" in f.data:
+        log.warning("%s: %s: 'reshape' is not supported and is ignored", f.source, f.path)
+    return TensorConfig(name, datatype, f.ints("dims", -1), f.bool("optional", False))
+
+
+def _dynamic_batching(f: _Fields) -> DynamicBatching:
+    f.check_keys({
+        "preferred_batch_size", "max_queue_delay_microseconds", "default_queue_policy",
+        "preserve_ordering", "priority_levels", "default_priority_level",
+        "priority_queue_policy",
+    })
+    policy = f.sub("default_queue_policy")
+    size, timeout, override = 0, 0, True
+    if policy is not None:
+        policy.check_keys({
+            "max_queue_size", "default_timeout_microseconds", "allow_timeout_override",
+            "timeout_action",
+        })
+        size = policy.int("max_queue_size", 0)
+        timeout = policy.int("default_timeout_microseconds", 0)
+        override = policy.bool("allow_timeout_override", True)
+        if policy.str("timeout_action", "REJECT") != "REJECT":
+            raise policy.fail("timeout_action", "only REJECT is supported")
+    return DynamicBatching(
+        preferred_batch_size=f.ints("preferred_batch_size", 1),
+        max_queue_delay_us=f.int("max_queue_delay_microseconds", 0),
+        max_queue_size=size,
+        default_timeout_us=timeout,
+        allow_timeout_override=override,
+    )
+
+
+def _version_policy(f: _Fields) -> VersionPolicy:
+    f.check_keys({"latest", "all", "specific"})
+    if len(f.data) != 1:
+        raise ConfigError(f.source, f.path, "expected exactly one of latest, all, specific")
+    if (latest := f.sub("latest")) is not None:
+        latest.check_keys({"num_versions"})
+        return VersionPolicy("latest", num_versions=latest.int("num_versions", 1, minimum=1))
+    if (specific := f.sub("specific")) is not None:
+        specific.check_keys({"versions"})
+        versions = specific.ints("versions", 1)
+        if not versions:
+            raise specific.fail("versions", "expected at least one version number")
+        return VersionPolicy("specific", versions=versions)
+    return VersionPolicy("all")
+
+
+def _parameters(f: _Fields) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in f.data.items():
+        if isinstance(value, dict) and set(value) == {"string_value"}:
+            value = value["string_value"]  # Triton's {key: {string_value: ...}} form
+        if not isinstance(value, (str, int, float, bool)):
+            raise f.fail(str(key), f"expected a string value, got {value!r}")
+        out[str(key)] = str(value)
+    return out
+
+
+def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
+    """Validate a config mapping (as read from YAML or JSON) into a ModelConfig."""
+    if data is None:
+        data = {}
+    f = _Fields(source, data)
+    f.check_keys(_MODEL_FIELDS)
+    for key in sorted(_UNSUPPORTED & set(f.data)):
+        log.warning("%s: field '%s' is not supported yet and is ignored", source, key)
+    declared = f.str("name", name)
+    if declared != name:
+        raise f.fail("name", f"expected '{name}' (the model's folder name), got {declared!r}")
+    groups = []
+    for g in f.list("instance_group"):
+        g.check_keys({"name", "count", "kind", "gpus", "host_policy", "profile", "passive"})
+        kind = g.str("kind", "KIND_CPU")
+        if kind not in ("KIND_CPU", "KIND_GPU", "KIND_AUTO"):
+            raise g.fail("kind", f"expected KIND_CPU, KIND_GPU or KIND_AUTO, got {kind!r}")
+        groups.append(InstanceGroup(g.int("count", 1, minimum=1), kind))
+    db = f.sub("dynamic_batching")
+    vp = f.sub("version_policy")
+    params = f.sub("parameters")
+    return ModelConfig(
+        name=name,
+        backend=f.str("backend"),
+        platform=f.str("platform"),
+        max_batch_size=f.int("max_batch_size", 0) if "max_batch_size" in f.data else None,
+        inputs=tuple(_tensor(t) for t in f.list("input")),
+        outputs=tuple(_tensor(t) for t in f.list("output")),
+        dynamic_batching=_dynamic_batching(db) if db is not None else (
+            DynamicBatching() if "dynamic_batching" in f.data else None
+        ),
+        instance_group=tuple(groups) or (InstanceGroup(),),
+        version_policy=_version_policy(vp) if vp is not None else VersionPolicy(),
+        default_model_filename=f.str("default_model_filename"),
+        parameters=_parameters(params) if params is not None else {},
+        source=source,
+    )
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    """Read ``model_dir/config.yaml`` (or .yml); no file means everything is auto-completed."""
+    for filename in ("config.yaml", "config.yml"):
+        path = model_dir / filename
+        if path.is_file():
+            try:
+                data = yaml.safe_load(path.read_text(encoding="utf-8"))
+            except (yaml.YAMLError, UnicodeDecodeError) as exc:
+                raise ConfigError(str(path), "", f"not valid YAML: {exc}") from None
+            return parse_model_config(data, model_dir.name, str(path))
+    return ModelConfig(name=model_dir.name, source=str(model_dir))
+
+
+def _check_against(cfg: TensorConfig, spec: TensorSpec, batched: bool, source: str, kind: str) -> None:
+    where = f"{kind} '{cfg.name}'"
+    if cfg.datatype != spec.datatype:
+        raise ConfigError(source, where, f"config says {cfg.datatype} but the model has {spec.datatype}")
+    model_dims = spec.shape[1:] if batched else spec.shape
+    if batched and spec.shape and spec.shape[0] not in (-1,):
+        raise ConfigError(
+            source, where,
+            f"max_batch_size > 0 needs a dynamic first dim, but the model's shape is {list(spec.shape)}",
+        )
+    if len(model_dims) != len(cfg.dims) or any(
+        m != -1 and c != -1 and m != c for m, c in zip(model_dims, cfg.dims)
+    ):
+        full = ([-1] if batched else []) + list(cfg.dims)
+        raise ConfigError(
+            source, where, f"config dims {full} do not match the model's shape {list(spec.shape)}"
+        )
+
+
+def complete(config: ModelConfig, inputs: list[TensorSpec], outputs: list[TensorSpec],
+             default_max_batch_size: int) -> ModelConfig:
+    """Fill what the config left out from the engine's declared tensors, then check
+    that what the config says agrees with the model (Triton's auto-complete)."""
+    max_batch = config.max_batch_size
+    if max_batch is None:
+        batchable = all(len(s.shape) >= 1 and s.shape[0] == -1 for s in (*inputs, *outputs))
+        max_batch = default_max_batch_size if batchable else 0
+    batched = max_batch > 0
+    dynamic = config.dynamic_batching
+    if dynamic is None and config.max_batch_size is None and batched:
+        dynamic = DynamicBatching()  # Triton enables dynamic batching when it picks a batch size
+
+    def fill(declared: tuple[TensorConfig, ...], specs: list[TensorSpec], kind: str) -> tuple[TensorConfig, ...]:
+        by_name = {s.name: s for s in specs}
+        if not declared:
+            return tuple(
+                TensorConfig(s.name, s.datatype, s.shape[1:] if batched else s.shape) for s in specs
+            )
+        for t in declared:
+            if t.name not in by_name:
+                raise ConfigError(
+                    config.source, f"{kind} '{t.name}'",
+                    f"the model has no such {kind}; it has {sorted(by_name)}",
+                )
+            _check_against(t, by_name[t.name], batched, config.source, kind)
+        return declared
+
+    new_inputs = fill(config.inputs, inputs, "input")
+    missing = {s.name for s in inputs} - {t.name for t in new_inputs}
+    if missing:
+        raise ConfigError(config.source, "input", f"the model also needs inputs {sorted(missing)}")
+    return replace(
+        config,
+        max_batch_size=max_batch,
+        inputs=new_inputs,
+        outputs=fill(config.outputs, outputs, "output"),
+        dynamic_batching=dynamic,
+    )
+
+
+def to_triton_json(config: ModelConfig) -> dict[str, Any]:
+    """The model config in Triton's JSON form (GET /v2/models/{m}/config)."""
+
+    def tensor(t: TensorConfig) -> dict[str, Any]:
+        return {"name": t.name, "data_type": datatypes.to_config_type(t.datatype),
+                "format": "FORMAT_NONE", "dims": list(t.dims), "optional": t.optional}
+
+    policy: dict[str, Any]
+    vp = config.version_policy
+    if vp.kind == "latest":
+        policy = {"latest": {"num_versions": vp.num_versions}}
+    elif vp.kind == "specific":
+        policy = {"specific": {"versions": list(vp.versions)}}
+    else:
+        policy = {"all": {}}
+    out: dict[str, Any] = {
+        "name": config.name,
+        "platform": config.platform,
+        "backend": config.backend,
+        "version_policy": policy,
+        "max_batch_size": config.batch_size,
+        "input": [tensor(t) for t in config.inputs],
+        "output": [tensor(t) for t in config.outputs],
+        "instance_group": [
+            {"name": f"{config.name}_{i}", "kind": g.kind, "count": g.count}
+            for i, g in enumerate(config.instance_group)
+        ],
+        "default_model_filename": config.default_model_filename,
+        "parameters": {k: {"string_value": v} for k, v in config.parameters.items()},
+    }
+    if config.dynamic_batching is not None:
+        db = config.dynamic_batching
+        out["dynamic_batching"] = {
+            "preferred_batch_size": list(db.preferred_batch_size),
+            "max_queue_delay_microseconds": db.max_queue_delay_us,
+            "default_queue_policy": {
+                "timeout_action": "REJECT",
+                "default_timeout_microseconds": db.default_timeout_us,
+                "allow_timeout_override": db.allow_timeout_override,
+                "max_queue_size": db.max_queue_size,
+            },
+        }
+    return out
+
+
+# ---- server config (appliance.yaml) ------------------------------------------------
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(value: Any, source: str, key: str) -> int:
+    """'64MiB', '1.5GB', 1048576 -> bytes."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise ConfigError(source, key, f"expected a size such as 64MiB or 1.5GB, got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    model_repository: Path | None = None  # None = the built-in demo models
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    metrics_port: int = 8002  # -1 disables the metrics endpoint
+    max_request_size: int = 64 * 2**20
+    drain_timeout_s: float = 30.0
+    default_max_batch_size: int = 8
+    default_max_queue_size: int = 1024
+    log_level: str = "info"
+
+
+def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerConfig:
+    """Read appliance.yaml (optional) and apply command-line overrides on top."""
+    source = str(path) if path else "<command line>"
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except OSError as exc:
+            raise ConfigError(source, "", f"cannot read: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(source, "", f"not valid YAML: {exc}") from None
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    f = _Fields(source, data)
+    f.check_keys(set(ServerConfig.__slots__))  # type: ignore[attr-defined]
+    level = f.str("log_level", "info").lower()
+    if level not in ("debug", "info", "warning", "error"):
+        raise f.fail("log_level", f"expected debug, info, warning or error, got {level!r}")
+    drain = data.get("drain_timeout_s", 30.0)
+    if not isinstance(drain, (int, float)) or isinstance(drain, bool) or drain < 0:
+        raise f.fail("drain_timeout_s", f"expected a number of seconds >= 0, got {drain!r}")
+    repo = data.get("model_repository")
+    if repo is not None:
+        repo = Path(os.path.expanduser(str(repo)))
+        if path is not None and not repo.is_absolute() and overrides.get("model_repository") is None:
+            repo = path.parent / repo  # relative to the config file
+        if not repo.is_dir():
+            raise f.fail("model_repository", f"expected a directory, {str(repo)!r} is not one")
+    return ServerConfig(
+        model_repository=repo,
+        host=f.str("host", "127.0.0.1"),
+        http_port=f.int("http_port", 8000),
+        metrics_port=f.int("metrics_port", 8002, minimum=-1),
+        max_request_size=parse_size(data.get("max_request_size", 64 * 2**20), source, "max_request_size"),
+        drain_timeout_s=float(drain),
+        default_max_batch_size=f.int("default_max_batch_size", 8, minimum=1),
+        default_max_queue_size=f.int("default_max_queue_size", 1024, minimum=1),
+        log_level=level,
+    )

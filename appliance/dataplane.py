@@ -1,0 +1,104 @@
+"""The data plane: the one entry every protocol adapter calls.
+
+HTTP, gRPC, MQTT and the in-process API all turn their wire format into an
+:class:`InferenceRequest` and call :meth:`DataPlane.infer`; metadata, config,
+statistics and repository control live here too, so no adapter holds logic of
+its own. Everything raises :class:`ApplianceError`, never a protocol status.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from appliance import __version__
+from appliance.config import to_triton_json
+from appliance.errors import invalid, unavailable
+from appliance.lifecycle import ModelLifeCycle
+from appliance.model import State
+from appliance.request import InferenceRequest, InferenceResponse
+
+EXTENSIONS = ["classification", "model_repository", "model_configuration", "statistics",
+              "binary_tensor_data", "parameters"]
+
+
+def classify(arr: np.ndarray, k: int, batched: bool) -> np.ndarray:
+    """Triton's classification extension: the top-k entries of each batch row as
+    BYTES "value:index" strings, highest first."""
+    rows = arr.reshape(arr.shape[0] if batched else 1, -1)
+    if rows.dtype.kind not in "biuf":
+        raise invalid(f"classification needs a numeric output, got {rows.dtype}")
+    k = min(k, rows.shape[1])
+    top = np.argsort(-rows.astype(np.float64), axis=1, kind="stable")[:, :k]
+    out = np.empty((rows.shape[0], k), dtype=object)
+    for r in range(rows.shape[0]):
+        out[r] = [f"{rows[r, i]:f}:{i}".encode() for i in top[r]]
+    return out if batched else out[0]
+
+
+class DataPlane:
+    def __init__(self, lifecycle: ModelLifeCycle) -> None:
+        self.lifecycle = lifecycle
+        self.live = True
+        self.accepting = True  # False once shutdown began: readiness goes false first
+
+    # ---- health and metadata -----------------------------------------------------------
+
+    def ready(self) -> bool:
+        return self.accepting and self.lifecycle.all_ready()
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": "appliance", "version": __version__, "extensions": EXTENSIONS}
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        try:
+            return self.lifecycle.get(name, version).state == State.READY
+        except Exception:
+            return False
+
+    def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
+        mv = self.lifecycle.get(name, version)
+        versions = [str(v) for v in sorted(self.lifecycle.entry(name).versions)]
+        return mv.metadata(versions)
+
+    def model_config(self, name: str, version: str = "") -> dict[str, Any]:
+        return to_triton_json(self.lifecycle.get(name, version).config)
+
+    # ---- inference ---------------------------------------------------------------------
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        if not self.accepting:
+            raise unavailable("the server is shutting down")
+        mv = self.lifecycle.get(request.model_name, request.model_version)
+        response = await mv.infer(request)
+        for name, k in request.classification.items():
+            response.outputs[name] = classify(response.outputs[name], k, mv.config.batch_size > 0)
+        return response
+
+    # ---- statistics and repository -----------------------------------------------------
+
+    def statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
+        if name:
+            if version:
+                versions = [self.lifecycle.get(name, version)]
+            else:
+                versions = sorted(self.lifecycle.entry(name).versions.values(),
+                                  key=lambda mv: mv.version)
+        else:
+            versions = sorted(self.lifecycle.loaded(), key=lambda mv: (mv.config.name, mv.version))
+        return {"model_stats": [mv.stats.json() for mv in versions]}
+
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+        rows = self.lifecycle.index()
+        return [r for r in rows if r.get("state") == "READY"] if ready_only else rows
+
+    async def load_model(self, name: str, parameters: dict[str, Any] | None = None) -> None:
+        if parameters:
+            raise invalid(f"load parameters {sorted(parameters)} are not supported yet")
+        entry = await self.lifecycle.load(name)
+        if entry.state != State.READY:
+            raise invalid(f"failed to load model '{name}': {entry.reason}")
+
+    async def unload_model(self, name: str) -> None:
+        await self.lifecycle.unload(name)

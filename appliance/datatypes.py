@@ -1,0 +1,208 @@
+"""KServe v2 tensor datatypes and their numpy, Triton-config and raw-byte forms.
+
+Shared by every protocol adapter: HTTP (JSON and binary extension), gRPC raw
+contents and MQTT payloads all turn wire bytes into numpy arrays here. Fixed-size
+types are viewed in place with ``np.frombuffer`` (no copy); BYTES tensors are numpy
+object arrays of ``bytes``, serialized as Triton does: each element a 4-byte
+little-endian length followed by its bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from appliance.errors import invalid
+
+# KServe datatype name -> numpy dtype (BYTES is an object array of bytes).
+_NUMPY: dict[str, np.dtype[Any]] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype(np.uint8),
+    "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32),
+    "UINT64": np.dtype(np.uint64),
+    "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
+    "BYTES": np.dtype(object),
+}
+DATATYPES = tuple(_NUMPY)
+
+_FROM_NUMPY: dict[np.dtype[Any], str] = {v: k for k, v in _NUMPY.items()}
+# numpy string dtypes (ONNX Runtime returns str objects; callers may pass np.str_)
+_STRING_KINDS = ("U", "S", "O")
+
+
+def to_numpy_dtype(datatype: str) -> np.dtype[Any]:
+    """numpy dtype for a KServe datatype; INVALID_ARG for an unknown name."""
+    try:
+        return _NUMPY[datatype]
+    except KeyError:
+        raise invalid(
+            f"unsupported datatype '{datatype}', expected one of {', '.join(DATATYPES)}"
+        ) from None
+
+
+def from_numpy_dtype(dtype: np.dtype[Any]) -> str:
+    """KServe datatype for a numpy dtype (any string kind maps to BYTES)."""
+    if dtype.kind in _STRING_KINDS:
+        return "BYTES"
+    try:
+        return _FROM_NUMPY[dtype]
+    except KeyError:
+        raise invalid(f"numpy dtype {dtype} has no KServe datatype") from None
+
+
+def to_config_type(datatype: str) -> str:
+    """KServe name -> Triton model-config name (``FP32`` -> ``TYPE_FP32``; BYTES -> TYPE_STRING)."""
+    return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
+
+
+def from_config_type(config_type: str) -> str:
+    """Triton model-config name -> KServe name; accepts the KServe name too."""
+    name = config_type.upper()
+    if name.startswith("TYPE_"):
+        name = name[5:]
+    if name == "STRING":
+        name = "BYTES"
+    if name not in _NUMPY:
+        raise ValueError(config_type)
+    return name
+
+
+def element_count(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def byte_size(datatype: str, shape: Sequence[int]) -> int | None:
+    """Bytes a fixed-size tensor occupies on the wire; None for BYTES (variable)."""
+    if datatype == "BYTES":
+        return None
+    return element_count(shape) * to_numpy_dtype(datatype).itemsize
+
+
+def check_shape(shape: Any, where: str) -> list[int]:
+    """Validate a wire shape: a list of non-negative ints."""
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise invalid(f"{where}: 'shape' must be a list of non-negative integers, got {shape!r}")
+    return shape
+
+
+def from_raw(buf: bytes | memoryview, datatype: str, shape: Sequence[int], name: str) -> np.ndarray:
+    """View raw little-endian tensor bytes as an array of ``shape`` (no copy for fixed types).
+
+    The returned array may be read-only and share memory with ``buf``.
+    """
+    if datatype == "BYTES":
+        return deserialize_bytes(buf, shape, name)
+    dtype = to_numpy_dtype(datatype)
+    expected = element_count(shape) * dtype.itemsize
+    if len(buf) != expected:
+        raise invalid(
+            f"input '{name}': got {len(buf)} bytes of data but {datatype} shape "
+            f"{list(shape)} needs {expected}"
+        )
+    return np.frombuffer(buf, dtype=dtype.newbyteorder("<")).reshape(shape)
+
+
+def deserialize_bytes(buf: bytes | memoryview, shape: Sequence[int], name: str) -> np.ndarray:
+    """Parse Triton's length-prefixed BYTES encoding into an object array of bytes."""
+    count = element_count(shape)
+    view = memoryview(buf)
+    items: list[bytes] = []
+    offset, end = 0, len(view)
+    for _ in range(count):
+        if offset + 4 > end:
+            raise invalid(
+                f"input '{name}': BYTES data is truncated: expected {count} elements, "
+                f"found {len(items)}"
+            )
+        (length,) = struct.unpack_from("<I", view, offset)
+        offset += 4
+        if offset + length > end:
+            raise invalid(
+                f"input '{name}': BYTES element {len(items)} claims {length} bytes but only "
+                f"{end - offset} remain"
+            )
+        items.append(bytes(view[offset : offset + length]))
+        offset += length
+    if offset != end:
+        raise invalid(
+            f"input '{name}': {end - offset} unexpected bytes after {count} BYTES elements"
+        )
+    arr = np.empty(count, dtype=object)
+    arr[:] = items
+    return arr.reshape(shape)
+
+
+def _as_bytes(item: Any) -> bytes:
+    if isinstance(item, bytes):
+        return item
+    if isinstance(item, str):
+        return item.encode("utf-8")
+    return str(item).encode("utf-8")
+
+
+def serialize_bytes(arr: np.ndarray) -> bytes:
+    """Triton's length-prefixed encoding of a BYTES (object or string) array."""
+    parts: list[bytes] = []
+    for item in arr.ravel(order="C"):
+        data = _as_bytes(item)
+        parts.append(struct.pack("<I", len(data)))
+        parts.append(data)
+    return b"".join(parts)
+
+
+def to_raw(arr: np.ndarray) -> bytes | memoryview:
+    """Wire bytes of a tensor: a zero-copy view for contiguous fixed-size arrays."""
+    if arr.dtype.kind in _STRING_KINDS:
+        return serialize_bytes(arr)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    arr = np.ascontiguousarray(arr)
+    return memoryview(arr).cast("B")
+
+
+def from_json_data(data: Any, datatype: str, shape: Sequence[int], name: str) -> np.ndarray:
+    """Build a tensor from the JSON ``data`` field (flat or nested, row-major)."""
+    dtype = to_numpy_dtype(datatype)
+    if not isinstance(data, list):
+        raise invalid(f"input '{name}': 'data' must be a list, got {type(data).__name__}")
+    try:
+        if datatype == "BYTES":
+            flat = np.asarray(data, dtype=object).ravel()
+            arr = np.empty(flat.size, dtype=object)
+            arr[:] = [_as_bytes(x) for x in flat]
+        else:
+            arr = np.asarray(data, dtype=dtype).ravel()
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise invalid(f"input '{name}': 'data' is not valid {datatype}: {exc}") from None
+    expected = element_count(shape)
+    if arr.size != expected:
+        raise invalid(
+            f"input '{name}': 'data' has {arr.size} elements but shape {list(shape)} "
+            f"needs {expected}"
+        )
+    return arr.reshape(shape)
+
+
+def to_json_data(arr: np.ndarray) -> Any:
+    """A flat, JSON-serializable form of a tensor (numpy for orjson, str for BYTES)."""
+    if arr.dtype.kind in _STRING_KINDS:
+        return [
+            x.decode("utf-8", errors="replace") if isinstance(x, bytes) else str(x)
+            for x in arr.ravel()
+        ]
+    if arr.dtype == np.float16:  # orjson serializes float32, not float16
+        arr = arr.astype(np.float32)
+    return np.ascontiguousarray(arr).ravel()

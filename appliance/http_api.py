@@ -1,0 +1,174 @@
+"""KServe v2 HTTP/REST adapter (Triton-compatible), a thin layer over the data plane.
+
+Routes decode the wire into data-plane calls and map :class:`ApplianceError`
+codes to HTTP statuses as Triton does; every error body is ``{"error": msg}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from appliance import http_codec
+from appliance.dataplane import DataPlane
+from appliance.errors import ApplianceError, Code, invalid
+
+log = logging.getLogger(__name__)
+
+DATAPLANE = web.AppKey("dataplane", DataPlane)
+MAX_REQUEST_SIZE = web.AppKey("max_request_size", int)
+STATUS = {Code.INVALID_ARG: 400, Code.NOT_FOUND: 404, Code.UNAVAILABLE: 503,
+          Code.TOO_LARGE: 413, Code.INTERNAL: 500}
+# bodies above this are decoded/encoded on a worker thread: parsing megabytes of
+# JSON on the event loop would stall every other connection
+_OFFLOAD_BYTES = 256 * 1024
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY),
+                        status=status, content_type="application/json")
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.Response(body=http_codec.error_body(message), status=status,
+                        content_type="application/json")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApplianceError as exc:
+        return _error(STATUS[exc.code], exc.message)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return _error(413, f"request body exceeds the server's limit of "
+                           f"{request.app[MAX_REQUEST_SIZE]} bytes ({exc.text})")
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, f"{exc.reason}: {request.method} {request.path}")
+    except Exception as exc:  # a bug: answer 500 and keep serving
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _error(500, f"internal error: {exc}")
+
+
+def _model(request: web.Request) -> tuple[str, str]:
+    return request.match_info["model"], request.match_info.get("version", "")
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    body = await request.read()
+    if not body:
+        return {}
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise invalid(f"malformed JSON in the request body: {exc}") from None
+    if not isinstance(doc, dict):
+        raise invalid("the request body must be a JSON object")
+    return doc
+
+
+async def live(request: web.Request) -> web.Response:
+    return web.Response(status=200 if request.app[DATAPLANE].live else 400)
+
+
+async def ready(request: web.Request) -> web.Response:
+    return web.Response(status=200 if request.app[DATAPLANE].ready() else 400)
+
+
+async def server_metadata(request: web.Request) -> web.Response:
+    return _json(request.app[DATAPLANE].server_metadata())
+
+
+async def model_ready(request: web.Request) -> web.Response:
+    return web.Response(status=200 if request.app[DATAPLANE].model_ready(*_model(request)) else 400)
+
+
+async def model_metadata(request: web.Request) -> web.Response:
+    return _json(request.app[DATAPLANE].model_metadata(*_model(request)))
+
+
+async def model_config(request: web.Request) -> web.Response:
+    return _json(request.app[DATAPLANE].model_config(*_model(request)))
+
+
+async def model_stats(request: web.Request) -> web.Response:
+    name = request.match_info.get("model", "")
+    return _json(request.app[DATAPLANE].statistics(name, request.match_info.get("version", "")))
+
+
+async def infer(request: web.Request) -> web.Response:
+    dataplane = request.app[DATAPLANE]
+    model, version = _model(request)
+    body = await request.read()
+    header_length = http_codec.parse_header_length(
+        request.headers.get(http_codec.HEADER_LENGTH), len(body))
+    json_bytes = len(body) if header_length is None else header_length
+    if json_bytes > _OFFLOAD_BYTES:
+        decoded = await asyncio.to_thread(http_codec.decode_request, body, header_length, model,
+                                          version)
+    else:
+        decoded = http_codec.decode_request(body, header_length, model, version)
+    inference, fmt = decoded
+    response = await dataplane.infer(inference)
+    text_bytes = sum(a.nbytes for n, a in response.outputs.items() if not fmt.is_binary(n))
+    if text_bytes > _OFFLOAD_BYTES:
+        out, length = await asyncio.to_thread(http_codec.encode_response, response, fmt)
+    else:
+        out, length = http_codec.encode_response(response, fmt)
+    if length is None:
+        return web.Response(body=out, content_type="application/json")
+    return web.Response(body=out, content_type="application/octet-stream",
+                        headers={http_codec.HEADER_LENGTH: str(length)})
+
+
+async def repository_index(request: web.Request) -> web.Response:
+    doc = await _json_body(request)
+    ready_only = doc.get("ready", False)
+    if not isinstance(ready_only, bool):
+        raise invalid("'ready' must be true or false")
+    return _json(request.app[DATAPLANE].repository_index(ready_only))
+
+
+async def repository_load(request: web.Request) -> web.Response:
+    doc = await _json_body(request)
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise invalid("'parameters' must be an object")
+    await request.app[DATAPLANE].load_model(request.match_info["model"], params)
+    return web.Response(status=200)
+
+
+async def repository_unload(request: web.Request) -> web.Response:
+    await _json_body(request)  # parameters such as unload_dependents are accepted, unused
+    await request.app[DATAPLANE].unload_model(request.match_info["model"])
+    return web.Response(status=200)
+
+
+def create_app(dataplane: DataPlane, max_request_size: int) -> web.Application:
+    app = web.Application(client_max_size=max_request_size, middlewares=[_errors])
+    app[DATAPLANE] = dataplane
+    app[MAX_REQUEST_SIZE] = max_request_size
+    r = app.router
+    r.add_get("/v2", server_metadata)
+    r.add_get("/v2/health/live", live)
+    r.add_get("/v2/health/ready", ready)
+    r.add_get("/v2/models/stats", model_stats)  # before /v2/models/{model}
+    for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+        r.add_get(base, model_metadata)
+        r.add_get(base + "/ready", model_ready)
+        r.add_get(base + "/config", model_config)
+        r.add_get(base + "/stats", model_stats)
+        r.add_post(base + "/infer", infer)
+    r.add_post("/v2/repository/index", repository_index)
+    r.add_post("/v2/repository/models/{model}/load", repository_load)
+    r.add_post("/v2/repository/models/{model}/unload", repository_unload)
+    return app

@@ -1,0 +1,105 @@
+"""Instance groups: N copies of a model, each driven by its own worker thread.
+
+An instance is created, used and closed on its own single-thread executor, so a
+backend never sees two threads and engines with thread-affine state (CUDA
+contexts) are safe. The event loop only hands work over and awaits the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from backends.base import Backend
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def cpu_share(instance_count: int) -> int:
+    """Intra-op threads for one instance: an equal share of the usable cores."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, instance_count))
+
+
+class ModelInstance:
+    """One backend object plus the one thread allowed to touch it."""
+
+    def __init__(self, name: str, executor: ThreadPoolExecutor, backend: Backend) -> None:
+        self.name = name
+        self.backend = backend
+        self._executor = executor
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(backend, *args)`` on this instance's thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, fn, self.backend, *args)
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._executor, self.backend.close)
+        finally:
+            # wait=False: the thread has no queued work left once close ran
+            self._executor.shutdown(wait=False)
+
+
+class InstanceGroup:
+    """The instances of one model version and which of them are idle.
+
+    Ownership: the batcher acquires an idle instance, runs one batch on it and
+    releases it; ``close`` must only be called once no batch is running.
+    """
+
+    def __init__(self, instances: list[ModelInstance]) -> None:
+        self.instances = instances
+        self._idle: deque[ModelInstance] = deque(instances)
+
+    @classmethod
+    async def create(cls, model: str, count: int, factory: Callable[[int], Backend]) -> InstanceGroup:
+        """Create ``count`` instances concurrently, each on its own new thread.
+
+        On failure every instance already created is closed and the error raised.
+        """
+
+        async def one(i: int) -> ModelInstance:
+            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{model}#{i}")
+            loop = asyncio.get_running_loop()
+            try:
+                backend = await loop.run_in_executor(executor, factory, i)
+            except BaseException:
+                executor.shutdown(wait=False)
+                raise
+            return ModelInstance(f"{model}_{i}", executor, backend)
+
+        results = await asyncio.gather(*(one(i) for i in range(count)), return_exceptions=True)
+        made = [r for r in results if isinstance(r, ModelInstance)]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(m.close() for m in made), return_exceptions=True)
+            raise errors[0]
+        return cls(made)
+
+    @property
+    def idle_count(self) -> int:
+        return len(self._idle)
+
+    def acquire(self) -> ModelInstance | None:
+        return self._idle.popleft() if self._idle else None
+
+    def release(self, instance: ModelInstance) -> None:
+        self._idle.append(instance)
+
+    async def close(self) -> None:
+        results = await asyncio.gather(*(i.close() for i in self.instances), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                log.warning("closing an instance failed: %s", r)

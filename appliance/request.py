@@ -1,0 +1,34 @@
+"""The protocol-neutral request and response every adapter builds and encodes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    """One decoded inference call.
+
+    ``inputs`` arrays may be read-only views of the wire buffer; nothing below the
+    adapter writes to them. ``outputs`` empty means every output of the model.
+    """
+
+    model_name: str
+    inputs: dict[str, np.ndarray]
+    model_version: str = ""  # "" = the newest ready version
+    outputs: tuple[str, ...] = ()
+    id: str = ""
+    timeout_us: int | None = None  # per-request queue timeout (Triton's "timeout" parameter)
+    # output name -> k: return the top-k classes as "value:index" strings (Triton's
+    # classification extension) instead of the raw tensor
+    classification: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class InferenceResponse:
+    model_name: str
+    model_version: str
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    id: str = ""

@@ -1,0 +1,93 @@
+"""The server process: model lifecycle, data plane and the HTTP and metrics endpoints.
+
+Start-up: bind the endpoints (live at once, ready once the initial models
+loaded), then load the repository. Shutdown, as a checklist: readiness goes
+false and new inferences are refused -> listeners close and in-flight HTTP
+requests get up to ``drain_timeout_s`` to finish -> every model drains its queue
+and unloads -> the metrics endpoint closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from importlib import resources
+from pathlib import Path
+
+from aiohttp import web
+
+from appliance import http_api, metrics
+from appliance.config import ConfigError, ServerConfig
+from appliance.dataplane import DataPlane
+from appliance.lifecycle import ModelLifeCycle
+
+log = logging.getLogger(__name__)
+
+
+def demo_repository() -> Path:
+    """The built-in demo models shipped as package data."""
+    return Path(str(resources.files("appliance") / "demo_models"))
+
+
+class Server:
+    """One appliance inside the current event loop (usable from tests and apps)."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.repository = config.model_repository or demo_repository()
+        self.lifecycle = ModelLifeCycle(self.repository, config)
+        self.dataplane = DataPlane(self.lifecycle)
+        self._runners: list[web.AppRunner] = []
+        self.http_port = 0
+        self.metrics_port = 0
+
+    async def _site(self, app: web.Application, port: int, shutdown_timeout: float) -> int:
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
+        await runner.setup()
+        self._runners.append(runner)
+        # bind the socket ourselves so port 0 (tests) reports the port actually bound
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.config.host, port))
+        except OSError as exc:
+            sock.close()
+            raise ConfigError("<server>", "port", f"cannot listen on {self.config.host}:{port}: "
+                              f"{exc.strerror}") from None
+        site = web.SockSite(runner, sock, shutdown_timeout=shutdown_timeout)
+        await site.start()
+        return int(sock.getsockname()[1])
+
+    async def start(self) -> None:
+        """Bind the endpoints, then load the model repository."""
+        started = time.perf_counter()
+        app = http_api.create_app(self.dataplane, self.config.max_request_size)
+        self.http_port = await self._site(app, self.config.http_port, self.config.drain_timeout_s)
+        if self.config.metrics_port >= 0:
+            mapp = web.Application()
+            mapp.router.add_get("/metrics", self._metrics)
+            self.metrics_port = await self._site(mapp, self.config.metrics_port, 1.0)
+        log.info("listening: http://%s:%d (KServe v2), metrics http://%s:%d/metrics",
+                 self.config.host, self.http_port, self.config.host, self.metrics_port)
+        await self.lifecycle.load_all()
+        log.info("ready in %.2fs: %d model version(s) from %s", time.perf_counter() - started,
+                 len(self.lifecycle.loaded()), self.repository)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = metrics.render(mv.stats for mv in self.lifecycle.loaded())
+        return web.Response(text=text, headers={"Content-Type": metrics.CONTENT_TYPE})
+
+    async def stop(self) -> None:
+        """Graceful shutdown; see the module docstring for the order."""
+        log.info("shutting down: draining for up to %.0fs", self.config.drain_timeout_s)
+        self.dataplane.accepting = False
+        http, *rest = self._runners or [None]
+        if http is not None:
+            await http.cleanup()  # closes listeners, waits for in-flight requests
+        await self.lifecycle.stop(self.config.drain_timeout_s)
+        for runner in rest:
+            await runner.cleanup()
+        self._runners.clear()
+        log.info("stopped")
