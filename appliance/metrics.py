@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from appliance.errors import FailureReason
 from appliance.stats import ModelStats
@@ -18,7 +18,7 @@ from appliance.stats import ModelStats
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # name, help, type, value of one ModelStats
-_MODEL_METRICS = [
+_MODEL_METRICS: list[tuple[str, str, str, Callable[[ModelStats], int]]] = [
     ("nv_inference_request_success", "Number of successful inference requests, all batch sizes",
      "counter", lambda s: s.success.count),
     ("nv_inference_count", "Number of inferences performed (does not include cached requests)",
@@ -85,11 +85,11 @@ def render(stats: Iterable[ModelStats]) -> str:
                     lines.append(f'{failure}{{model="{_label(s.name)}",reason="{reason.value}",'
                                  f'version="{s.version}"}} {s.failures.get(reason, 0)}')
     rss, used, total = process_memory()
-    for name, help_text, value in [
+    for name, help_text, amount in [
         ("process_resident_memory_bytes", "Resident memory size of the server process in bytes",
          rss),
         ("nv_cpu_memory_used_bytes", "CPU (system) memory used in bytes", used),
         ("nv_cpu_memory_total_bytes", "CPU (system) memory total in bytes", total),
     ]:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {amount}"]
     return "\n".join(lines) + "\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,6 @@ class ModelVersion:
             first = instances.instances[0].backend
             platform = config.platform or next(
                 (p for p, b in backends.PLATFORMS.items() if b == backend), "")
-            from dataclasses import replace
             completed = complete(
                 replace(config, backend=backend, platform=platform,
                         default_model_filename=path.name),
@@ -132,7 +132,7 @@ class ModelVersion:
             raise invalid(f"{where}: expected shape {expected}, got {shape}")
         if not batched:
             return 0
-        rows = shape[0]
+        rows = int(shape[0])
         if not 1 <= rows <= self.config.batch_size:
             raise invalid(f"{where}: batch size {rows} is outside 1..{self.config.batch_size} "
                           f"(max_batch_size)")

@@ -56,7 +56,7 @@ class Server:
             sock.close()
             raise ConfigError("<server>", "port", f"cannot listen on {self.config.host}:{port}: "
                               f"{exc.strerror}") from None
-        site = web.SockSite(runner, sock, shutdown_timeout=shutdown_timeout)
+        site = web.SockSite(runner, sock)
         await site.start()
         return int(sock.getsockname()[1])
 
@@ -83,11 +83,10 @@ class Server:
         """Graceful shutdown; see the module docstring for the order."""
         log.info("shutting down: draining for up to %.0fs", self.config.drain_timeout_s)
         self.dataplane.accepting = False
-        http, *rest = self._runners or [None]
-        if http is not None:
-            await http.cleanup()  # closes listeners, waits for in-flight requests
+        runners, self._runners = self._runners, []  # [http, metrics]
+        if runners:
+            await runners[0].cleanup()  # closes the listener, waits for in-flight requests
         await self.lifecycle.stop(self.config.drain_timeout_s)
-        for runner in rest:
+        for runner in runners[1:]:
             await runner.cleanup()
-        self._runners.clear()
         log.info("stopped")

@@ -1,0 +1,129 @@
+"""Shared fixtures: real ONNX model repositories and a real server on a free loopback port.
+
+``run_appliance(repository, **server_options)`` starts the real :class:`Server`
+in a background thread with its own event loop, bound to 127.0.0.1 on free
+ports, and stops it (gracefully, as SIGTERM would) at teardown. The loop runs
+in asyncio debug mode and the fixture fails the test if any callback blocked it
+for more than half a second: inference must never run on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance import modelgen
+from appliance.config import load_server_config
+from appliance.server import Server
+
+BLOCKING_THRESHOLD_S = 0.5
+
+
+def write_test_repository(repo: Path) -> Path:
+    """Models used across the end-to-end tests (all deterministic)."""
+    modelgen.write_demo_repository(repo)
+    for datatype in modelgen.DATATYPES:
+        modelgen.write_model(repo, f"identity_{datatype.lower()}",
+                             modelgen.identity(datatype, [-1]))
+    # no config at all: everything is auto-completed from the graph
+    modelgen.write_model(repo, "mlp_auto", modelgen.mlp())
+    modelgen.write_model(repo, "no_batch_add", modelgen.no_batch_add([4]))
+    modelgen.write_model(repo, "broken_config", modelgen.simple_add_sub(),
+                         "backend: onnxruntime\nmax_batch_size: -3\n")
+    return repo
+
+
+@pytest.fixture(scope="session")
+def test_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_test_repository(tmp_path_factory.mktemp("repo"))
+
+
+class _BlockingDetector(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.slow: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Executing") and " took " in message:
+            self.slow.append(message)
+
+
+@dataclass
+class Running:
+    server: Server
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.server.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.metrics_port}/metrics"
+
+    def call(self, coro: Any, timeout: float = 60) -> Any:
+        """Run a coroutine on the server's loop (e.g. a data-plane call)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.call(self.server.stop())
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(30)
+
+
+@pytest.fixture
+def run_appliance() -> Iterator[Callable[..., Running]]:
+    started: list[Running] = []
+    detector = _BlockingDetector()
+    asyncio_log = logging.getLogger("asyncio")
+    asyncio_log.addHandler(detector)
+
+    def start(repository: Path | None = None, **options: Any) -> Running:
+        options.setdefault("http_port", 0)
+        options.setdefault("metrics_port", 0)
+        options.setdefault("drain_timeout_s", 10)
+        options["model_repository"] = repository
+        config = load_server_config(None, options)
+        loop = asyncio.new_event_loop()
+        loop.set_debug(True)
+        loop.slow_callback_duration = BLOCKING_THRESHOLD_S
+        server = Server(config)
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def main() -> None:
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(server.start())
+            except BaseException as exc:  # reported to the test below
+                errors.append(exc)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.close()
+
+        thread = threading.Thread(target=main, name="appliance-test-loop", daemon=True)
+        thread.start()
+        ready.wait(120)
+        if errors:
+            raise errors[0]
+        running = Running(server, loop, thread)
+        started.append(running)
+        return running
+
+    yield start
+    for running in reversed(started):
+        running.stop()
+    asyncio_log.removeHandler(detector)
+    assert not detector.slow, f"the event loop was blocked: {detector.slow}"
