@@ -14,7 +14,9 @@ checking ``done()`` since the caller may have been cancelled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Hashable, Iterable
@@ -65,13 +67,18 @@ class Decision:
 def decide(queue: Iterable[Queued], now: float, policy: BatchPolicy) -> Decision:
     """Pick the next batch from ``queue`` (oldest first) at monotonic time ``now``.
 
-    The oldest request always leads. Later requests join if their non-batch shapes
-    match (same ``signature``) and their rows fit under max_batch_size; requests
-    with other shapes are skipped and keep their place. The batch is sent when it
-    is full or can't grow (the next matching request doesn't fit), when it reached
-    the largest preferred size (trimmed to the largest preferred size it passed),
-    or when the oldest request has waited max_queue_delay; otherwise wait for the
-    rest of that delay.
+    Triton's dynamic-batcher rules. The oldest request always leads; later requests
+    join if their non-batch shapes match (same ``signature``) and their rows fit
+    under max_batch_size; requests with other shapes are skipped, keep their place
+    and are never merged. Then, in order:
+
+    1. If the batch reached a preferred size (or can't reach the largest preferred
+       size without passing it) and the oldest request's delay has not expired,
+       send the largest such batch now.
+    2. Send everything picked if the batch is full or can't grow (the next matching
+       request doesn't fit), reached the largest preferred size, the delay expired,
+       or there is no delay.
+    3. Otherwise wait for the rest of the oldest request's max_queue_delay.
     """
     it = iter(queue)
     head = next(it, None)
@@ -79,28 +86,32 @@ def decide(queue: Iterable[Queued], now: float, policy: BatchPolicy) -> Decision
         return Decision()
     if not policy.dynamic or policy.max_batch_size <= 0:
         return Decision(send=(0,))
-    picked, rows, blocked = [0], head.rows, False
+    limit = policy.max_batch_size
     preferred = set(policy.preferred_batch_sizes)
-    best_preferred = 1 if rows in preferred else 0  # number of picked requests
+    largest_preferred = min(max(preferred), limit) if preferred else limit
+    picked, rows, blocked = [0], head.rows, False
+    best = 1 if rows in preferred else 0  # number of picked requests to send early
     for index, item in enumerate(it, start=1):
-        if rows >= policy.max_batch_size:
+        if rows >= limit:
             break
         if item.signature != head.signature:
             continue
-        if rows + item.rows > policy.max_batch_size:
-            blocked = True  # keep FIFO among compatible requests: don't let later ones jump
+        if rows + item.rows > largest_preferred and not best:
+            best = len(picked)  # growing further passes every preferred size
+        if rows + item.rows > limit:
+            blocked = True  # FIFO among compatible requests: later ones don't jump ahead
             break
         picked.append(index)
         rows += item.rows
         if rows in preferred:
-            best_preferred = len(picked)
-    largest_preferred = max(preferred) if preferred else policy.max_batch_size
-    expired = now - head.arrival >= policy.max_queue_delay_s
-    if rows >= policy.max_batch_size or blocked or expired:
+            best = len(picked)
+    delay = policy.max_queue_delay_s
+    expired = delay <= 0 or now - head.arrival >= delay
+    if best and not expired:
+        return Decision(send=tuple(picked[:best]))
+    if blocked or expired or rows >= largest_preferred:
         return Decision(send=tuple(picked))
-    if rows >= largest_preferred:
-        return Decision(send=tuple(picked[: best_preferred or len(picked)]))
-    return Decision(wait_s=head.arrival + policy.max_queue_delay_s - now)
+    return Decision(wait_s=head.arrival + delay - now)
 
 
 @dataclass(slots=True)
@@ -137,6 +148,10 @@ def run_batch(backend: Backend, items: list[dict[str, np.ndarray]], rows: list[i
     t1 = time.perf_counter_ns()
     result = backend.infer(batch, outputs)
     t2 = time.perf_counter_ns()
+    missing = [name for name in outputs if name not in result]
+    if missing:  # caught here, on the worker, it fails the batch instead of stranding futures
+        raise internal(f"the backend did not return the requested output(s) "
+                       f"{', '.join(map(repr, missing))}", FailureReason.BACKEND)
     if len(items) == 1:
         parts = [result]
     else:
@@ -181,6 +196,18 @@ class DynamicBatcher:
         self._scheduler = asyncio.get_running_loop().create_task(
             self._schedule(), name=f"batcher:{model}"
         )
+        self._scheduler.add_done_callback(self._scheduler_done)
+
+    def _scheduler_done(self, task: asyncio.Task[None]) -> None:
+        """A scheduler that died of a bug must not strand its callers."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("model '%s': batch scheduler failed", self.model, exc_info=task.exception())
+        self._accepting = False
+        for item in self._queue:
+            if not item.future.done():
+                item.future.set_exception(internal(f"model '{self.model}' scheduler failed"))
+        self._queue.clear()
 
     @property
     def pending(self) -> int:
@@ -251,7 +278,8 @@ class DynamicBatcher:
                 return
             wait_s: float | None = None
             if self._queue and self._instances.idle_count:
-                decision = decide(self._queue, now, self.policy)
+                # once stopping, waiting for fuller batches only delays the drain
+                decision = decide(self._queue, now if self._accepting else math.inf, self.policy)
                 if decision.send:
                     self._dispatch(decision.send)
                     continue
@@ -259,10 +287,9 @@ class DynamicBatcher:
             if self._next_deadline != float("inf"):
                 until = max(0.0, self._next_deadline - now)
                 wait_s = until if wait_s is None else min(wait_s, until)
-            try:
+            # asyncio.TimeoutError is not the builtin TimeoutError on Python 3.10
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), wait_s)
-            except asyncio.TimeoutError:  # not the builtin TimeoutError on Python 3.10
-                pass
 
     def _dispatch(self, positions: tuple[int, ...]) -> None:
         chosen = set(positions)
@@ -322,8 +349,14 @@ class DynamicBatcher:
         then fail whatever is left with UNAVAILABLE and cancel the scheduler."""
         self._accepting = False
         self._wake.set()
-        pending = {self._scheduler, *self._running}
-        _, late = await asyncio.wait(pending, timeout=timeout_s)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        await asyncio.wait({self._scheduler}, timeout=timeout_s)
+        # only the scheduler dispatches, so once it has returned the running set is
+        # final; it holds batches dispatched during the drain, which must finish too
+        if self._running:
+            await asyncio.wait(set(self._running), timeout=max(0.0, end - loop.time()))
+        late = {t for t in (self._scheduler, *self._running) if not t.done()}
         for item in self._queue:
             if not item.future.done():
                 item.future.set_exception(unavailable(
