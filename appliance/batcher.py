@@ -137,8 +137,13 @@ class _Pending:
     enqueued_ns: int = 0
 
 
-def run_batch(backend: Backend, items: list[dict[str, np.ndarray]], rows: list[int],
-              outputs: list[str], batched: bool) -> tuple[list[dict[str, np.ndarray]], int, int, int]:
+def run_batch(
+    backend: Backend,
+    items: list[dict[str, np.ndarray]],
+    rows: list[int],
+    outputs: list[str],
+    batched: bool,
+) -> tuple[list[dict[str, np.ndarray]], int, int, int]:
     """Worker-thread side of one execution: gather inputs, infer, split outputs."""
     t0 = time.perf_counter_ns()
     if len(items) == 1:
@@ -150,8 +155,10 @@ def run_batch(backend: Backend, items: list[dict[str, np.ndarray]], rows: list[i
     t2 = time.perf_counter_ns()
     missing = [name for name in outputs if name not in result]
     if missing:  # caught here, on the worker, it fails the batch instead of stranding futures
-        raise internal(f"the backend did not return the requested output(s) "
-                       f"{', '.join(map(repr, missing))}", FailureReason.BACKEND)
+        raise internal(
+            f"the backend did not return the requested output(s) {', '.join(map(repr, missing))}",
+            FailureReason.BACKEND,
+        )
     if len(items) == 1:
         parts = [result]
     else:
@@ -181,8 +188,14 @@ class DynamicBatcher:
     what is left with UNAVAILABLE.
     """
 
-    def __init__(self, model: str, instances: InstanceGroup, policy: BatchPolicy,
-                 max_queue_size: int, stats: ModelStats) -> None:
+    def __init__(
+        self,
+        model: str,
+        instances: InstanceGroup,
+        policy: BatchPolicy,
+        max_queue_size: int,
+        stats: ModelStats,
+    ) -> None:
         self.model = model
         self.policy = policy
         self.max_queue_size = max_queue_size
@@ -213,8 +226,14 @@ class DynamicBatcher:
     def pending(self) -> int:
         return len(self._queue)
 
-    async def submit(self, inputs: dict[str, np.ndarray], outputs: tuple[str, ...], rows: int,
-                     signature: Hashable, timeout_s: float | None) -> BatchResult:
+    async def submit(
+        self,
+        inputs: dict[str, np.ndarray],
+        outputs: tuple[str, ...],
+        rows: int,
+        signature: Hashable,
+        timeout_s: float | None,
+    ) -> BatchResult:
         """Queue one request and wait for its share of a batch.
 
         Raises UNAVAILABLE (reason REJECTED) when the queue is full, the request
@@ -231,8 +250,16 @@ class DynamicBatcher:
             )
         now = time.monotonic()
         deadline = now + timeout_s if timeout_s else None
-        item = _Pending(inputs, outputs, rows, signature, now, deadline,
-                        asyncio.get_running_loop().create_future(), time.perf_counter_ns())
+        item = _Pending(
+            inputs,
+            outputs,
+            rows,
+            signature,
+            now,
+            deadline,
+            asyncio.get_running_loop().create_future(),
+            time.perf_counter_ns(),
+        )
         self._queue.append(item)
         self._stats.pending = len(self._queue)
         if deadline is not None and deadline < self._next_deadline:
@@ -256,11 +283,13 @@ class DynamicBatcher:
         for item in self._queue:
             if item.deadline is not None and item.deadline <= now:
                 if not item.future.done():
-                    item.future.set_exception(unavailable(
-                        f"request to model '{self.model}' timed out after "
-                        f"{item.deadline - item.arrival:.3f}s in the queue",
-                        FailureReason.REJECTED,
-                    ))
+                    item.future.set_exception(
+                        unavailable(
+                            f"request to model '{self.model}' timed out after "
+                            f"{item.deadline - item.arrival:.3f}s in the queue",
+                            FailureReason.REJECTED,
+                        )
+                    )
             else:
                 keep.append(item)
                 if item.deadline is not None:
@@ -312,7 +341,10 @@ class DynamicBatcher:
         error: ApplianceError | None = None
         try:
             parts, input_ns, infer_ns, output_ns = await instance.run(
-                run_batch, [it.inputs for it in items], rows, outputs,
+                run_batch,
+                [it.inputs for it in items],
+                rows,
+                outputs,
                 self.policy.max_batch_size > 0,
             )
         except ApplianceError as exc:
@@ -320,10 +352,12 @@ class DynamicBatcher:
         except asyncio.CancelledError:  # stop() gave up waiting for this batch
             for it in items:
                 if not it.future.done():
-                    it.future.set_exception(unavailable(
-                        f"model '{self.model}' was unloaded while the request ran",
-                        FailureReason.REJECTED,
-                    ))
+                    it.future.set_exception(
+                        unavailable(
+                            f"model '{self.model}' was unloaded while the request ran",
+                            FailureReason.REJECTED,
+                        )
+                    )
             raise
         except Exception as exc:  # an engine error fails this batch only
             log.exception("model '%s': inference failed", self.model)
@@ -339,10 +373,15 @@ class DynamicBatcher:
         self._stats.record_execution(sum(rows), input_ns, infer_ns, output_ns)
         for it, part in zip(items, parts, strict=True):
             if not it.future.done():
-                it.future.set_result(BatchResult(
-                    {k: part[k] for k in it.outputs}, start_ns - it.enqueued_ns,
-                    input_ns, infer_ns, output_ns,
-                ))
+                it.future.set_result(
+                    BatchResult(
+                        {k: part[k] for k in it.outputs},
+                        start_ns - it.enqueued_ns,
+                        input_ns,
+                        infer_ns,
+                        output_ns,
+                    )
+                )
 
     async def stop(self, timeout_s: float) -> None:
         """Stop accepting, drain queued and running work for up to ``timeout_s``,
@@ -359,10 +398,12 @@ class DynamicBatcher:
         late = {t for t in (self._scheduler, *self._running) if not t.done()}
         for item in self._queue:
             if not item.future.done():
-                item.future.set_exception(unavailable(
-                    f"model '{self.model}' was unloaded before the request ran",
-                    FailureReason.REJECTED,
-                ))
+                item.future.set_exception(
+                    unavailable(
+                        f"model '{self.model}' was unloaded before the request ran",
+                        FailureReason.REJECTED,
+                    )
+                )
         self._queue.clear()
         self._stats.pending = 0
         for task in late:

@@ -60,11 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        config = load_server_config(args.config, {
-            "model_repository": args.model_repository, "host": args.host,
-            "http_port": args.http_port, "metrics_port": args.metrics_port,
-            "log_level": args.log_level,
-        })
+        config = load_server_config(
+            args.config,
+            {
+                "model_repository": args.model_repository,
+                "host": args.host,
+                "http_port": args.http_port,
+                "metrics_port": args.metrics_port,
+                "log_level": args.log_level,
+            },
+        )
     except ApplianceError as exc:
         print(f"appliance: error: {exc}", file=sys.stderr)
         return 2

@@ -99,14 +99,32 @@ class ModelConfig:
 
 # Triton fields accepted but not acted on yet: warned about, never silently dropped.
 _UNSUPPORTED = {
-    "sequence_batching", "ensemble_scheduling", "optimization", "model_warmup",
-    "response_cache", "model_transaction_policy", "batch_input", "batch_output",
-    "model_operations", "model_repository_agents", "runtime", "cc_model_filenames",
-    "metric_tags", "model_metrics",
+    "sequence_batching",
+    "ensemble_scheduling",
+    "optimization",
+    "model_warmup",
+    "response_cache",
+    "model_transaction_policy",
+    "batch_input",
+    "batch_output",
+    "model_operations",
+    "model_repository_agents",
+    "runtime",
+    "cc_model_filenames",
+    "metric_tags",
+    "model_metrics",
 }
 _MODEL_FIELDS = {
-    "name", "backend", "platform", "max_batch_size", "input", "output",
-    "dynamic_batching", "instance_group", "version_policy", "default_model_filename",
+    "name",
+    "backend",
+    "platform",
+    "max_batch_size",
+    "input",
+    "output",
+    "dynamic_batching",
+    "instance_group",
+    "version_policy",
+    "default_model_filename",
     "parameters",
 } | _UNSUPPORTED
 
@@ -130,7 +148,7 @@ class _Fields:
             if key not in allowed:
                 raise self.fail(str(key), f"unknown field, expected one of {sorted(allowed)}")
 
-    def int(self, key: str, default: int, minimum: int = 0) -> int:
+    def integer(self, key: str, default: int, minimum: int = 0) -> int:
         value = self.data.get(key, default)
         if isinstance(value, str) and re.fullmatch(r"-?\d+", value):
             value = int(value)  # protobuf JSON writes int64 as strings
@@ -138,13 +156,13 @@ class _Fields:
             raise self.fail(key, f"expected an integer >= {minimum}, got {value!r}")
         return value
 
-    def str(self, key: str, default: str = "") -> str:
+    def text(self, key: str, default: str = "") -> str:
         value = self.data.get(key, default)
         if not isinstance(value, str):
             raise self.fail(key, f"expected a string, got {value!r}")
         return value
 
-    def bool(self, key: str, default: bool) -> bool:
+    def flag(self, key: str, default: bool) -> bool:
         value = self.data.get(key, default)
         if not isinstance(value, bool):
             raise self.fail(key, f"expected true or false, got {value!r}")
@@ -158,7 +176,7 @@ class _Fields:
             raise self.fail(key, f"expected a list of integers >= {minimum}, got {value!r}")
         return tuple(value)
 
-    def list(self, key: str) -> list[_Fields]:
+    def entries(self, key: str) -> list[_Fields]:
         value = self.data.get(key, [])
         if not isinstance(value, list):
             raise self.fail(key, f"expected a list, got {type(value).__name__}")
@@ -170,43 +188,64 @@ class _Fields:
         return _Fields(self.source, self.data[key], self.at(key))
 
 
+# Triton tensor fields accepted but not acted on yet (warned about, like model fields).
+_UNSUPPORTED_TENSOR = (
+    "reshape",
+    "label_filename",
+    "is_shape_tensor",
+    "allow_ragged_batch",
+    "is_non_linear_format_io",
+)
+
+
 def _tensor(f: _Fields) -> TensorConfig:
-    f.check_keys({"name", "data_type", "dims", "optional", "format", "reshape"})
-    name = f.str("name")
+    f.check_keys({"name", "data_type", "dims", "optional", "format", *_UNSUPPORTED_TENSOR})
+    name = f.text("name")
     if not name:
         raise f.fail("name", "expected a non-empty tensor name")
-    raw_type = f.str("data_type")
+    raw_type = f.text("data_type")
     try:
         datatype = datatypes.from_config_type(raw_type)
     except ValueError:
         expected = ", ".join(datatypes.to_config_type(d) for d in datatypes.DATATYPES)
         raise f.fail("data_type", f"expected one of {expected}, got {raw_type!r}") from None
-    if "reshape" in f.data:
-        log.warning("%s: %s: 'reshape' is not supported and is ignored", f.source, f.path)
-    return TensorConfig(name, datatype, f.ints("dims", -1), f.bool("optional", False))
+    for key in _UNSUPPORTED_TENSOR:
+        if key in f.data:
+            log.warning("%s: %s: '%s' is not supported and is ignored", f.source, f.path, key)
+    return TensorConfig(name, datatype, f.ints("dims", -1), f.flag("optional", False))
 
 
 def _dynamic_batching(f: _Fields) -> DynamicBatching:
-    f.check_keys({
-        "preferred_batch_size", "max_queue_delay_microseconds", "default_queue_policy",
-        "preserve_ordering", "priority_levels", "default_priority_level",
-        "priority_queue_policy",
-    })
+    f.check_keys(
+        {
+            "preferred_batch_size",
+            "max_queue_delay_microseconds",
+            "default_queue_policy",
+            "preserve_ordering",
+            "priority_levels",
+            "default_priority_level",
+            "priority_queue_policy",
+        }
+    )
     policy = f.sub("default_queue_policy")
     size, timeout, override = 0, 0, True
     if policy is not None:
-        policy.check_keys({
-            "max_queue_size", "default_timeout_microseconds", "allow_timeout_override",
-            "timeout_action",
-        })
-        size = policy.int("max_queue_size", 0)
-        timeout = policy.int("default_timeout_microseconds", 0)
-        override = policy.bool("allow_timeout_override", True)
-        if policy.str("timeout_action", "REJECT") != "REJECT":
+        policy.check_keys(
+            {
+                "max_queue_size",
+                "default_timeout_microseconds",
+                "allow_timeout_override",
+                "timeout_action",
+            }
+        )
+        size = policy.integer("max_queue_size", 0)
+        timeout = policy.integer("default_timeout_microseconds", 0)
+        override = policy.flag("allow_timeout_override", True)
+        if policy.text("timeout_action", "REJECT") != "REJECT":
             raise policy.fail("timeout_action", "only REJECT is supported")
     return DynamicBatching(
         preferred_batch_size=f.ints("preferred_batch_size", 1),
-        max_queue_delay_us=f.int("max_queue_delay_microseconds", 0),
+        max_queue_delay_us=f.integer("max_queue_delay_microseconds", 0),
         max_queue_size=size,
         default_timeout_us=timeout,
         allow_timeout_override=override,
@@ -217,10 +256,17 @@ def _version_policy(f: _Fields) -> VersionPolicy:
     f.check_keys({"latest", "all", "specific"})
     if len(f.data) != 1:
         raise ConfigError(f.source, f.path, "expected exactly one of latest, all, specific")
-    if (latest := f.sub("latest")) is not None:
+    # test the key, not the value: YAML's bare "latest:" is None and means the defaults
+    if "latest" in f.data:
+        latest = f.sub("latest")
+        if latest is None:
+            return VersionPolicy("latest")
         latest.check_keys({"num_versions"})
-        return VersionPolicy("latest", num_versions=latest.int("num_versions", 1, minimum=1))
-    if (specific := f.sub("specific")) is not None:
+        return VersionPolicy("latest", num_versions=latest.integer("num_versions", 1, minimum=1))
+    if "specific" in f.data:
+        specific = f.sub("specific")
+        if specific is None:
+            raise f.fail("specific", "expected a mapping with a 'versions' list")
         specific.check_keys({"versions"})
         versions = specific.ints("versions", 1)
         if not versions:
@@ -248,32 +294,32 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
     f.check_keys(_MODEL_FIELDS)
     for key in sorted(_UNSUPPORTED & set(f.data)):
         log.warning("%s: field '%s' is not supported yet and is ignored", source, key)
-    declared = f.str("name", name)
+    declared = f.text("name", name)
     if declared != name:
         raise f.fail("name", f"expected '{name}' (the model's folder name), got {declared!r}")
     groups = []
-    for g in f.list("instance_group"):
+    for g in f.entries("instance_group"):
         g.check_keys({"name", "count", "kind", "gpus", "host_policy", "profile", "passive"})
-        kind = g.str("kind", "KIND_CPU")
+        kind = g.text("kind", "KIND_CPU")
         if kind not in ("KIND_CPU", "KIND_GPU", "KIND_AUTO"):
             raise g.fail("kind", f"expected KIND_CPU, KIND_GPU or KIND_AUTO, got {kind!r}")
-        groups.append(InstanceGroup(g.int("count", 1, minimum=1), kind))
+        groups.append(InstanceGroup(g.integer("count", 1, minimum=1), kind))
     db = f.sub("dynamic_batching")
     vp = f.sub("version_policy")
     params = f.sub("parameters")
     return ModelConfig(
         name=name,
-        backend=f.str("backend"),
-        platform=f.str("platform"),
-        max_batch_size=f.int("max_batch_size", 0) if "max_batch_size" in f.data else None,
-        inputs=tuple(_tensor(t) for t in f.list("input")),
-        outputs=tuple(_tensor(t) for t in f.list("output")),
-        dynamic_batching=_dynamic_batching(db) if db is not None else (
-            DynamicBatching() if "dynamic_batching" in f.data else None
-        ),
+        backend=f.text("backend"),
+        platform=f.text("platform"),
+        max_batch_size=f.integer("max_batch_size", 0) if "max_batch_size" in f.data else None,
+        inputs=tuple(_tensor(t) for t in f.entries("input")),
+        outputs=tuple(_tensor(t) for t in f.entries("output")),
+        dynamic_batching=_dynamic_batching(db)
+        if db is not None
+        else (DynamicBatching() if "dynamic_batching" in f.data else None),
         instance_group=tuple(groups) or (InstanceGroup(),),
         version_policy=_version_policy(vp) if vp is not None else VersionPolicy(),
-        default_model_filename=f.str("default_model_filename"),
+        default_model_filename=f.text("default_model_filename"),
         parameters=_parameters(params) if params is not None else {},
         source=source,
     )
@@ -292,18 +338,24 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     return ModelConfig(name=model_dir.name, source=str(model_dir))
 
 
-def _check_against(cfg: TensorConfig, spec: TensorSpec, batched: bool, source: str, kind: str) -> None:
+def _check_against(
+    cfg: TensorConfig, spec: TensorSpec, batched: bool, source: str, kind: str
+) -> None:
     where = f"{kind} '{cfg.name}'"
     if cfg.datatype != spec.datatype:
-        raise ConfigError(source, where, f"config says {cfg.datatype} but the model has {spec.datatype}")
+        raise ConfigError(
+            source, where, f"config says {cfg.datatype} but the model has {spec.datatype}"
+        )
     model_dims = spec.shape[1:] if batched else spec.shape
     if batched and spec.shape and spec.shape[0] not in (-1,):
         raise ConfigError(
-            source, where,
-            f"max_batch_size > 0 needs a dynamic first dim, but the model's shape is {list(spec.shape)}",
+            source,
+            where,
+            "max_batch_size > 0 needs a dynamic first dim, but the model's shape is "
+            f"{list(spec.shape)}",
         )
     if len(model_dims) != len(cfg.dims) or any(
-        m != -1 and c != -1 and m != c for m, c in zip(model_dims, cfg.dims)
+        m != -1 and c != -1 and m != c for m, c in zip(model_dims, cfg.dims, strict=True)
     ):
         full = ([-1] if batched else []) + list(cfg.dims)
         raise ConfigError(
@@ -311,8 +363,12 @@ def _check_against(cfg: TensorConfig, spec: TensorSpec, batched: bool, source: s
         )
 
 
-def complete(config: ModelConfig, inputs: list[TensorSpec], outputs: list[TensorSpec],
-             default_max_batch_size: int) -> ModelConfig:
+def complete(
+    config: ModelConfig,
+    inputs: list[TensorSpec],
+    outputs: list[TensorSpec],
+    default_max_batch_size: int,
+) -> ModelConfig:
     """Fill what the config left out from the engine's declared tensors, then check
     that what the config says agrees with the model (Triton's auto-complete)."""
     max_batch = config.max_batch_size
@@ -324,16 +380,20 @@ def complete(config: ModelConfig, inputs: list[TensorSpec], outputs: list[Tensor
     if dynamic is None and config.max_batch_size is None and batched:
         dynamic = DynamicBatching()  # Triton enables dynamic batching when it picks a batch size
 
-    def fill(declared: tuple[TensorConfig, ...], specs: list[TensorSpec], kind: str) -> tuple[TensorConfig, ...]:
+    def fill(
+        declared: tuple[TensorConfig, ...], specs: list[TensorSpec], kind: str
+    ) -> tuple[TensorConfig, ...]:
         by_name = {s.name: s for s in specs}
         if not declared:
-            return tuple(
+            # still checked below: an explicit max_batch_size > 0 needs dynamic first dims
+            declared = tuple(
                 TensorConfig(s.name, s.datatype, s.shape[1:] if batched else s.shape) for s in specs
             )
         for t in declared:
             if t.name not in by_name:
                 raise ConfigError(
-                    config.source, f"{kind} '{t.name}'",
+                    config.source,
+                    f"{kind} '{t.name}'",
                     f"the model has no such {kind}; it has {sorted(by_name)}",
                 )
             _check_against(t, by_name[t.name], batched, config.source, kind)
@@ -356,8 +416,13 @@ def to_triton_json(config: ModelConfig) -> dict[str, Any]:
     """The model config in Triton's JSON form (GET /v2/models/{m}/config)."""
 
     def tensor(t: TensorConfig) -> dict[str, Any]:
-        return {"name": t.name, "data_type": datatypes.to_config_type(t.datatype),
-                "format": "FORMAT_NONE", "dims": list(t.dims), "optional": t.optional}
+        return {
+            "name": t.name,
+            "data_type": datatypes.to_config_type(t.datatype),
+            "format": "FORMAT_NONE",
+            "dims": list(t.dims),
+            "optional": t.optional,
+        }
 
     policy: dict[str, Any]
     vp = config.version_policy
@@ -399,8 +464,16 @@ def to_triton_json(config: ModelConfig) -> dict[str, Any]:
 
 # ---- server config (appliance.yaml) ------------------------------------------------
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+}
 
 
 def parse_size(value: Any, source: str, key: str) -> int:
@@ -435,12 +508,14 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
             data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except OSError as exc:
             raise ConfigError(source, "", f"cannot read: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise ConfigError(source, "", f"not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(source, "", f"expected a mapping, got {type(data).__name__}")
     data.update({k: v for k, v in overrides.items() if v is not None})
     f = _Fields(source, data)
-    f.check_keys(set(ServerConfig.__slots__))  # type: ignore[attr-defined]
-    level = f.str("log_level", "info").lower()
+    f.check_keys(set(ServerConfig.__slots__))
+    level = f.text("log_level", "info").lower()
     if level not in ("debug", "info", "warning", "error"):
         raise f.fail("log_level", f"expected debug, info, warning or error, got {level!r}")
     drain = data.get("drain_timeout_s", 30.0)
@@ -449,18 +524,24 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
     repo = data.get("model_repository")
     if repo is not None:
         repo = Path(os.path.expanduser(str(repo)))
-        if path is not None and not repo.is_absolute() and overrides.get("model_repository") is None:
+        if (
+            path is not None
+            and not repo.is_absolute()
+            and overrides.get("model_repository") is None
+        ):
             repo = path.parent / repo  # relative to the config file
         if not repo.is_dir():
             raise f.fail("model_repository", f"expected a directory, {str(repo)!r} is not one")
     return ServerConfig(
         model_repository=repo,
-        host=f.str("host", "127.0.0.1"),
-        http_port=f.int("http_port", 8000),
-        metrics_port=f.int("metrics_port", 8002, minimum=-1),
-        max_request_size=parse_size(data.get("max_request_size", 64 * 2**20), source, "max_request_size"),
+        host=f.text("host", "127.0.0.1"),
+        http_port=f.integer("http_port", 8000),
+        metrics_port=f.integer("metrics_port", 8002, minimum=-1),
+        max_request_size=parse_size(
+            data.get("max_request_size", 64 * 2**20), source, "max_request_size"
+        ),
         drain_timeout_s=float(drain),
-        default_max_batch_size=f.int("default_max_batch_size", 8, minimum=1),
-        default_max_queue_size=f.int("default_max_queue_size", 1024, minimum=1),
+        default_max_batch_size=f.integer("default_max_batch_size", 8, minimum=1),
+        default_max_queue_size=f.integer("default_max_queue_size", 1024, minimum=1),
         log_level=level,
     )

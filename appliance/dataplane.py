@@ -19,8 +19,14 @@ from appliance.lifecycle import ModelLifeCycle
 from appliance.model import State
 from appliance.request import InferenceRequest, InferenceResponse
 
-EXTENSIONS = ["classification", "model_repository", "model_configuration", "statistics",
-              "binary_tensor_data", "parameters"]
+EXTENSIONS = [
+    "classification",
+    "model_repository",
+    "model_configuration",
+    "statistics",
+    "binary_tensor_data",
+    "parameters",
+]
 
 
 def classify(arr: np.ndarray, k: int, batched: bool) -> np.ndarray:
@@ -83,8 +89,9 @@ class DataPlane:
             if version:
                 versions = [self.lifecycle.get(name, version)]
             else:
-                versions = sorted(self.lifecycle.entry(name).versions.values(),
-                                  key=lambda mv: mv.version)
+                versions = sorted(
+                    self.lifecycle.entry(name).versions.values(), key=lambda mv: mv.version
+                )
         else:
             versions = sorted(self.lifecycle.loaded(), key=lambda mv: (mv.config.name, mv.version))
         return {"model_stats": [mv.stats.json() for mv in versions]}

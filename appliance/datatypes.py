@@ -39,6 +39,15 @@ DATATYPES = tuple(_NUMPY)
 _FROM_NUMPY: dict[np.dtype[Any], str] = {v: k for k, v in _NUMPY.items()}
 # numpy string dtypes (ONNX Runtime returns str objects; callers may pass np.str_)
 _STRING_KINDS = ("U", "S", "O")
+# numpy kinds of JSON values each non-BYTES datatype accepts, as Triton does: BOOL takes
+# only true/false, integers only integers, floats any number (never strings or null).
+_JSON_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
+_JSON_WORDS = {
+    "b": "true or false values",
+    "i": "integer values",
+    "u": "integer values",
+    "f": "numeric values",
+}
 
 
 def to_numpy_dtype(datatype: str) -> np.dtype[Any]:
@@ -56,7 +65,7 @@ def from_numpy_dtype(dtype: np.dtype[Any]) -> str:
     if dtype.kind in _STRING_KINDS:
         return "BYTES"
     try:
-        return _FROM_NUMPY[dtype]
+        return _FROM_NUMPY[dtype.newbyteorder("=")]  # byte order is a wire detail
     except KeyError:
         raise invalid(f"numpy dtype {dtype} has no KServe datatype") from None
 
@@ -169,8 +178,9 @@ def to_raw(arr: np.ndarray) -> bytes | memoryview:
         return serialize_bytes(arr)
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    arr = np.ascontiguousarray(arr)
-    return memoryview(arr).cast("B")
+    if arr.size == 0:
+        return b""  # memoryview.cast refuses shapes containing 0
+    return np.ascontiguousarray(arr).data.cast("B")
 
 
 def from_json_data(data: Any, datatype: str, shape: Sequence[int], name: str) -> np.ndarray:
@@ -184,6 +194,10 @@ def from_json_data(data: Any, datatype: str, shape: Sequence[int], name: str) ->
             arr = np.empty(flat.size, dtype=object)
             arr[:] = [_as_bytes(x) for x in flat]
         else:
+            # numpy would turn "false" into True, "7" into 7, 1.5 into 1 and null into NaN
+            probe = np.asarray(data)
+            if probe.size and probe.dtype.kind not in _JSON_KINDS[dtype.kind]:
+                raise TypeError(f"expected {_JSON_WORDS[dtype.kind]}")
             arr = np.asarray(data, dtype=dtype).ravel()
     except (ValueError, TypeError, OverflowError) as exc:
         raise invalid(f"input '{name}': 'data' is not valid {datatype}: {exc}") from None
@@ -203,6 +217,8 @@ def to_json_data(arr: np.ndarray) -> Any:
             x.decode("utf-8", errors="replace") if isinstance(x, bytes) else str(x)
             for x in arr.ravel()
         ]
+    if not arr.dtype.isnative:  # orjson would read the bytes in native order
+        arr = arr.astype(arr.dtype.newbyteorder("="))
     if arr.dtype == np.float16:  # orjson serializes float32, not float16
         arr = arr.astype(np.float32)
     return np.ascontiguousarray(arr).ravel()

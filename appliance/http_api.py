@@ -22,8 +22,13 @@ log = logging.getLogger(__name__)
 
 DATAPLANE = web.AppKey("dataplane", DataPlane)
 MAX_REQUEST_SIZE = web.AppKey("max_request_size", int)
-STATUS = {Code.INVALID_ARG: 400, Code.NOT_FOUND: 404, Code.UNAVAILABLE: 503,
-          Code.TOO_LARGE: 413, Code.INTERNAL: 500}
+STATUS = {
+    Code.INVALID_ARG: 400,
+    Code.NOT_FOUND: 404,
+    Code.UNAVAILABLE: 503,
+    Code.TOO_LARGE: 413,
+    Code.INTERNAL: 500,
+}
 # bodies above this are decoded/encoded on a worker thread: parsing megabytes of
 # JSON on the event loop would stall every other connection
 _OFFLOAD_BYTES = 256 * 1024
@@ -32,13 +37,17 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY),
-                        status=status, content_type="application/json")
+    return web.Response(
+        body=orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY),
+        status=status,
+        content_type="application/json",
+    )
 
 
 def _error(status: int, message: str) -> web.Response:
-    return web.Response(body=http_codec.error_body(message), status=status,
-                        content_type="application/json")
+    return web.Response(
+        body=http_codec.error_body(message), status=status, content_type="application/json"
+    )
 
 
 @web.middleware
@@ -48,8 +57,11 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except ApplianceError as exc:
         return _error(STATUS[exc.code], exc.message)
     except web.HTTPRequestEntityTooLarge as exc:
-        return _error(413, f"request body exceeds the server's limit of "
-                           f"{request.app[MAX_REQUEST_SIZE]} bytes ({exc.text})")
+        return _error(
+            413,
+            f"request body exceeds the server's limit of "
+            f"{request.app[MAX_REQUEST_SIZE]} bytes ({exc.text})",
+        )
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -110,11 +122,13 @@ async def infer(request: web.Request) -> web.Response:
     model, version = _model(request)
     body = await request.read()
     header_length = http_codec.parse_header_length(
-        request.headers.get(http_codec.HEADER_LENGTH), len(body))
+        request.headers.get(http_codec.HEADER_LENGTH), len(body)
+    )
     json_bytes = len(body) if header_length is None else header_length
     if json_bytes > _OFFLOAD_BYTES:
-        decoded = await asyncio.to_thread(http_codec.decode_request, body, header_length, model,
-                                          version)
+        decoded = await asyncio.to_thread(
+            http_codec.decode_request, body, header_length, model, version
+        )
     else:
         decoded = http_codec.decode_request(body, header_length, model, version)
     inference, fmt = decoded
@@ -126,8 +140,11 @@ async def infer(request: web.Request) -> web.Response:
         out, length = http_codec.encode_response(response, fmt)
     if length is None:
         return web.Response(body=out, content_type="application/json")
-    return web.Response(body=out, content_type="application/octet-stream",
-                        headers={http_codec.HEADER_LENGTH: str(length)})
+    return web.Response(
+        body=out,
+        content_type="application/octet-stream",
+        headers={http_codec.HEADER_LENGTH: str(length)},
+    )
 
 
 async def repository_index(request: web.Request) -> web.Response:

@@ -49,7 +49,8 @@ def _flag(params: dict[str, Any], key: str, where: str) -> bool:
 def parse_header_length(value: str | None, body_length: int) -> int | None:
     if value is None:
         return None
-    if not value.strip().isdigit():
+    # isascii: str.isdigit also accepts digits such as '²' that int() rejects
+    if not (value.strip().isascii() and value.strip().isdigit()):
         raise invalid(f"{HEADER_LENGTH} must be a non-negative integer, got {value!r}")
     length = int(value)
     if length > body_length:
@@ -57,12 +58,13 @@ def parse_header_length(value: str | None, body_length: int) -> int | None:
     return length
 
 
-def decode_request(body: bytes, header_length: int | None, model: str,
-                   version: str) -> tuple[InferenceRequest, OutputFormat]:
+def decode_request(
+    body: bytes, header_length: int | None, model: str, version: str
+) -> tuple[InferenceRequest, OutputFormat]:
     """Body -> request. Every malformed part is an INVALID_ARG naming what is wrong."""
     view = memoryview(body)
     json_part = view if header_length is None else view[:header_length]
-    binary = view[len(json_part):]
+    binary = view[len(json_part) :]
     try:
         doc = orjson.loads(json_part)
     except orjson.JSONDecodeError as exc:
@@ -102,15 +104,17 @@ def decode_request(body: bytes, header_length: int | None, model: str,
                     f"{where}: binary_data_size {size} runs past the end of the body "
                     f"({len(binary) - offset} binary bytes left): the body is truncated"
                 )
-            inputs[name] = datatypes.from_raw(binary[offset:offset + size], datatype, shape, name)
+            inputs[name] = datatypes.from_raw(binary[offset : offset + size], datatype, shape, name)
             offset += size
         elif "data" in raw:
             inputs[name] = datatypes.from_json_data(raw["data"], datatype, shape, name)
         else:
             raise invalid(f"{where} has neither 'data' nor 'parameters.binary_data_size'")
     if offset != len(binary):
-        raise invalid(f"{len(binary) - offset} bytes of binary data follow the last input; "
-                      f"binary_data_size values and the body length disagree")
+        raise invalid(
+            f"{len(binary) - offset} bytes of binary data follow the last input; "
+            f"binary_data_size values and the body length disagree"
+        )
     req_params = _params(doc, "request")
     fmt = OutputFormat(binary_default=_flag(req_params, "binary_data_output", "request"))
     outputs: list[str] = []
@@ -133,15 +137,21 @@ def decode_request(body: bytes, header_length: int | None, model: str,
             classification[name] = count
         outputs.append(name)
     timeout = req_params.get("timeout")
-    if timeout is not None and (not isinstance(timeout, int) or isinstance(timeout, bool)
-                                or timeout < 0):
+    if timeout is not None and (
+        not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 0
+    ):
         raise invalid("request parameter 'timeout' must be a non-negative integer (microseconds)")
     request_id = doc.get("id", "")
     if not isinstance(request_id, str):
         raise invalid("'id' must be a string")
     request = InferenceRequest(
-        model_name=model, inputs=inputs, model_version=version, outputs=tuple(outputs),
-        id=request_id, timeout_us=timeout or None, classification=classification,
+        model_name=model,
+        inputs=inputs,
+        model_version=version,
+        outputs=tuple(outputs),
+        id=request_id,
+        timeout_us=timeout or None,
+        classification=classification,
     )
     return request, fmt
 
@@ -158,14 +168,18 @@ def encode_response(response: InferenceResponse, fmt: OutputFormat) -> tuple[byt
         }
         if fmt.is_binary(name):
             raw = datatypes.to_raw(arr)
-            entry["parameters"] = {"binary_data_size": len(raw) if isinstance(raw, bytes)
-                                   else raw.nbytes}
+            entry["parameters"] = {
+                "binary_data_size": len(raw) if isinstance(raw, bytes) else raw.nbytes
+            }
             chunks.append(raw)
         else:
             entry["data"] = datatypes.to_json_data(arr)
         outputs.append(entry)
-    doc: dict[str, Any] = {"model_name": response.model_name,
-                           "model_version": response.model_version, "outputs": outputs}
+    doc: dict[str, Any] = {
+        "model_name": response.model_name,
+        "model_version": response.model_version,
+        "outputs": outputs,
+    }
     if response.id:
         doc["id"] = response.id
     header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)

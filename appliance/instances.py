@@ -64,7 +64,9 @@ class InstanceGroup:
         self._idle: deque[ModelInstance] = deque(instances)
 
     @classmethod
-    async def create(cls, model: str, count: int, factory: Callable[[int], Backend]) -> InstanceGroup:
+    async def create(
+        cls, model: str, count: int, factory: Callable[[int], Backend]
+    ) -> InstanceGroup:
         """Create ``count`` instances concurrently, each on its own new thread.
 
         On failure every instance already created is closed and the error raised.

@@ -52,8 +52,9 @@ class ModelLifeCycle:
         self._retired: set[asyncio.Task[None]] = set()
 
     def names(self) -> list[str]:
-        return sorted(p.name for p in self.repository.iterdir()
-                      if p.is_dir() and not p.name.startswith("."))
+        return sorted(
+            p.name for p in self.repository.iterdir() if p.is_dir() and not p.name.startswith(".")
+        )
 
     async def load_all(self) -> None:
         """Load every model in the repository, one after another (a small device has
@@ -77,12 +78,15 @@ class ModelLifeCycle:
                 config = load_model_config(model_dir)
                 wanted = config.version_policy.select(_version_dirs(model_dir))
                 if not wanted:
-                    raise not_found(f"model '{name}' has no version folder that its version "
-                                    f"policy serves in {model_dir}")
+                    raise not_found(
+                        f"model '{name}' has no version folder that its version "
+                        f"policy serves in {model_dir}"
+                    )
                 for version in wanted:
                     try:
-                        new[version] = await ModelVersion.load(config, model_dir / str(version),
-                                                               self.server)
+                        new[version] = await ModelVersion.load(
+                            config, model_dir / str(version), self.server
+                        )
                     except Exception as exc:  # one bad version must not stop the others
                         failed[version] = str(exc)
                         log.error("model '%s' version %d failed to load: %s", name, version, exc)
@@ -123,16 +127,19 @@ class ModelLifeCycle:
         if not version:
             mv = entry.newest()
             if mv is None:
-                raise unavailable(f"model '{name}' is not ready ({entry.state.value}"
-                                  f"{': ' + entry.reason if entry.reason else ''})")
+                raise unavailable(
+                    f"model '{name}' is not ready ({entry.state.value}"
+                    f"{': ' + entry.reason if entry.reason else ''})"
+                )
             return mv
         if not version.isdigit():
             raise not_found(f"model '{name}' has no version '{version}'")
         mv = entry.versions.get(int(version))
         if mv is None:
             if int(version) in entry.failed:
-                raise unavailable(f"model '{name}' version {version} is not ready: "
-                                  f"{entry.failed[int(version)]}")
+                raise unavailable(
+                    f"model '{name}' version {version} is not ready: {entry.failed[int(version)]}"
+                )
             raise not_found(f"model '{name}' has no version '{version}'")
         return mv
 
@@ -157,10 +164,13 @@ class ModelLifeCycle:
                 rows.append({"name": name})
                 continue
             for v, mv in sorted(entry.versions.items()):
-                rows.append({"name": name, "version": str(v), "state": mv.state.value, "reason": ""})
+                rows.append(
+                    {"name": name, "version": str(v), "state": mv.state.value, "reason": ""}
+                )
             for v, reason in sorted(entry.failed.items()):
-                rows.append({"name": name, "version": str(v), "state": "UNAVAILABLE",
-                             "reason": reason})
+                rows.append(
+                    {"name": name, "version": str(v), "state": "UNAVAILABLE", "reason": reason}
+                )
             if not entry.versions and not entry.failed:
                 rows.append({"name": name, "state": entry.state.value, "reason": entry.reason})
         return rows

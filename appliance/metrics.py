@@ -19,28 +19,60 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # name, help, type, value of one ModelStats
 _MODEL_METRICS: list[tuple[str, str, str, Callable[[ModelStats], int]]] = [
-    ("nv_inference_request_success", "Number of successful inference requests, all batch sizes",
-     "counter", lambda s: s.success.count),
-    ("nv_inference_count", "Number of inferences performed (does not include cached requests)",
-     "counter", lambda s: s.inference_count),
-    ("nv_inference_exec_count", "Number of model executions performed", "counter",
-     lambda s: s.execution_count),
-    ("nv_inference_pending_request_count",
-     "Instantaneous number of pending requests awaiting execution per-model.", "gauge",
-     lambda s: s.pending),
-    ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds",
-     "counter", lambda s: (s.success.ns + s.fail.ns) // 1000),
-    ("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds",
-     "counter", lambda s: s.queue.ns // 1000),
-    ("nv_inference_compute_input_duration_us",
-     "Cumulative compute input duration in microseconds", "counter",
-     lambda s: s.compute_input.ns // 1000),
-    ("nv_inference_compute_infer_duration_us",
-     "Cumulative compute inference duration in microseconds", "counter",
-     lambda s: s.compute_infer.ns // 1000),
-    ("nv_inference_compute_output_duration_us",
-     "Cumulative inference compute output duration in microseconds", "counter",
-     lambda s: s.compute_output.ns // 1000),
+    (
+        "nv_inference_request_success",
+        "Number of successful inference requests, all batch sizes",
+        "counter",
+        lambda s: s.success.count,
+    ),
+    (
+        "nv_inference_count",
+        "Number of inferences performed (does not include cached requests)",
+        "counter",
+        lambda s: s.inference_count,
+    ),
+    (
+        "nv_inference_exec_count",
+        "Number of model executions performed",
+        "counter",
+        lambda s: s.execution_count,
+    ),
+    (
+        "nv_inference_pending_request_count",
+        "Instantaneous number of pending requests awaiting execution per-model.",
+        "gauge",
+        lambda s: s.pending,
+    ),
+    (
+        "nv_inference_request_duration_us",
+        "Cumulative inference request duration in microseconds",
+        "counter",
+        lambda s: (s.success.ns + s.fail.ns) // 1000,
+    ),
+    (
+        "nv_inference_queue_duration_us",
+        "Cumulative inference queuing duration in microseconds",
+        "counter",
+        lambda s: s.queue.ns // 1000,
+    ),
+    (
+        "nv_inference_compute_input_duration_us",
+        "Cumulative compute input duration in microseconds",
+        "counter",
+        lambda s: s.compute_input.ns // 1000,
+    ),
+    (
+        "nv_inference_compute_infer_duration_us",
+        "Cumulative compute inference duration in microseconds",
+        "counter",
+        lambda s: s.compute_infer.ns // 1000,
+    ),
+    (
+        "nv_inference_compute_output_duration_us",
+        "Cumulative inference compute output duration in microseconds",
+        "counter",
+        lambda s: s.compute_output.ns // 1000,
+    ),
 ]
 
 
@@ -82,12 +114,17 @@ def render(stats: Iterable[ModelStats]) -> str:
             lines.append(f"# TYPE {failure} counter")
             for s in stats:
                 for reason in FailureReason:
-                    lines.append(f'{failure}{{model="{_label(s.name)}",reason="{reason.value}",'
-                                 f'version="{s.version}"}} {s.failures.get(reason, 0)}')
+                    lines.append(
+                        f'{failure}{{model="{_label(s.name)}",reason="{reason.value}",'
+                        f'version="{s.version}"}} {s.failures.get(reason, 0)}'
+                    )
     rss, used, total = process_memory()
     for name, help_text, amount in [
-        ("process_resident_memory_bytes", "Resident memory size of the server process in bytes",
-         rss),
+        (
+            "process_resident_memory_bytes",
+            "Resident memory size of the server process in bytes",
+            rss,
+        ),
         ("nv_cpu_memory_used_bytes", "CPU (system) memory used in bytes", used),
         ("nv_cpu_memory_total_bytes", "CPU (system) memory total in bytes", total),
     ]:

@@ -40,33 +40,44 @@ def resolve_backend(config: ModelConfig, version_dir: Path) -> tuple[str, Path]:
     """Which backend serves this version and from which file."""
     name = config.backend or backends.PLATFORMS.get(config.platform, "")
     if config.platform and not name:
-        raise ConfigError(config.source, "platform", f"unsupported platform {config.platform!r}, "
-                          f"expected one of {sorted(backends.PLATFORMS)}")
+        raise ConfigError(
+            config.source,
+            "platform",
+            f"unsupported platform {config.platform!r}, "
+            f"expected one of {sorted(backends.PLATFORMS)}",
+        )
     filename = config.default_model_filename
     if not name:  # neither named: go by the file that is there
         candidates = [p for p in sorted(version_dir.iterdir()) if backends.backend_for_file(p)]
         if filename:
             candidates = [version_dir / filename]
         if not candidates:
-            raise invalid(f"model '{config.name}': no model file in {version_dir} "
-                          f"(expected one of {sorted(backends.BY_SUFFIX)})")
+            raise invalid(
+                f"model '{config.name}': no model file in {version_dir} "
+                f"(expected one of {sorted(backends.BY_SUFFIX)})"
+            )
         name = backends.backend_for_file(candidates[0]) or ""
         filename = candidates[0].name
     if name not in backends.BACKENDS:
-        raise ConfigError(config.source, "backend", f"unknown backend {name!r}, "
-                          f"expected one of {sorted(backends.BACKENDS)}")
+        raise ConfigError(
+            config.source,
+            "backend",
+            f"unknown backend {name!r}, expected one of {sorted(backends.BACKENDS)}",
+        )
     path = version_dir / (filename or backends.DEFAULT_FILENAMES[name])
     if not path.exists():
-        raise invalid(f"model '{config.name}' version {version_dir.name}: "
-                      f"model file {path} does not exist")
+        raise invalid(
+            f"model '{config.name}' version {version_dir.name}: model file {path} does not exist"
+        )
     return name, path
 
 
 class ModelVersion:
     """A servable version. Created READY by :meth:`load`; :meth:`unload` drains it."""
 
-    def __init__(self, config: ModelConfig, version: int, instances: InstanceGroup,
-                 max_queue_size: int) -> None:
+    def __init__(
+        self, config: ModelConfig, version: int, instances: InstanceGroup, max_queue_size: int
+    ) -> None:
         self.config = config
         self.version = version
         self.state = State.READY
@@ -84,10 +95,14 @@ class ModelVersion:
         self._timeout_s = db.default_timeout_us / 1e6 if db and db.default_timeout_us else None
         self._allow_override = db.allow_timeout_override if db else True
         size = db.max_queue_size if db and db.max_queue_size else max_queue_size
-        self.batcher = DynamicBatcher(f"{config.name}:{version}", instances, policy, size, self.stats)
+        self.batcher = DynamicBatcher(
+            f"{config.name}:{version}", instances, policy, size, self.stats
+        )
 
     @classmethod
-    async def load(cls, config: ModelConfig, version_dir: Path, server: ServerConfig) -> ModelVersion:
+    async def load(
+        cls, config: ModelConfig, version_dir: Path, server: ServerConfig
+    ) -> ModelVersion:
         """Create the instances (each on its own thread), complete and check the config."""
         backend, path = resolve_backend(config, version_dir)
         count = config.instance_count
@@ -95,26 +110,47 @@ class ModelVersion:
         kind = config.instance_group[0].kind
 
         def factory(index: int) -> backends.Backend:
-            return backends.create(backend, BackendOptions(
-                model_path=path, instance_index=index, instance_count=count, kind=kind,
-                threads=threads, parameters=config.parameters))
+            return backends.create(
+                backend,
+                BackendOptions(
+                    model_path=path,
+                    instance_index=index,
+                    instance_count=count,
+                    kind=kind,
+                    threads=threads,
+                    parameters=config.parameters,
+                ),
+            )
 
         started = time.perf_counter()
         instances = await InstanceGroup.create(config.name, count, factory)
         try:
             first = instances.instances[0].backend
             platform = config.platform or next(
-                (p for p, b in backends.PLATFORMS.items() if b == backend), "")
+                (p for p, b in backends.PLATFORMS.items() if b == backend), ""
+            )
             completed = complete(
-                replace(config, backend=backend, platform=platform,
-                        default_model_filename=path.name),
-                first.inputs, first.outputs, server.default_max_batch_size)
+                replace(
+                    config, backend=backend, platform=platform, default_model_filename=path.name
+                ),
+                first.inputs,
+                first.outputs,
+                server.default_max_batch_size,
+            )
         except BaseException:
             await instances.close()
             raise
-        log.info("loaded model '%s' version %d: %d instance(s) x %d thread(s), backend %s, "
-                 "max_batch_size %d, in %.2fs", config.name, int(version_dir.name), count, threads,
-                 backend, completed.batch_size, time.perf_counter() - started)
+        log.info(
+            "loaded model '%s' version %d: %d instance(s) x %d thread(s), backend %s, "
+            "max_batch_size %d, in %.2fs",
+            config.name,
+            int(version_dir.name),
+            count,
+            threads,
+            backend,
+            completed.batch_size,
+            time.perf_counter() - started,
+        )
         return cls(completed, int(version_dir.name), instances, server.default_max_queue_size)
 
     # ---- requests ---------------------------------------------------------------------
@@ -128,37 +164,48 @@ class ModelVersion:
         batched = self.config.batch_size > 0
         expected = ([-1] if batched else []) + list(spec.dims)
         shape = list(arr.shape)
-        if len(shape) != len(expected) or any(e not in (-1, s) for e, s in zip(expected, shape)):
+        if len(shape) != len(expected) or any(
+            e not in (-1, s) for e, s in zip(expected, shape, strict=True)
+        ):
             raise invalid(f"{where}: expected shape {expected}, got {shape}")
         if not batched:
             return 0
         rows = int(shape[0])
         if not 1 <= rows <= self.config.batch_size:
-            raise invalid(f"{where}: batch size {rows} is outside 1..{self.config.batch_size} "
-                          f"(max_batch_size)")
+            raise invalid(
+                f"{where}: batch size {rows} is outside 1..{self.config.batch_size} "
+                f"(max_batch_size)"
+            )
         return rows
 
     def _prepare(self, request: InferenceRequest) -> tuple[tuple[str, ...], int, Any, float | None]:
         for name in request.inputs:
             if name not in self._inputs:
-                raise invalid(f"model '{self.config.name}' has no input '{name}'; "
-                              f"its inputs are {sorted(self._inputs)}")
+                raise invalid(
+                    f"model '{self.config.name}' has no input '{name}'; "
+                    f"its inputs are {sorted(self._inputs)}"
+                )
         rows: set[int] = set()
         for name, spec in self._inputs.items():
             arr = request.inputs.get(name)
             if arr is None:
                 if not spec.optional:
-                    raise invalid(f"model '{self.config.name}' expects input '{name}', "
-                                  f"which the request lacks")
+                    raise invalid(
+                        f"model '{self.config.name}' expects input '{name}', "
+                        f"which the request lacks"
+                    )
                 continue
             rows.add(self._check_input(name, arr, spec))
         if len(rows) > 1:
-            raise invalid(f"inputs of model '{self.config.name}' disagree on the batch size: "
-                          f"{sorted(rows)}")
+            raise invalid(
+                f"inputs of model '{self.config.name}' disagree on the batch size: {sorted(rows)}"
+            )
         for name in request.outputs:
             if name not in self._outputs:
-                raise invalid(f"model '{self.config.name}' has no output '{name}'; "
-                              f"its outputs are {list(self._outputs)}")
+                raise invalid(
+                    f"model '{self.config.name}' has no output '{name}'; "
+                    f"its outputs are {list(self._outputs)}"
+                )
         outputs = request.outputs or self._outputs
         # requests whose non-batch shapes differ must never share a batch
         signature = tuple((n, a.shape[1:]) for n, a in sorted(request.inputs.items()))
@@ -176,8 +223,13 @@ class ModelVersion:
         except ApplianceError as exc:
             self.stats.record_failure(exc.reason, time.perf_counter_ns() - start)
             raise
-        self.stats.record_success(time.perf_counter_ns() - start, result.queue_ns,
-                                  result.input_ns, result.infer_ns, result.output_ns)
+        self.stats.record_success(
+            time.perf_counter_ns() - start,
+            result.queue_ns,
+            result.input_ns,
+            result.infer_ns,
+            result.output_ns,
+        )
         return InferenceResponse(self.config.name, str(self.version), result.outputs, request.id)
 
     def metadata(self, versions: list[str]) -> dict[str, Any]:

@@ -80,9 +80,7 @@ instance_group:
 """
 
 
-def _io(
-    names: Sequence[str], elem: int, shape: list[str | int]
-) -> list[onnx.ValueInfoProto]:
+def _io(names: Sequence[str], elem: int, shape: list[str | int]) -> list[onnx.ValueInfoProto]:
     """Graph inputs/outputs sharing one element type and shape."""
     return [helper.make_tensor_value_info(n, elem, shape) for n in names]
 
@@ -110,9 +108,7 @@ def _finish(
     initializer: Sequence[onnx.TensorProto] = (),
 ) -> bytes:
     """Build a checked model with pinned opset/IR version and serialize it."""
-    graph = helper.make_graph(
-        nodes, name, inputs, outputs, initializer=list(initializer)
-    )
+    graph = helper.make_graph(nodes, name, inputs, outputs, initializer=list(initializer))
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name=PRODUCER
     )
@@ -178,9 +174,7 @@ def classifier(seed: int = 0) -> bytes:
     nodes += [
         helper.make_node("GlobalAveragePool", [x], ["pool"], name="pool"),
         helper.make_node("Flatten", ["pool"], ["flat"], name="flatten", axis=1),
-        helper.make_node(
-            "Gemm", ["flat", "fc.weight", "fc.bias"], ["logits"], name="fc", transB=1
-        ),
+        helper.make_node("Gemm", ["flat", "fc.weight", "fc.bias"], ["logits"], name="fc", transB=1),
         helper.make_node("Softmax", ["logits"], ["output"], name="softmax", axis=1),
     ]
     return _finish(
@@ -192,9 +186,7 @@ def classifier(seed: int = 0) -> bytes:
     )
 
 
-def mlp(
-    in_features: int = 256, hidden: int = 512, out_features: int = 16, seed: int = 1
-) -> bytes:
+def mlp(in_features: int = 256, hidden: int = 512, out_features: int = 16, seed: int = 1) -> bytes:
     """Three-layer MLP: "input" FP32 [batch,in] -> "output" FP32 [batch,out].
 
     Gemm+Relu -> Gemm+Relu -> Gemm, He-initialised.
@@ -230,9 +222,7 @@ def identity(datatype: str, dims: list[int], batched: bool = True) -> bytes:
     a -1 in ``dims`` is a symbolic dim as well. Unknown names raise ValueError.
     """
     if datatype not in DATATYPES:
-        raise ValueError(
-            f"unknown datatype {datatype!r}; expected one of {list(DATATYPES)}"
-        )
+        raise ValueError(f"unknown datatype {datatype!r}; expected one of {list(DATATYPES)}")
     shape = _shape(dims, batched)
     return _finish(
         f"identity_{datatype.lower()}",

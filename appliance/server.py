@@ -54,8 +54,9 @@ class Server:
             sock.bind((self.config.host, port))
         except OSError as exc:
             sock.close()
-            raise ConfigError("<server>", "port", f"cannot listen on {self.config.host}:{port}: "
-                              f"{exc.strerror}") from None
+            raise ConfigError(
+                "<server>", "port", f"cannot listen on {self.config.host}:{port}: {exc.strerror}"
+            ) from None
         site = web.SockSite(runner, sock)
         await site.start()
         return int(sock.getsockname()[1])
@@ -69,11 +70,20 @@ class Server:
             mapp = web.Application()
             mapp.router.add_get("/metrics", self._metrics)
             self.metrics_port = await self._site(mapp, self.config.metrics_port, 1.0)
-        log.info("listening: http://%s:%d (KServe v2), metrics http://%s:%d/metrics",
-                 self.config.host, self.http_port, self.config.host, self.metrics_port)
+        log.info(
+            "listening: http://%s:%d (KServe v2), metrics http://%s:%d/metrics",
+            self.config.host,
+            self.http_port,
+            self.config.host,
+            self.metrics_port,
+        )
         await self.lifecycle.load_all()
-        log.info("ready in %.2fs: %d model version(s) from %s", time.perf_counter() - started,
-                 len(self.lifecycle.loaded()), self.repository)
+        log.info(
+            "ready in %.2fs: %d model version(s) from %s",
+            time.perf_counter() - started,
+            len(self.lifecycle.loaded()),
+            self.repository,
+        )
 
     async def _metrics(self, request: web.Request) -> web.Response:
         text = metrics.render(mv.stats for mv in self.lifecycle.loaded())

@@ -53,7 +53,9 @@ class ModelStats:
     batches: dict[int, BatchStats] = field(default_factory=dict)
     pending: int = 0  # requests queued, not yet executing
 
-    def record_execution(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
+    def record_execution(
+        self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int
+    ) -> None:
         """One backend call that carried ``batch_size`` rows."""
         self.execution_count += 1
         self.inference_count += batch_size
@@ -65,8 +67,9 @@ class ModelStats:
         b.compute_infer.add(infer_ns)
         b.compute_output.add(output_ns)
 
-    def record_success(self, total_ns: int, queue_ns: int, input_ns: int, infer_ns: int,
-                       output_ns: int) -> None:
+    def record_success(
+        self, total_ns: int, queue_ns: int, input_ns: int, infer_ns: int, output_ns: int
+    ) -> None:
         """One request answered; compute times are those of the batch it rode in."""
         self.success.add(total_ns)
         self.queue.add(queue_ns)

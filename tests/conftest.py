@@ -30,13 +30,18 @@ def write_test_repository(repo: Path) -> Path:
     """Models used across the end-to-end tests (all deterministic)."""
     modelgen.write_demo_repository(repo)
     for datatype in modelgen.DATATYPES:
-        modelgen.write_model(repo, f"identity_{datatype.lower()}",
-                             modelgen.identity(datatype, [-1]))
+        modelgen.write_model(
+            repo, f"identity_{datatype.lower()}", modelgen.identity(datatype, [-1])
+        )
     # no config at all: everything is auto-completed from the graph
     modelgen.write_model(repo, "mlp_auto", modelgen.mlp())
     modelgen.write_model(repo, "no_batch_add", modelgen.no_batch_add([4]))
-    modelgen.write_model(repo, "broken_config", modelgen.simple_add_sub(),
-                         "backend: onnxruntime\nmax_batch_size: -3\n")
+    modelgen.write_model(
+        repo,
+        "broken_config",
+        modelgen.simple_add_sub(),
+        "backend: onnxruntime\nmax_batch_size: -3\n",
+    )
     return repo
 
 

@@ -81,19 +81,18 @@ def test_decide_a_request_that_would_overflow_blocks_the_batch_and_keeps_fifo() 
 
 
 def test_decide_skips_other_signatures_but_never_merges_them() -> None:
-    queue = [Item(signature="a"), Item(signature="b"), Item(signature="a"),
-             Item(signature="b")]
+    queue = [Item(signature="a"), Item(signature="b"), Item(signature="a"), Item(signature="b")]
     assert decide(queue, 2.0, DYNAMIC).send == (0, 2)
     # a big request of another shape doesn't block the head's batch either
     policy = BatchPolicy(max_batch_size=4, max_queue_delay_s=1.0, dynamic=True)
-    queue = [Item(rows=2, signature="a"), Item(rows=4, signature="b"),
-             Item(rows=2, signature="a")]
+    queue = [Item(rows=2, signature="a"), Item(rows=4, signature="b"), Item(rows=2, signature="a")]
     assert decide(queue, 0.0, policy).send == (0, 2)
 
 
 def test_decide_preferred_sizes_follow_triton() -> None:
-    policy = BatchPolicy(max_batch_size=8, preferred_batch_sizes=(2, 4),
-                         max_queue_delay_s=10.0, dynamic=True)
+    policy = BatchPolicy(
+        max_batch_size=8, preferred_batch_sizes=(2, 4), max_queue_delay_s=10.0, dynamic=True
+    )
     # below every preferred size: wait for the rest of the delay
     assert decide([Item()], 0.0, policy).wait_s == pytest.approx(10.0)
     # a preferred size is reachable: send the largest one reached, at once
@@ -127,8 +126,9 @@ class Doubler:
     inputs = [TensorSpec("x", "FP32", (-1, -1))]
     outputs = [TensorSpec("y", "FP32", (-1, -1))]
 
-    def __init__(self, hold: bool = False, fail_on_negative: bool = False,
-                 omit_outputs: bool = False) -> None:
+    def __init__(
+        self, hold: bool = False, fail_on_negative: bool = False, omit_outputs: bool = False
+    ) -> None:
         self.started = threading.Event()
         self.release = threading.Event()
         if not hold:
@@ -170,8 +170,9 @@ async def until(condition: Callable[[], bool]) -> None:
     await asyncio.wait_for(poll(), LIMIT_S)
 
 
-async def make_batcher(backend: Any, policy: BatchPolicy, max_queue_size: int = 16,
-                       count: int = 1) -> tuple[DynamicBatcher, InstanceGroup, ModelStats]:
+async def make_batcher(
+    backend: Any, policy: BatchPolicy, max_queue_size: int = 16, count: int = 1
+) -> tuple[DynamicBatcher, InstanceGroup, ModelStats]:
     group = await InstanceGroup.create("m", count, lambda i: backend)
     stats = ModelStats("m", "1")
     return DynamicBatcher("m:1", group, policy, max_queue_size, stats), group, stats
@@ -181,10 +182,12 @@ def x(value: float, rows: int = 1, cols: int = 2) -> np.ndarray:
     return np.full((rows, cols), value, dtype=np.float32)
 
 
-def submit(batcher: DynamicBatcher, arr: np.ndarray,
-           timeout_s: float | None = None) -> asyncio.Task[BatchResult]:
+def submit(
+    batcher: DynamicBatcher, arr: np.ndarray, timeout_s: float | None = None
+) -> asyncio.Task[BatchResult]:
     return asyncio.get_running_loop().create_task(
-        batcher.submit({"x": arr}, ("y",), arr.shape[0], arr.shape[1:], timeout_s))
+        batcher.submit({"x": arr}, ("y",), arr.shape[0], arr.shape[1:], timeout_s)
+    )
 
 
 async def shutdown(batcher: DynamicBatcher, group: InstanceGroup) -> None:
@@ -202,8 +205,11 @@ def test_concurrent_requests_are_merged_into_one_call_and_split_back() -> None:
         batcher, group, stats = await make_batcher(backend, MERGE)
         first = submit(batcher, x(1))
         await until(backend.started.is_set)  # the instance is busy with `first`
-        rest = [submit(batcher, x(2, rows=1)), submit(batcher, x(3, rows=2)),
-                submit(batcher, x(4, rows=1))]
+        rest = [
+            submit(batcher, x(2, rows=1)),
+            submit(batcher, x(3, rows=2)),
+            submit(batcher, x(4, rows=1)),
+        ]
         await until(lambda: batcher.pending == 3)
         assert stats.pending == 3
         backend.release.set()
@@ -263,8 +269,9 @@ def test_requests_with_different_non_batch_shapes_never_share_a_call() -> None:
         await until(lambda: batcher.pending == 4)
         backend.release.set()
         results = await asyncio.gather(first, *rest)
-        for (value, cols), result in zip(((0, 2), (1, 2), (2, 3), (3, 2), (4, 3)), results,
-                                         strict=True):
+        for (value, cols), result in zip(
+            ((0, 2), (1, 2), (2, 3), (3, 2), (4, 3)), results, strict=True
+        ):
             np.testing.assert_array_equal(result.outputs["y"], x(2 * value, cols=cols))
         assert [c.shape for c in backend.calls] == [(1, 2), (2, 2), (2, 3)]
         np.testing.assert_array_equal(backend.calls[1][:, 0], [1, 3])

@@ -15,17 +15,31 @@ from pathlib import Path
 
 from appliance import modelgen
 
-GOOD = {"inputs": [
-    {"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": list(range(16))},
-    {"name": "INPUT1", "datatype": "INT32", "shape": [1, 16], "data": [1] * 16},
-]}
+GOOD = {
+    "inputs": [
+        {"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": list(range(16))},
+        {"name": "INPUT1", "datatype": "INT32", "shape": [1, 16], "data": [1] * 16},
+    ]
+}
 
 
 def _start(*args: str) -> tuple[subprocess.Popen[str], int, list[str]]:
     """Start the real CLI on free ports; return it, its HTTP port and its log lines."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "appliance", "serve", "--http-port", "0", "--metrics-port", "0",
-         *args], stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "appliance",
+            "serve",
+            "--http-port",
+            "0",
+            "--metrics-port",
+            "0",
+            *args,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines: list[str] = []
     port_found = threading.Event()
     port: list[int] = []
@@ -45,8 +59,12 @@ def _start(*args: str) -> tuple[subprocess.Popen[str], int, list[str]]:
         raise AssertionError("server did not start:\n" + "".join(lines))
     for _ in range(600):  # ready once the models loaded (bounded: 60 s)
         try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port[0]}/v2/health/ready",
-                                      timeout=5).status == 200:
+            if (
+                urllib.request.urlopen(
+                    f"http://127.0.0.1:{port[0]}/v2/health/ready", timeout=5
+                ).status
+                == 200
+            ):
                 break
         except OSError:
             pass
@@ -56,15 +74,22 @@ def _start(*args: str) -> tuple[subprocess.Popen[str], int, list[str]]:
 
 def test_sigterm_drains_in_flight_requests_and_exits_zero(tmp_path: Path) -> None:
     # a long batching delay keeps requests in flight when SIGTERM arrives
-    modelgen.write_model(tmp_path, "simple", modelgen.simple_add_sub(),
-                         "max_batch_size: 8\ndynamic_batching: {max_queue_delay_microseconds: 1500000}\n")
+    modelgen.write_model(
+        tmp_path,
+        "simple",
+        modelgen.simple_add_sub(),
+        "max_batch_size: 8\ndynamic_batching: {max_queue_delay_microseconds: 1500000}\n",
+    )
     proc, port, lines = _start("--model-repository", str(tmp_path))
     try:
         statuses: list[int] = []
 
         def call() -> None:
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/simple/infer",
-                                         data=json.dumps(GOOD).encode(), method="POST")
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v2/models/simple/infer",
+                data=json.dumps(GOOD).encode(),
+                method="POST",
+            )
             with urllib.request.urlopen(req, timeout=30) as resp:
                 statuses.append(resp.status)
                 assert json.load(resp)["outputs"][0]["data"] == list(range(1, 17))
@@ -88,10 +113,15 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(tmp_path: Path) -> Non
 def test_demo_models_serve_with_no_arguments() -> None:
     proc, port, _ = _start()
     try:
-        doc = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/repository/index",
-                                               data=b"", timeout=10))
-        assert {(r["name"], r["state"]) for r in doc} == {("simple", "READY"),
-                                                          ("classifier", "READY")}
+        doc = json.load(
+            urllib.request.urlopen(
+                f"http://127.0.0.1:{port}/v2/repository/index", data=b"", timeout=10
+            )
+        )
+        assert {(r["name"], r["state"]) for r in doc} == {
+            ("simple", "READY"),
+            ("classifier", "READY"),
+        }
     finally:
         os.kill(proc.pid, signal.SIGINT)  # Ctrl-C is as graceful as SIGTERM
         assert proc.wait(30) == 0
@@ -100,8 +130,12 @@ def test_demo_models_serve_with_no_arguments() -> None:
 def test_bad_server_config_is_one_clear_line(tmp_path: Path) -> None:
     config = tmp_path / "appliance.yaml"
     config.write_text("http_port: eighty\n")
-    result = subprocess.run([sys.executable, "-m", "appliance", "serve", "--config", str(config)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "appliance", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert f"{config}: http_port: expected an integer >= 0, got 'eighty'" in result.stderr
     assert "Traceback" not in result.stderr

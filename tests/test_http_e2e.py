@@ -18,12 +18,16 @@ def test_demo_simple_add_sub(run_appliance) -> None:
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
     b = np.full((1, 16), 3, dtype=np.int32)
     for binary in (True, False):
-        inputs = [httpclient.InferInput("INPUT0", [1, 16], "INT32"),
-                  httpclient.InferInput("INPUT1", [1, 16], "INT32")]
+        inputs = [
+            httpclient.InferInput("INPUT0", [1, 16], "INT32"),
+            httpclient.InferInput("INPUT1", [1, 16], "INT32"),
+        ]
         inputs[0].set_data_from_numpy(a, binary_data=binary)
         inputs[1].set_data_from_numpy(b, binary_data=binary)
-        outputs = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary),
-                   httpclient.InferRequestedOutput("OUTPUT1", binary_data=binary)]
+        outputs = [
+            httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary),
+            httpclient.InferRequestedOutput("OUTPUT1", binary_data=binary),
+        ]
         result = client.infer("simple", inputs, outputs=outputs)
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
         np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
@@ -38,8 +42,9 @@ def test_demo_classifier(run_appliance) -> None:
     probs = client.infer("classifier", [inp]).as_numpy("output")
     assert probs.shape == (2, 1000)
     np.testing.assert_allclose(probs.sum(axis=1), 1.0, rtol=1e-4)
-    top = client.infer("classifier", [inp], outputs=[
-        httpclient.InferRequestedOutput("output", class_count=3)]).as_numpy("output")
+    top = client.infer(
+        "classifier", [inp], outputs=[httpclient.InferRequestedOutput("output", class_count=3)]
+    ).as_numpy("output")
     assert top.shape == (2, 3)
     best = [int(x.decode().split(":")[1]) for x in top[:, 0]]
     assert best == list(np.argmax(probs, axis=1))
@@ -76,8 +81,15 @@ def test_auto_complete_from_onnx(run_appliance, test_repository: Path) -> None:
     client = httpclient.InferenceServerClient(srv.url)
     mlp = client.get_model_config("mlp_auto")
     assert mlp["max_batch_size"] == 8  # dynamic first dim -> batching, the server default
-    assert mlp["input"] == [{"name": "input", "data_type": "TYPE_FP32", "format": "FORMAT_NONE",
-                             "dims": [256], "optional": False}]
+    assert mlp["input"] == [
+        {
+            "name": "input",
+            "data_type": "TYPE_FP32",
+            "format": "FORMAT_NONE",
+            "dims": [256],
+            "optional": False,
+        }
+    ]
     assert "dynamic_batching" in mlp
     fixed = client.get_model_config("no_batch_add")
     assert fixed["max_batch_size"] == 0 and fixed["input"][0]["dims"] == [4]
@@ -93,7 +105,9 @@ def test_invalid_config_fails_alone(run_appliance, test_repository: Path) -> Non
     client = httpclient.InferenceServerClient(srv.url)
     index = {r["name"]: r for r in client.get_model_repository_index()}
     assert index["broken_config"]["state"] == "UNAVAILABLE"
-    assert "config.yaml: max_batch_size: expected an integer >= 0" in index["broken_config"]["reason"]
+    assert (
+        "config.yaml: max_batch_size: expected an integer >= 0" in index["broken_config"]["reason"]
+    )
     assert index["simple"]["state"] == "READY"
     assert not client.is_model_ready("broken_config")
     with pytest.raises(InferenceServerException, match="not ready"):
@@ -102,8 +116,24 @@ def test_invalid_config_fails_alone(run_appliance, test_repository: Path) -> Non
         client.infer("broken_config", [inp])
 
 
-@pytest.mark.parametrize("datatype", ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8",
-                                      "INT16", "INT32", "INT64", "FP16", "FP32", "FP64", "BYTES"])
+@pytest.mark.parametrize(
+    "datatype",
+    [
+        "BOOL",
+        "UINT8",
+        "UINT16",
+        "UINT32",
+        "UINT64",
+        "INT8",
+        "INT16",
+        "INT32",
+        "INT64",
+        "FP16",
+        "FP32",
+        "FP64",
+        "BYTES",
+    ],
+)
 def test_every_datatype_round_trips(run_appliance, test_repository: Path, datatype: str) -> None:
     srv = run_appliance(test_repository)
     client = httpclient.InferenceServerClient(srv.url)
@@ -123,6 +153,8 @@ def test_every_datatype_round_trips(run_appliance, test_repository: Path, dataty
         got = client.infer(f"identity_{datatype.lower()}", [inp], outputs=[out]).as_numpy("OUTPUT0")
         assert got.shape == data.shape
         if datatype == "BYTES":
-            assert [x if isinstance(x, bytes) else x.encode() for x in got.ravel()] == list(data.ravel())
+            assert [x if isinstance(x, bytes) else x.encode() for x in got.ravel()] == list(
+                data.ravel()
+            )
         else:
             np.testing.assert_array_equal(got.astype(data.dtype), data)

@@ -14,14 +14,17 @@ import pytest
 
 from appliance import modelgen
 
-GOOD = {"inputs": [
-    {"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": list(range(16))},
-    {"name": "INPUT1", "datatype": "INT32", "shape": [1, 16], "data": [1] * 16},
-]}
+GOOD = {
+    "inputs": [
+        {"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": list(range(16))},
+        {"name": "INPUT1", "datatype": "INT32", "shape": [1, 16], "data": [1] * 16},
+    ]
+}
 
 
-def post(url: str, path: str, body: bytes, headers: dict[str, str] | None = None
-         ) -> tuple[int, dict]:
+def post(
+    url: str, path: str, body: bytes, headers: dict[str, str] | None = None
+) -> tuple[int, dict]:
     host, port = url.split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     try:
@@ -39,20 +42,31 @@ def assert_still_serving(url: str) -> None:
     assert doc["outputs"][0]["data"] == [i + 1 for i in range(16)]
 
 
-def binary_body(inputs: list[tuple[str, str, list[int], bytes]], lie: int = 0
-                ) -> tuple[bytes, dict[str, str]]:
+def binary_body(
+    inputs: list[tuple[str, str, list[int], bytes]], lie: int = 0
+) -> tuple[bytes, dict[str, str]]:
     """A tritonclient-style body; ``lie`` is added to the last binary_data_size."""
-    header = {"inputs": [
-        {"name": n, "datatype": dt, "shape": shape,
-         "parameters": {"binary_data_size": len(raw) + (lie if i == len(inputs) - 1 else 0)}}
-        for i, (n, dt, shape, raw) in enumerate(inputs)]}
+    header = {
+        "inputs": [
+            {
+                "name": n,
+                "datatype": dt,
+                "shape": shape,
+                "parameters": {"binary_data_size": len(raw) + (lie if i == len(inputs) - 1 else 0)},
+            }
+            for i, (n, dt, shape, raw) in enumerate(inputs)
+        ]
+    }
     head = json.dumps(header).encode()
     return head + b"".join(raw for *_, raw in inputs), {
-        "Inference-Header-Content-Length": str(len(head))}
+        "Inference-Header-Content-Length": str(len(head))
+    }
 
 
-SIMPLE_BINARY = [("INPUT0", "INT32", [1, 16], np.arange(16, dtype=np.int32).tobytes()),
-                 ("INPUT1", "INT32", [1, 16], np.ones(16, dtype=np.int32).tobytes())]
+SIMPLE_BINARY = [
+    ("INPUT0", "INT32", [1, 16], np.arange(16, dtype=np.int32).tobytes()),
+    ("INPUT1", "INT32", [1, 16], np.ones(16, dtype=np.int32).tobytes()),
+]
 
 
 def _json_case(mutate) -> bytes:
@@ -62,21 +76,42 @@ def _json_case(mutate) -> bytes:
 
 
 CASES = {
-    "wrong shape": (400, "expected shape [-1, 16], got [1, 15]", _json_case(
-        lambda d: d["inputs"][0].update(shape=[1, 15], data=list(range(15))))),
-    "wrong dtype": (400, "expected datatype INT32, got FP32", _json_case(
-        lambda d: d["inputs"][0].update(datatype="FP32"))),
-    "unknown input": (400, "has no input 'NOPE'", _json_case(
-        lambda d: d["inputs"][0].update(name="NOPE"))),
+    "wrong shape": (
+        400,
+        "expected shape [-1, 16], got [1, 15]",
+        _json_case(lambda d: d["inputs"][0].update(shape=[1, 15], data=list(range(15)))),
+    ),
+    "wrong dtype": (
+        400,
+        "expected datatype INT32, got FP32",
+        _json_case(lambda d: d["inputs"][0].update(datatype="FP32")),
+    ),
+    "unknown input": (
+        400,
+        "has no input 'NOPE'",
+        _json_case(lambda d: d["inputs"][0].update(name="NOPE")),
+    ),
     "missing input": (400, "expects input 'INPUT1'", _json_case(lambda d: d["inputs"].pop())),
-    "data count": (400, "has 3 elements but shape [1, 16] needs 16", _json_case(
-        lambda d: d["inputs"][0].update(data=[1, 2, 3]))),
-    "unknown datatype": (400, "unsupported datatype 'INT33'", _json_case(
-        lambda d: d["inputs"][0].update(datatype="INT33"))),
-    "batch too large": (400, "batch size 9 is outside 1..8", _json_case(
-        lambda d: [i.update(shape=[9, 16], data=[0] * 144) for i in d["inputs"]])),
-    "unknown output": (400, "has no output 'OUT9'", _json_case(
-        lambda d: d.update(outputs=[{"name": "OUT9"}]))),
+    "data count": (
+        400,
+        "has 3 elements but shape [1, 16] needs 16",
+        _json_case(lambda d: d["inputs"][0].update(data=[1, 2, 3])),
+    ),
+    "unknown datatype": (
+        400,
+        "unsupported datatype 'INT33'",
+        _json_case(lambda d: d["inputs"][0].update(datatype="INT33")),
+    ),
+    "batch too large": (
+        400,
+        "batch size 9 is outside 1..8",
+        _json_case(lambda d: [i.update(shape=[9, 16], data=[0] * 144) for i in d["inputs"]]),
+    ),
+    "unknown output": (
+        400,
+        "has no output 'OUT9'",
+        _json_case(lambda d: d.update(outputs=[{"name": "OUT9"}])),
+    ),
     "malformed json": (400, "malformed JSON", b'{"inputs": [}'),
     "not an object": (400, "must be a JSON object", b"[1, 2]"),
 }
@@ -104,13 +139,18 @@ def test_truncated_and_inconsistent_binary_bodies(run_appliance) -> None:
     status, doc = post(srv.url, "/v2/models/simple/infer", body + b"\0" * 8, headers)
     assert status == 400 and "8 bytes of binary data follow the last input" in doc["error"]
     # a size that does not match the shape
-    bad, bad_headers = binary_body(SIMPLE_BINARY[:1] + [
-        ("INPUT1", "INT32", [1, 16], np.ones(15, dtype=np.int32).tobytes())])
+    bad, bad_headers = binary_body(
+        [*SIMPLE_BINARY[:1], ("INPUT1", "INT32", [1, 16], np.ones(15, dtype=np.int32).tobytes())]
+    )
     status, doc = post(srv.url, "/v2/models/simple/infer", bad, bad_headers)
     assert status == 400 and "needs 64" in doc["error"]
     # header length beyond the body
-    status, doc = post(srv.url, "/v2/models/simple/infer", body,
-                       {"Inference-Header-Content-Length": str(len(body) + 1)})
+    status, doc = post(
+        srv.url,
+        "/v2/models/simple/infer",
+        body,
+        {"Inference-Header-Content-Length": str(len(body) + 1)},
+    )
     assert status == 400 and "Inference-Header-Content-Length" in doc["error"]
     assert_still_serving(srv.url)
 
@@ -140,11 +180,17 @@ def test_oversized_payload(run_appliance) -> None:
 
 def _slow_queue_repo(tmp_path: Path, policy: str) -> Path:
     """simple with a long batching delay so requests sit in the queue."""
-    modelgen.write_model(tmp_path, "simple", modelgen.simple_add_sub(), (
-        "max_batch_size: 8\n"
-        "dynamic_batching:\n"
-        "  max_queue_delay_microseconds: 3000000\n"
-        f"  default_queue_policy: {policy}\n"))
+    modelgen.write_model(
+        tmp_path,
+        "simple",
+        modelgen.simple_add_sub(),
+        (
+            "max_batch_size: 8\n"
+            "dynamic_batching:\n"
+            "  max_queue_delay_microseconds: 3000000\n"
+            f"  default_queue_policy: {policy}\n"
+        ),
+    )
     return tmp_path
 
 
@@ -163,8 +209,12 @@ def test_full_queue_rejects_at_once_with_503(run_appliance, tmp_path: Path) -> N
     srv = run_appliance(_slow_queue_repo(tmp_path, "{max_queue_size: 2}"))
     body = json.dumps(GOOD).encode()
     results: list[int] = []
-    waiting = [threading.Thread(target=lambda: results.append(
-        post(srv.url, "/v2/models/simple/infer", body)[0])) for _ in range(2)]
+    waiting = [
+        threading.Thread(
+            target=lambda: results.append(post(srv.url, "/v2/models/simple/infer", body)[0])
+        )
+        for _ in range(2)
+    ]
     for t in waiting:
         t.start()
     pending = 'nv_inference_pending_request_count{model="simple",version="1"} 2'

@@ -58,10 +58,9 @@ def run(coro: Awaitable[T]) -> T:
 
 
 async def infer_all(batcher: DynamicBatcher, values: list[float]) -> list[float]:
-    results = await asyncio.gather(*(
-        batcher.submit({"x": np.array([[v]], np.float32)}, ("y",), 1, (1,), None)
-        for v in values
-    ))
+    results = await asyncio.gather(
+        *(batcher.submit({"x": np.array([[v]], np.float32)}, ("y",), 1, (1,), None) for v in values)
+    )
     return [float(r.outputs["y"][0, 0]) for r in results]
 
 
@@ -152,7 +151,8 @@ def test_a_failing_factory_closes_the_instances_already_made_and_raises() -> Non
 
 
 def test_cpu_share_splits_the_usable_cores_and_is_at_least_one(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert cpu_share(1) >= 1
     for count in (1, 2, 3, 1000):
         assert 1 <= cpu_share(count) <= cpu_share(1)

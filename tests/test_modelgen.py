@@ -46,9 +46,7 @@ def session(model: bytes) -> ort.InferenceSession:
     """CPU session on one thread: small models, and tests may run in parallel."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    return ort.InferenceSession(
-        model, sess_options=options, providers=["CPUExecutionProvider"]
-    )
+    return ort.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
 
 
 def shapes(args: list[ort.NodeArg]) -> dict[str, list[object]]:
@@ -122,8 +120,7 @@ def test_mlp_shape_and_numerics_match_numpy() -> None:
     (y,) = sess.run(None, {"input": x})
     assert y.shape == (5, 3)
     params = {
-        t.name: numpy_helper.to_array(t)
-        for t in onnx.load_from_string(model).graph.initializer
+        t.name: numpy_helper.to_array(t) for t in onnx.load_from_string(model).graph.initializer
     }
     h = x
     for i in range(3):
@@ -174,7 +171,7 @@ def test_no_batch_add_has_fixed_shape() -> None:
     np.testing.assert_array_equal(total, a * 11)
     # The dim is fixed, not symbolic: a different length is rejected.
     five = np.arange(5, dtype=np.float32)
-    with pytest.raises(Exception, match="INVALID_ARGUMENT.*dimensions"):
+    with pytest.raises(Exception, match=r"INVALID_ARGUMENT.*dimensions"):
         sess.run(None, {"A": five, "B": five})
     assert shapes(session(modelgen.no_batch_add([2, 3])).get_inputs())["A"] == [2, 3]
 
@@ -212,9 +209,7 @@ def test_demo_config_matches_model_signature(name: str) -> None:
     assert shapes(sess.get_outputs()) == expected
 
 
-def test_main_writes_demo_repository(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_main_writes_demo_repository(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     modelgen.main(["--out", str(tmp_path)])
     printed = capsys.readouterr().out
     for name in modelgen.DEMO_MODELS:
