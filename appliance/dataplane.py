@@ -104,7 +104,7 @@ class DataPlane:
         if parameters:
             raise invalid(f"load parameters {sorted(parameters)} are not supported yet")
         entry = await self.lifecycle.load(name)
-        if entry.state != State.READY:
+        if entry.state != State.READY or entry.reason:  # a failed reload keeps the old copy
             raise invalid(f"failed to load model '{name}': {entry.reason}")
 
     async def unload_model(self, name: str) -> None:

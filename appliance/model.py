@@ -7,6 +7,7 @@ engine or delays a batch, then hands it to its batcher.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import time
@@ -20,7 +21,7 @@ import backends
 from appliance import datatypes
 from appliance.batcher import BatchPolicy, DynamicBatcher
 from appliance.config import ConfigError, ModelConfig, ServerConfig, TensorConfig, complete
-from appliance.errors import ApplianceError, invalid
+from appliance.errors import ApplianceError, FailureReason, invalid
 from appliance.instances import InstanceGroup, cpu_share
 from appliance.request import InferenceRequest, InferenceResponse
 from appliance.stats import ModelStats
@@ -222,6 +223,9 @@ class ModelVersion:
             result = await self.batcher.submit(request.inputs, outputs, rows, signature, timeout)
         except ApplianceError as exc:
             self.stats.record_failure(exc.reason, time.perf_counter_ns() - start)
+            raise
+        except asyncio.CancelledError:  # the caller went away (e.g. an in-process timeout)
+            self.stats.record_failure(FailureReason.CANCELED, time.perf_counter_ns() - start)
             raise
         self.stats.record_success(
             time.perf_counter_ns() - start,
