@@ -497,6 +497,7 @@ class ServerConfig:
     default_max_batch_size: int = 8
     default_max_queue_size: int = 1024
     log_level: str = "info"
+    event_loop: str = "auto"  # auto (uvloop when installed) | asyncio | uvloop
 
 
 def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerConfig:
@@ -544,4 +545,12 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         default_max_batch_size=f.integer("default_max_batch_size", 8, minimum=1),
         default_max_queue_size=f.integer("default_max_queue_size", 1024, minimum=1),
         log_level=level,
+        event_loop=_choice(f, "event_loop", "auto", ("auto", "asyncio", "uvloop")),
     )
+
+
+def _choice(f: _Fields, key: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = f.text(key, default)
+    if value not in allowed:
+        raise f.fail(key, f"expected one of {', '.join(allowed)}, got {value!r}")
+    return value

@@ -107,7 +107,15 @@ class ModelVersion:
         """Create the instances (each on its own thread), complete and check the config."""
         backend, path = resolve_backend(config, version_dir)
         count = config.instance_count
-        threads = cpu_share(count)
+        # each instance's share of the cores, unless the config pins it
+        pinned = config.parameters.get("intra_op_thread_count", "0")
+        if not pinned.isdigit():
+            raise ConfigError(
+                config.source,
+                "parameters.intra_op_thread_count",
+                f"expected a positive integer, got {pinned!r}",
+            )
+        threads = int(pinned) or cpu_share(count)
         kind = config.instance_group[0].kind
 
         def factory(index: int) -> backends.Backend:
