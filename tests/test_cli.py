@@ -13,6 +13,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from appliance import modelgen
 
 GOOD = {
@@ -139,3 +141,33 @@ def test_bad_server_config_is_one_clear_line(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert f"{config}: http_port: expected an integer >= 0, got 'eighty'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_event_loop_choice() -> None:
+    import asyncio
+
+    from appliance.cli import loop_factory
+    from appliance.config import ConfigError, load_server_config
+
+    loop = loop_factory("asyncio")()
+    try:
+        assert isinstance(loop, asyncio.AbstractEventLoop)
+    finally:
+        loop.close()
+    auto = loop_factory("auto")()  # uvloop when installed, asyncio otherwise
+    auto.close()
+    with pytest.raises(ConfigError, match="event_loop: expected one of auto, asyncio, uvloop"):
+        load_server_config(None, {"event_loop": "trio"})
+
+
+def test_example_configs_are_valid() -> None:
+    from appliance.config import load_server_config, parse_model_config
+
+    root = Path(__file__).resolve().parent.parent / "configs"
+    server = load_server_config(root / "appliance.yaml", {})
+    assert server.model_repository is not None and (server.model_repository / "simple").is_dir()
+    import yaml
+
+    example = yaml.safe_load((root / "model-config.example.yaml").read_text())
+    config = parse_model_config(example, "example", "model-config.example.yaml")
+    assert config.instance_count == 2 and config.dynamic_batching is not None
