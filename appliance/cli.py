@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from appliance import __version__
-from appliance.config import load_server_config
 from appliance.errors import ApplianceError, Code
 from appliance.server import Server
+from appliance.server_config import load_server_config
 
 
 def _setup_logging(level: str) -> None:
@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, help="server config file (appliance.yaml)")
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--http-port", type=int, help="KServe v2 HTTP port (default 8000)")
+    serve.add_argument("--grpc-port", type=int, help="KServe v2 gRPC port (default 8001, -1 off)")
     serve.add_argument("--metrics-port", type=int, help="Prometheus port (default 8002, -1 off)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     return parser
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 "model_repository": args.model_repository,
                 "host": args.host,
                 "http_port": args.http_port,
+                "grpc_port": args.grpc_port,
                 "metrics_port": args.metrics_port,
                 "log_level": args.log_level,
             },

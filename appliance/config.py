@@ -11,7 +11,6 @@ auto-complete does.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -129,7 +128,7 @@ _MODEL_FIELDS = {
 } | _UNSUPPORTED
 
 
-class _Fields:
+class Fields:
     """Typed reads of one mapping, with errors naming the file and field path."""
 
     def __init__(self, source: str, data: Any, path: str = "") -> None:
@@ -176,16 +175,16 @@ class _Fields:
             raise self.fail(key, f"expected a list of integers >= {minimum}, got {value!r}")
         return tuple(value)
 
-    def entries(self, key: str) -> list[_Fields]:
+    def entries(self, key: str) -> list[Fields]:
         value = self.data.get(key, [])
         if not isinstance(value, list):
             raise self.fail(key, f"expected a list, got {type(value).__name__}")
-        return [_Fields(self.source, v, f"{self.at(key)}[{i}]") for i, v in enumerate(value)]
+        return [Fields(self.source, v, f"{self.at(key)}[{i}]") for i, v in enumerate(value)]
 
-    def sub(self, key: str) -> _Fields | None:
+    def sub(self, key: str) -> Fields | None:
         if key not in self.data or self.data[key] is None:
             return None
-        return _Fields(self.source, self.data[key], self.at(key))
+        return Fields(self.source, self.data[key], self.at(key))
 
 
 # Triton tensor fields accepted but not acted on yet (warned about, like model fields).
@@ -198,7 +197,7 @@ _UNSUPPORTED_TENSOR = (
 )
 
 
-def _tensor(f: _Fields) -> TensorConfig:
+def _tensor(f: Fields) -> TensorConfig:
     f.check_keys({"name", "data_type", "dims", "optional", "format", *_UNSUPPORTED_TENSOR})
     name = f.text("name")
     if not name:
@@ -215,7 +214,7 @@ def _tensor(f: _Fields) -> TensorConfig:
     return TensorConfig(name, datatype, f.ints("dims", -1), f.flag("optional", False))
 
 
-def _dynamic_batching(f: _Fields) -> DynamicBatching:
+def _dynamic_batching(f: Fields) -> DynamicBatching:
     f.check_keys(
         {
             "preferred_batch_size",
@@ -252,7 +251,7 @@ def _dynamic_batching(f: _Fields) -> DynamicBatching:
     )
 
 
-def _version_policy(f: _Fields) -> VersionPolicy:
+def _version_policy(f: Fields) -> VersionPolicy:
     f.check_keys({"latest", "all", "specific"})
     if len(f.data) != 1:
         raise ConfigError(f.source, f.path, "expected exactly one of latest, all, specific")
@@ -275,7 +274,7 @@ def _version_policy(f: _Fields) -> VersionPolicy:
     return VersionPolicy("all")
 
 
-def _parameters(f: _Fields) -> dict[str, str]:
+def _parameters(f: Fields) -> dict[str, str]:
     out: dict[str, str] = {}
     for key, value in f.data.items():
         if isinstance(value, dict) and set(value) == {"string_value"}:
@@ -290,7 +289,7 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
     """Validate a config mapping (as read from YAML or JSON) into a ModelConfig."""
     if data is None:
         data = {}
-    f = _Fields(source, data)
+    f = Fields(source, data)
     f.check_keys(_MODEL_FIELDS)
     for key in sorted(_UNSUPPORTED & set(f.data)):
         log.warning("%s: field '%s' is not supported yet and is ignored", source, key)
@@ -460,97 +459,3 @@ def to_triton_json(config: ModelConfig) -> dict[str, Any]:
             },
         }
     return out
-
-
-# ---- server config (appliance.yaml) ------------------------------------------------
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-}
-
-
-def parse_size(value: Any, source: str, key: str) -> int:
-    """'64MiB', '1.5GB', 1048576 -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise ConfigError(source, key, f"expected a size such as 64MiB or 1.5GB, got {value!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-@dataclass(frozen=True, slots=True)
-class ServerConfig:
-    model_repository: Path | None = None  # None = the built-in demo models
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    metrics_port: int = 8002  # -1 disables the metrics endpoint
-    max_request_size: int = 64 * 2**20
-    drain_timeout_s: float = 30.0
-    default_max_batch_size: int = 8
-    default_max_queue_size: int = 1024
-    log_level: str = "info"
-    event_loop: str = "auto"  # auto (uvloop when installed) | asyncio | uvloop
-
-
-def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerConfig:
-    """Read appliance.yaml (optional) and apply command-line overrides on top."""
-    source = str(path) if path else "<command line>"
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except OSError as exc:
-            raise ConfigError(source, "", f"cannot read: {exc.strerror}") from None
-        except (yaml.YAMLError, UnicodeDecodeError) as exc:
-            raise ConfigError(source, "", f"not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(source, "", f"expected a mapping, got {type(data).__name__}")
-    data.update({k: v for k, v in overrides.items() if v is not None})
-    f = _Fields(source, data)
-    f.check_keys(set(ServerConfig.__slots__))
-    level = f.text("log_level", "info").lower()
-    if level not in ("debug", "info", "warning", "error"):
-        raise f.fail("log_level", f"expected debug, info, warning or error, got {level!r}")
-    drain = data.get("drain_timeout_s", 30.0)
-    if not isinstance(drain, (int, float)) or isinstance(drain, bool) or drain < 0:
-        raise f.fail("drain_timeout_s", f"expected a number of seconds >= 0, got {drain!r}")
-    repo = data.get("model_repository")
-    if repo is not None:
-        repo = Path(os.path.expanduser(str(repo)))
-        if (
-            path is not None
-            and not repo.is_absolute()
-            and overrides.get("model_repository") is None
-        ):
-            repo = path.parent / repo  # relative to the config file
-        if not repo.is_dir():
-            raise f.fail("model_repository", f"expected a directory, {str(repo)!r} is not one")
-    return ServerConfig(
-        model_repository=repo,
-        host=f.text("host", "127.0.0.1"),
-        http_port=f.integer("http_port", 8000),
-        metrics_port=f.integer("metrics_port", 8002, minimum=-1),
-        max_request_size=parse_size(
-            data.get("max_request_size", 64 * 2**20), source, "max_request_size"
-        ),
-        drain_timeout_s=float(drain),
-        default_max_batch_size=f.integer("default_max_batch_size", 8, minimum=1),
-        default_max_queue_size=f.integer("default_max_queue_size", 1024, minimum=1),
-        log_level=level,
-        event_loop=_choice(f, "event_loop", "auto", ("auto", "asyncio", "uvloop")),
-    )
-
-
-def _choice(f: _Fields, key: str, default: str, allowed: tuple[str, ...]) -> str:
-    value = f.text(key, default)
-    if value not in allowed:
-        raise f.fail(key, f"expected one of {', '.join(allowed)}, got {value!r}")
-    return value

@@ -18,6 +18,7 @@ from appliance.errors import invalid, unavailable
 from appliance.lifecycle import ModelLifeCycle
 from appliance.model import State
 from appliance.request import InferenceRequest, InferenceResponse
+from appliance.shared_memory import SharedMemoryRegistry
 
 EXTENSIONS = [
     "classification",
@@ -44,8 +45,9 @@ def classify(arr: np.ndarray, k: int, batched: bool) -> np.ndarray:
 
 
 class DataPlane:
-    def __init__(self, lifecycle: ModelLifeCycle) -> None:
+    def __init__(self, lifecycle: ModelLifeCycle, shared_memory: SharedMemoryRegistry) -> None:
         self.lifecycle = lifecycle
+        self.shared_memory = shared_memory
         self.live = True
         self.accepting = True  # False once shutdown began: readiness goes false first
 
@@ -55,7 +57,8 @@ class DataPlane:
         return self.accepting and self.lifecycle.all_ready()
 
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": "appliance", "version": __version__, "extensions": EXTENSIONS}
+        extensions = EXTENSIONS + (["system_shared_memory"] if self.shared_memory.enabled else [])
+        return {"name": "appliance", "version": __version__, "extensions": extensions}
 
     def model_ready(self, name: str, version: str = "") -> bool:
         try:

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance.config import ServerConfig, load_model_config
+from appliance.config import load_model_config
 from appliance.errors import not_found, unavailable
 from appliance.model import ModelVersion, State
+from appliance.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
 

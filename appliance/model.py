@@ -20,10 +20,11 @@ import numpy as np
 import backends
 from appliance import datatypes
 from appliance.batcher import BatchPolicy, DynamicBatcher
-from appliance.config import ConfigError, ModelConfig, ServerConfig, TensorConfig, complete
+from appliance.config import ConfigError, ModelConfig, TensorConfig, complete
 from appliance.errors import ApplianceError, FailureReason, invalid
 from appliance.instances import InstanceGroup, cpu_share
 from appliance.request import InferenceRequest, InferenceResponse
+from appliance.server_config import ServerConfig
 from appliance.stats import ModelStats
 from backends.base import BackendOptions
 

@@ -1,26 +1,33 @@
 """The server process: model lifecycle, data plane and the HTTP and metrics endpoints.
 
-Start-up: bind the endpoints (live at once, ready once the initial models
-loaded), then load the repository. Shutdown, as a checklist: readiness goes
-false and new inferences are refused -> listeners close and in-flight HTTP
-requests get up to ``drain_timeout_s`` to finish -> every model drains its queue
-and unloads -> the metrics endpoint closes.
+Start-up: bind the endpoints (HTTP, gRPC, metrics: live at once, ready once the
+initial models loaded), then load the repository. Shutdown, as a checklist:
+readiness goes false and new inferences are refused -> listeners close and
+in-flight HTTP and gRPC requests get up to ``drain_timeout_s`` to finish -> every
+model drains its queue and unloads -> the metrics endpoint closes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import time
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from appliance import http_api, metrics
-from appliance.config import ConfigError, ServerConfig
+from appliance.config import ConfigError
 from appliance.dataplane import DataPlane
 from appliance.lifecycle import ModelLifeCycle
+from appliance.shared_memory import SharedMemoryRegistry
+
+if TYPE_CHECKING:
+    from appliance.grpc_api import GrpcEndpoint
+from appliance.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +44,13 @@ class Server:
         self.config = config
         self.repository = config.model_repository or demo_repository()
         self.lifecycle = ModelLifeCycle(self.repository, config)
-        self.dataplane = DataPlane(self.lifecycle)
+        self.dataplane = DataPlane(
+            self.lifecycle, SharedMemoryRegistry(enabled=config.shared_memory == "system")
+        )
+        self._grpc: GrpcEndpoint | None = None
         self._runners: list[web.AppRunner] = []
         self.http_port = 0
+        self.grpc_port = 0
         self.metrics_port = 0
 
     async def _site(self, app: web.Application, port: int, shutdown_timeout: float) -> int:
@@ -70,10 +81,14 @@ class Server:
             mapp = web.Application()
             mapp.router.add_get("/metrics", self._metrics)
             self.metrics_port = await self._site(mapp, self.config.metrics_port, 1.0)
+        if self.config.grpc_port >= 0:
+            await self._start_grpc()
         log.info(
-            "listening: http://%s:%d (KServe v2), metrics http://%s:%d/metrics",
+            "listening: http://%s:%d (KServe v2), grpc %s:%d, metrics http://%s:%d/metrics",
             self.config.host,
             self.http_port,
+            self.config.host,
+            self.grpc_port,
             self.config.host,
             self.metrics_port,
         )
@@ -85,6 +100,17 @@ class Server:
             self.repository,
         )
 
+    async def _start_grpc(self) -> None:
+        try:  # grpcio is a dependency, but a trimmed device image may leave it out
+            from appliance.grpc_api import GrpcEndpoint
+        except ImportError as exc:
+            log.warning("gRPC endpoint disabled: %s (pip install grpcio)", exc)
+            return
+        self._grpc = GrpcEndpoint(
+            self.dataplane, self.config.host, self.config.grpc_port, self.config.max_request_size
+        )
+        self.grpc_port = await self._grpc.start()
+
     async def _metrics(self, request: web.Request) -> web.Response:
         text = metrics.render(mv.stats for mv in self.lifecycle.loaded())
         return web.Response(text=text, headers={"Content-Type": metrics.CONTENT_TYPE})
@@ -94,8 +120,12 @@ class Server:
         log.info("shutting down: draining for up to %.0fs", self.config.drain_timeout_s)
         self.dataplane.accepting = False
         runners, self._runners = self._runners, []  # [http, metrics]
-        if runners:
-            await runners[0].cleanup()  # closes the listener, waits for in-flight requests
+        grpc, self._grpc = self._grpc, None
+        # close both listeners; each waits for its in-flight requests
+        await asyncio.gather(
+            *([runners[0].cleanup()] if runners else []),
+            *([grpc.stop(self.config.drain_timeout_s)] if grpc else []),
+        )
         await self.lifecycle.stop(self.config.drain_timeout_s)
         for runner in runners[1:]:
             await runner.cleanup()

@@ -318,6 +318,8 @@ def appliance_command(repo: Path, port: int) -> list[str]:
         str(port),
         "--metrics-port",
         "-1",
+        "--grpc-port",
+        "-1",
         "--host",
         "127.0.0.1",
     ]

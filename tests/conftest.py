@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from appliance import modelgen
-from appliance.config import load_server_config
 from appliance.server import Server
+from appliance.server_config import load_server_config
 
 BLOCKING_THRESHOLD_S = 0.5
 
@@ -72,6 +72,10 @@ class Running:
         return f"127.0.0.1:{self.server.http_port}"
 
     @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.server.grpc_port}"
+
+    @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.server.metrics_port}/metrics"
 
@@ -96,6 +100,7 @@ def run_appliance() -> Iterator[Callable[..., Running]]:
     def start(repository: Path | None = None, **options: Any) -> Running:
         options.setdefault("http_port", 0)
         options.setdefault("metrics_port", 0)
+        options.setdefault("grpc_port", 0)
         options.setdefault("drain_timeout_s", 10)
         options["model_repository"] = repository
         config = load_server_config(None, options)

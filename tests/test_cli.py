@@ -37,6 +37,8 @@ def _start(*args: str) -> tuple[subprocess.Popen[str], int, list[str]]:
             "0",
             "--metrics-port",
             "0",
+            "--grpc-port",
+            "0",
             *args,
         ],
         stderr=subprocess.PIPE,
@@ -147,7 +149,8 @@ def test_event_loop_choice() -> None:
     import asyncio
 
     from appliance.cli import loop_factory
-    from appliance.config import ConfigError, load_server_config
+    from appliance.config import ConfigError
+    from appliance.server_config import load_server_config
 
     loop = loop_factory("asyncio")()
     try:
@@ -161,7 +164,8 @@ def test_event_loop_choice() -> None:
 
 
 def test_example_configs_are_valid() -> None:
-    from appliance.config import load_server_config, parse_model_config
+    from appliance.config import parse_model_config
+    from appliance.server_config import load_server_config
 
     root = Path(__file__).resolve().parent.parent / "configs"
     server = load_server_config(root / "appliance.yaml", {})

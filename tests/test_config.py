@@ -13,17 +13,15 @@ from appliance.config import (
     DynamicBatching,
     InstanceGroup,
     ModelConfig,
-    ServerConfig,
     TensorConfig,
     VersionPolicy,
     complete,
     load_model_config,
-    load_server_config,
     parse_model_config,
-    parse_size,
     to_triton_json,
 )
 from appliance.errors import Code
+from appliance.server_config import ServerConfig, load_server_config, parse_size
 from backends.base import TensorSpec
 
 SRC = "models/det/config.yaml"
