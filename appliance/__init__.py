@@ -1,3 +1,33 @@
-"""Edge inference appliance: a Triton-compatible inference server for small devices."""
+"""Edge inference appliance: a Triton-compatible inference server for small devices.
+
+``from appliance import InProcessServer`` serves models inside a Python program;
+``Server`` is the networked server the ``appliance serve`` command runs. Both are
+imported on first use, so ``import appliance`` stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from appliance.errors import ApplianceError
+    from appliance.inprocess import InProcessServer
+    from appliance.server import Server
+
+_LAZY = {
+    "ApplianceError": "appliance.errors",
+    "InProcessServer": "appliance.inprocess",
+    "Server": "appliance.server",
+}
+
+__all__ = ["ApplianceError", "InProcessServer", "Server", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'appliance' has no attribute {name!r}")

@@ -47,16 +47,18 @@ class Server:
         self.dataplane = DataPlane(
             self.lifecycle, SharedMemoryRegistry(enabled=config.shared_memory == "system")
         )
+        self._http: web.AppRunner | None = None
         self._grpc: GrpcEndpoint | None = None
-        self._runners: list[web.AppRunner] = []
+        self._metrics: web.AppRunner | None = None
         self.http_port = 0
         self.grpc_port = 0
         self.metrics_port = 0
 
-    async def _site(self, app: web.Application, port: int, shutdown_timeout: float) -> int:
+    async def _site(
+        self, app: web.Application, port: int, shutdown_timeout: float
+    ) -> tuple[web.AppRunner, int]:
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
         await runner.setup()
-        self._runners.append(runner)
         # bind the socket ourselves so port 0 (tests) reports the port actually bound
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -65,33 +67,35 @@ class Server:
             sock.bind((self.config.host, port))
         except OSError as exc:
             sock.close()
+            await runner.cleanup()
             raise ConfigError(
                 "<server>", "port", f"cannot listen on {self.config.host}:{port}: {exc.strerror}"
             ) from None
         site = web.SockSite(runner, sock)
         await site.start()
-        return int(sock.getsockname()[1])
+        return runner, int(sock.getsockname()[1])
 
     async def start(self) -> None:
         """Bind the endpoints, then load the model repository."""
         started = time.perf_counter()
-        app = http_api.create_app(self.dataplane, self.config.max_request_size)
-        self.http_port = await self._site(app, self.config.http_port, self.config.drain_timeout_s)
+        if self.config.http_port >= 0:
+            app = http_api.create_app(self.dataplane, self.config.max_request_size)
+            self._http, self.http_port = await self._site(
+                app, self.config.http_port, self.config.drain_timeout_s
+            )
         if self.config.metrics_port >= 0:
             mapp = web.Application()
-            mapp.router.add_get("/metrics", self._metrics)
-            self.metrics_port = await self._site(mapp, self.config.metrics_port, 1.0)
+            mapp.router.add_get("/metrics", self._render_metrics)
+            self._metrics, self.metrics_port = await self._site(mapp, self.config.metrics_port, 1.0)
         if self.config.grpc_port >= 0:
             await self._start_grpc()
-        log.info(
-            "listening: http://%s:%d (KServe v2), grpc %s:%d, metrics http://%s:%d/metrics",
-            self.config.host,
-            self.http_port,
-            self.config.host,
-            self.grpc_port,
-            self.config.host,
-            self.metrics_port,
-        )
+        host = self.config.host
+        endpoints = [
+            f"http://{host}:{self.http_port} (KServe v2)" if self._http else "",
+            f"grpc {host}:{self.grpc_port}" if self._grpc else "",
+            f"metrics http://{host}:{self.metrics_port}/metrics" if self._metrics else "",
+        ]
+        log.info("listening: %s", ", ".join(e for e in endpoints if e) or "in-process only")
         await self.lifecycle.load_all()
         log.info(
             "ready in %.2fs: %d model version(s) from %s",
@@ -111,7 +115,7 @@ class Server:
         )
         self.grpc_port = await self._grpc.start()
 
-    async def _metrics(self, request: web.Request) -> web.Response:
+    async def _render_metrics(self, request: web.Request) -> web.Response:
         text = metrics.render(mv.stats for mv in self.lifecycle.loaded())
         return web.Response(text=text, headers={"Content-Type": metrics.CONTENT_TYPE})
 
@@ -119,14 +123,14 @@ class Server:
         """Graceful shutdown; see the module docstring for the order."""
         log.info("shutting down: draining for up to %.0fs", self.config.drain_timeout_s)
         self.dataplane.accepting = False
-        runners, self._runners = self._runners, []  # [http, metrics]
-        grpc, self._grpc = self._grpc, None
+        http, grpc, metrics_runner = self._http, self._grpc, self._metrics
+        self._http = self._grpc = self._metrics = None
         # close both listeners; each waits for its in-flight requests
         await asyncio.gather(
-            *([runners[0].cleanup()] if runners else []),
+            *([http.cleanup()] if http else []),
             *([grpc.stop(self.config.drain_timeout_s)] if grpc else []),
         )
         await self.lifecycle.stop(self.config.drain_timeout_s)
-        for runner in runners[1:]:
-            await runner.cleanup()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
         log.info("stopped")

@@ -42,7 +42,7 @@ def parse_size(value: Any, source: str, key: str) -> int:
 class ServerConfig:
     model_repository: Path | None = None  # None = the built-in demo models
     host: str = "127.0.0.1"
-    http_port: int = 8000
+    http_port: int = 8000  # -1 disables the HTTP endpoint (in-process use)
     grpc_port: int = 8001  # -1 disables the gRPC endpoint
     metrics_port: int = 8002  # -1 disables the metrics endpoint
     max_request_size: int = 64 * 2**20  # HTTP bodies and gRPC messages, each way
@@ -90,7 +90,7 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
     return ServerConfig(
         model_repository=repo,
         host=f.text("host", "127.0.0.1"),
-        http_port=f.integer("http_port", 8000),
+        http_port=f.integer("http_port", 8000, minimum=-1),
         metrics_port=f.integer("metrics_port", 8002, minimum=-1),
         grpc_port=f.integer("grpc_port", 8001, minimum=-1),
         shared_memory=_choice(f, "shared_memory", "off", ("off", "system")),
