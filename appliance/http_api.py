@@ -32,6 +32,9 @@ STATUS = {
 # bodies above this are decoded/encoded on a worker thread: parsing megabytes of
 # JSON on the event loop would stall every other connection
 _OFFLOAD_BYTES = 256 * 1024
+# copying outputs into shared memory is a plain memcpy (~10 GB/s): worth a thread hop
+# only for big tensors
+_OFFLOAD_COPY_BYTES = 4 * 1024 * 1024
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -125,19 +128,25 @@ async def infer(request: web.Request) -> web.Response:
         request.headers.get(http_codec.HEADER_LENGTH), len(body)
     )
     json_bytes = len(body) if header_length is None else header_length
+    shm = dataplane.shared_memory
     if json_bytes > _OFFLOAD_BYTES:
         decoded = await asyncio.to_thread(
-            http_codec.decode_request, body, header_length, model, version
+            http_codec.decode_request, body, header_length, model, version, shm
         )
     else:
-        decoded = http_codec.decode_request(body, header_length, model, version)
+        decoded = http_codec.decode_request(body, header_length, model, version, shm)
     inference, fmt = decoded
     response = await dataplane.infer(inference)
-    text_bytes = sum(a.nbytes for n, a in response.outputs.items() if not fmt.is_binary(n))
-    if text_bytes > _OFFLOAD_BYTES:
-        out, length = await asyncio.to_thread(http_codec.encode_response, response, fmt)
+    text_bytes = copy_bytes = 0
+    for name, arr in response.outputs.items():
+        if name in fmt.shared_memory:
+            copy_bytes += arr.nbytes
+        elif not fmt.is_binary(name):
+            text_bytes += arr.nbytes
+    if text_bytes > _OFFLOAD_BYTES or copy_bytes > _OFFLOAD_COPY_BYTES:
+        out, length = await asyncio.to_thread(http_codec.encode_response, response, fmt, shm)
     else:
-        out, length = http_codec.encode_response(response, fmt)
+        out, length = http_codec.encode_response(response, fmt, shm)
     if length is None:
         return web.Response(body=out, content_type="application/json")
     return web.Response(
@@ -170,6 +179,37 @@ async def repository_unload(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+# ---- system shared memory (Triton's extension) ---------------------------------------
+
+
+async def shm_status(request: web.Request) -> web.Response:
+    name = request.match_info.get("region", "")
+    return _json(request.app[DATAPLANE].shared_memory.status(name))
+
+
+async def shm_register(request: web.Request) -> web.Response:
+    name = request.match_info["region"]
+    doc = await _json_body(request)
+    where = f"register shared-memory region '{name}'"
+    key = doc.get("key")
+    if not isinstance(key, str) or not key:
+        raise invalid(f"{where}: the body needs a 'key' string (the POSIX shm name)")
+    sizes = {"offset": doc.get("offset", 0), "byte_size": doc.get("byte_size")}
+    for field, value in sizes.items():
+        if value is None:
+            raise invalid(f"{where}: the body needs '{field}'")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise invalid(f"{where}: '{field}' must be a non-negative integer, got {value!r}")
+    request.app[DATAPLANE].shared_memory.register(name, key, sizes["offset"], sizes["byte_size"])
+    return web.Response(status=200)
+
+
+async def shm_unregister(request: web.Request) -> web.Response:
+    await _json_body(request)  # tritonclient sends an empty body
+    request.app[DATAPLANE].shared_memory.unregister(request.match_info.get("region", ""))
+    return web.Response(status=200)
+
+
 def create_app(dataplane: DataPlane, max_request_size: int) -> web.Application:
     app = web.Application(client_max_size=max_request_size, middlewares=[_errors])
     app[DATAPLANE] = dataplane
@@ -188,4 +228,10 @@ def create_app(dataplane: DataPlane, max_request_size: int) -> web.Application:
     r.add_post("/v2/repository/index", repository_index)
     r.add_post("/v2/repository/models/{model}/load", repository_load)
     r.add_post("/v2/repository/models/{model}/unload", repository_unload)
+    shm = "/v2/systemsharedmemory"
+    r.add_get(shm + "/status", shm_status)
+    r.add_get(shm + "/region/{region}/status", shm_status)
+    r.add_post(shm + "/region/{region}/register", shm_register)
+    r.add_post(shm + "/unregister", shm_unregister)
+    r.add_post(shm + "/region/{region}/unregister", shm_unregister)
     return app

@@ -5,6 +5,11 @@ A request body is a JSON header optionally followed by raw tensor bytes; the
 with ``parameters.binary_data_size`` takes the next that many bytes, in order.
 Binary inputs become zero-copy views of the body; binary outputs are written
 from views of the result arrays, joined once into the response body.
+
+Triton's system shared-memory extension: an input whose parameters name a
+``shared_memory_region`` is a zero-copy view of that registered region; an
+output that names one is written into it and its response entry carries the
+region parameters instead of data.
 """
 
 from __future__ import annotations
@@ -15,18 +20,21 @@ from typing import Any
 import orjson
 
 from appliance import datatypes
-from appliance.errors import invalid
+from appliance.errors import internal, invalid
 from appliance.request import InferenceRequest, InferenceResponse
+from appliance.shared_memory import SharedMemoryRef, SharedMemoryRegistry
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
 
 @dataclass(slots=True)
 class OutputFormat:
-    """How the caller wants outputs encoded: per-output binary flags and the default."""
+    """How the caller wants outputs encoded: per-output binary flags and the default,
+    and the outputs to write into shared memory instead of the body."""
 
     binary: dict[str, bool] = field(default_factory=dict)
     binary_default: bool = False
+    shared_memory: dict[str, SharedMemoryRef] = field(default_factory=dict)
 
     def is_binary(self, name: str) -> bool:
         return self.binary.get(name, self.binary_default)
@@ -46,6 +54,24 @@ def _flag(params: dict[str, Any], key: str, where: str) -> bool:
     return value
 
 
+def _shm_ref(params: dict[str, Any], where: str) -> SharedMemoryRef | None:
+    """The shared-memory parameters of a tensor, type-checked; None when absent."""
+    if "shared_memory_region" not in params:
+        return None
+    region = params["shared_memory_region"]
+    if not isinstance(region, str) or not region:
+        raise invalid(f"{where}: 'shared_memory_region' must be a non-empty string")
+    if "shared_memory_byte_size" not in params:
+        raise invalid(f"{where}: shared-memory tensors need 'shared_memory_byte_size'")
+    sizes = []
+    for key in ("shared_memory_offset", "shared_memory_byte_size"):
+        value = params.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise invalid(f"{where}: '{key}' must be a non-negative integer, got {value!r}")
+        sizes.append(value)
+    return SharedMemoryRef(region, *sizes)
+
+
 def parse_header_length(value: str | None, body_length: int) -> int | None:
     if value is None:
         return None
@@ -59,9 +85,19 @@ def parse_header_length(value: str | None, body_length: int) -> int | None:
 
 
 def decode_request(
-    body: bytes, header_length: int | None, model: str, version: str
+    body: bytes,
+    header_length: int | None,
+    model: str,
+    version: str,
+    shared_memory: SharedMemoryRegistry | None = None,
 ) -> tuple[InferenceRequest, OutputFormat]:
-    """Body -> request. Every malformed part is an INVALID_ARG naming what is wrong."""
+    """Body -> request. Every malformed part is an INVALID_ARG naming what is wrong.
+
+    Without ``shared_memory`` (or with a disabled registry) tensors that reference
+    shared memory are refused. Shared-memory inputs are read-only views of their
+    region, valid after the region is unregistered; output windows are checked
+    here, before inference, and written by :func:`encode_response`.
+    """
     view = memoryview(body)
     json_part = view if header_length is None else view[:header_length]
     binary = view[len(json_part) :]
@@ -91,10 +127,16 @@ def decode_request(
         datatypes.to_numpy_dtype(datatype)  # unknown datatype -> INVALID_ARG
         shape = datatypes.check_shape(raw.get("shape"), where)
         params = _params(raw, where)
-        if "shared_memory_region" in params:
-            raise invalid(f"{where}: shared-memory inputs are not enabled on this server")
+        shm = _shm_ref(params, where)
         size = params.get("binary_data_size")
-        if size is not None:
+        if shm is not None:
+            if shared_memory is None:
+                raise invalid(f"{where}: shared-memory inputs are not enabled on this server")
+            if "data" in raw or size is not None:
+                raise invalid(f"{where} has shared-memory parameters and also carries data")
+            window = shared_memory.view(shm.region, shm.offset, shm.byte_size, where)
+            inputs[name] = datatypes.from_raw(window, datatype, shape, name)
+        elif size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise invalid(f"{where}: 'binary_data_size' must be a non-negative integer")
             if "data" in raw:
@@ -126,15 +168,22 @@ def decode_request(
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
             raise invalid(f"outputs[{i}] must be an object with a 'name' string")
         name = raw["name"]
-        params = _params(raw, f"output '{name}'")
-        if "shared_memory_region" in params:
-            raise invalid(f"output '{name}': shared-memory outputs are not enabled on this server")
-        fmt.binary[name] = _flag(params, "binary_data", f"output '{name}'")
+        where = f"output '{name}'"
+        params = _params(raw, where)
+        fmt.binary[name] = _flag(params, "binary_data", where)
         count = params.get("classification", 0)
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise invalid(f"output '{name}': 'classification' must be a non-negative integer")
+            raise invalid(f"{where}: 'classification' must be a non-negative integer")
         if count:
             classification[name] = count
+        shm = _shm_ref(params, where)
+        if shm is not None:
+            if shared_memory is None:
+                raise invalid(f"{where}: shared-memory outputs are not enabled on this server")
+            if count:
+                raise invalid(f"{where}: a classification output cannot go to shared memory")
+            shared_memory.check(shm.region, shm.offset, shm.byte_size, where)
+            fmt.shared_memory[name] = shm
         outputs.append(name)
     timeout = req_params.get("timeout")
     if timeout is not None and (
@@ -156,8 +205,17 @@ def decode_request(
     return request, fmt
 
 
-def encode_response(response: InferenceResponse, fmt: OutputFormat) -> tuple[bytes, int | None]:
-    """Response -> (body, JSON header length when binary outputs follow, else None)."""
+def encode_response(
+    response: InferenceResponse,
+    fmt: OutputFormat,
+    shared_memory: SharedMemoryRegistry | None = None,
+) -> tuple[bytes, int | None]:
+    """Response -> (body, JSON header length when binary outputs follow, else None).
+
+    Outputs in ``fmt.shared_memory`` are written into their regions first; their
+    entries carry ``shared_memory_region``/``_offset``/``_byte_size`` (the bytes
+    written) and no data. An output larger than its window is an INVALID_ARG.
+    """
     outputs = []
     chunks: list[bytes | memoryview] = []
     for name, arr in response.outputs.items():
@@ -166,7 +224,18 @@ def encode_response(response: InferenceResponse, fmt: OutputFormat) -> tuple[byt
             "datatype": datatypes.from_numpy_dtype(arr.dtype),
             "shape": list(arr.shape),
         }
-        if fmt.is_binary(name):
+        shm = fmt.shared_memory.get(name)
+        if shm is not None:
+            if shared_memory is None:
+                raise internal(f"output '{name}' is bound for shared memory but no registry")
+            raw = datatypes.to_raw(arr)
+            shared_memory.write(shm.region, shm.offset, shm.byte_size, raw, f"output '{name}'")
+            entry["parameters"] = {
+                "shared_memory_region": shm.region,
+                "shared_memory_offset": shm.offset,
+                "shared_memory_byte_size": len(raw) if isinstance(raw, bytes) else raw.nbytes,
+            }
+        elif fmt.is_binary(name):
             raw = datatypes.to_raw(arr)
             entry["parameters"] = {
                 "binary_data_size": len(raw) if isinstance(raw, bytes) else raw.nbytes

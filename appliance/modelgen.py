@@ -246,6 +246,21 @@ def no_batch_add(dims: Sequence[int] = (4,)) -> bytes:
     )
 
 
+def frame_mean() -> bytes:
+    """A camera-frame stand-in: UINT8 "frame" [batch, H, W, 3] -> FP32 "mean" [batch, 3].
+
+    Casts and averages over height and width, so the cost is one pass over the frame:
+    small next to moving a 1080p frame, which is what the camera benchmark measures.
+    """
+    frame = helper.make_tensor_value_info("frame", TensorProto.UINT8, [BATCH, "h", "w", 3])
+    mean = helper.make_tensor_value_info("mean", TensorProto.FLOAT, [BATCH, 3])
+    nodes = [
+        helper.make_node("Cast", ["frame"], ["pixels"], to=TensorProto.FLOAT, name="cast"),
+        helper.make_node("ReduceMean", ["pixels"], ["mean"], axes=[1, 2], keepdims=0, name="mean"),
+    ]
+    return _finish("frame_mean", nodes, [frame], [mean])
+
+
 def write_model(
     repo: Path, name: str, model: bytes, config: str | None = None, version: int = 1
 ) -> Path:

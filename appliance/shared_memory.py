@@ -8,14 +8,20 @@ mapping; outputs are written straight into it.
 Safety: off unless the server config enables it (Triton asks for the same
 opt-in); every access is bounds-checked against the registered window, so a
 request can never read or write outside it. Unregistering a region that
-in-flight requests still view is safe: the mapping is closed only when the last
-view is released (numpy arrays keep the mmap alive through their buffer).
+in-flight requests still view is safe: the registry only drops its reference and
+never calls ``mmap.close()`` (which raises BufferError while views exist); the
+mapping is unmapped when the last view is released (numpy arrays keep the mmap
+alive through their buffer).
+
+Not defended against: a client that shrinks (ftruncate) the object after
+registering it; touching the lost pages raises SIGBUS, as it does in Triton.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,15 +30,33 @@ from typing import Any
 from appliance.errors import ApplianceError, Code, invalid, not_found
 
 SHM_DIR = Path("/dev/shm")  # where Linux exposes POSIX shared-memory objects
+# as glibc's shm_open: never follow a symlink planted in the world-writable /dev/shm
+_OPEN_FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedMemoryRef:
+    """A tensor's place in a registered region, as a request's parameters give it."""
+
+    region: str
+    offset: int
+    byte_size: int
 
 
 @dataclass(slots=True)
 class Region:
+    """One registered window: ``byte_size`` bytes at ``offset`` of the object ``key``.
+
+    ``mapping`` starts at the page boundary at or below ``offset``; the window starts
+    ``base`` bytes into it.
+    """
+
     name: str
     key: str
     offset: int
     byte_size: int
     mapping: mmap.mmap
+    base: int
 
     def status(self) -> dict[str, Any]:
         return {
@@ -43,9 +67,27 @@ class Region:
         }
 
 
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _key_path(key: str) -> Path:
+    """/dev/shm path of a POSIX shm name, validated as glibc's shm_open does."""
+    bare = key.lstrip("/")
+    if not bare or "/" in bare or "\0" in bare or bare in (".", ".."):
+        raise invalid(f"shared-memory key {key!r} is not a POSIX shared-memory name")
+    return SHM_DIR / bare
+
+
 class SharedMemoryRegistry:
-    """Registered regions by name. Methods run on the event loop; a lock guards the map
-    because worker threads may also resolve views (it is cheap and uncontended)."""
+    """Registered regions by name.
+
+    Methods may run on the event loop or on worker threads (HTTP decodes large
+    bodies off the loop); a lock guards the map. A region handed out by
+    :meth:`view` stays valid after :meth:`unregister`: the view owns the mapping.
+    Every failure is an :class:`ApplianceError` (INVALID_ARG, or NOT_FOUND for an
+    unknown name in :meth:`status`).
+    """
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
@@ -61,48 +103,59 @@ class SharedMemoryRegistry:
             )
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """Map ``byte_size`` bytes at ``offset`` of the POSIX shm object ``key``."""
         self._check_enabled()
-        if not name:
-            raise invalid("a shared-memory region needs a name")
-        if offset < 0 or byte_size <= 0:
-            raise invalid(f"shared-memory region '{name}': offset must be >= 0 and byte_size > 0")
-        path = SHM_DIR / key.lstrip("/")
-        if "/" in key.lstrip("/") or not key.lstrip("/"):
-            raise invalid(f"shared-memory key {key!r} is not a POSIX shared-memory name")
+        if not isinstance(name, str) or not name:
+            raise invalid("a shared-memory region needs a non-empty name")
+        if not isinstance(key, str):
+            raise invalid(f"shared-memory region '{name}': 'key' must be a string")
+        if not _is_size(offset) or not _is_size(byte_size) or byte_size == 0:
+            raise invalid(
+                f"shared-memory region '{name}': offset must be an integer >= 0 and "
+                f"byte_size an integer > 0, got offset {offset!r}, byte_size {byte_size!r}"
+            )
+        path = _key_path(key)
         with self._lock:
             if name in self._regions:
-                raise ApplianceError(
-                    Code.INVALID_ARG, f"shared-memory region '{name}' is already registered"
-                )
+                raise invalid(f"shared-memory region '{name}' is already registered")
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, _OPEN_FLAGS)
         except OSError as exc:
             raise invalid(f"cannot open shared-memory key {key!r}: {exc.strerror}") from None
         try:
-            size = os.fstat(fd).st_size
-            if offset + byte_size > size:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise invalid(f"shared-memory key {key!r} is not a shared-memory object")
+            if offset + byte_size > info.st_size:
                 raise invalid(
                     f"shared-memory region '{name}': offset {offset} + byte_size "
-                    f"{byte_size} exceeds the {size} bytes of key {key!r}"
+                    f"{byte_size} exceeds the {info.st_size} bytes of key {key!r}"
                 )
-            mapping = mmap.mmap(fd, offset + byte_size)
+            base = offset % mmap.ALLOCATIONGRANULARITY  # mmap offsets must be page-aligned
+            try:
+                mapping = mmap.mmap(fd, base + byte_size, offset=offset - base)
+            except (OSError, ValueError) as exc:
+                raise invalid(f"cannot map shared-memory key {key!r}: {exc}") from None
         finally:
             os.close(fd)
         with self._lock:
-            self._regions[name] = Region(name, key, offset, byte_size, mapping)
+            if name in self._regions:  # another thread registered it while we mapped
+                raise invalid(f"shared-memory region '{name}' is already registered")
+            self._regions[name] = Region(name, key, offset, byte_size, mapping, base)
 
     def unregister(self, name: str = "") -> None:
-        """Forget one region (or all with ``name == ""``). The mapping stays valid for
-        arrays that still view it and is freed with the last of them."""
+        """Forget one region (or all with ``name == ""``); an unknown name is a no-op,
+        as in Triton. The mapping stays valid for arrays that still view it and is
+        unmapped with the last of them (never closed here: see the module doc)."""
         self._check_enabled()
         with self._lock:
             if name:
-                if self._regions.pop(name, None) is None:
-                    raise not_found(f"shared-memory region '{name}' is not registered")
+                self._regions.pop(name, None)
             else:
                 self._regions.clear()
 
     def status(self, name: str = "") -> list[dict[str, Any]]:
+        """Triton's status list: ``[{name, key, offset, byte_size}]``."""
         self._check_enabled()
         with self._lock:
             if name:
@@ -113,31 +166,41 @@ class SharedMemoryRegistry:
             return [r.status() for r in self._regions.values()]
 
     def _window(self, name: str, offset: int, byte_size: int, what: str) -> tuple[Region, int]:
+        """The region and the mapping index of ``offset``, after the bounds check."""
         self._check_enabled()
         with self._lock:
             region = self._regions.get(name)
         if region is None:
             raise invalid(f"{what}: shared-memory region '{name}' is not registered")
-        if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
+        if not (_is_size(offset) and _is_size(byte_size)) or offset + byte_size > region.byte_size:
             raise invalid(
-                f"{what}: offset {offset} + byte_size {byte_size} is outside region "
+                f"{what}: offset {offset!r} + byte_size {byte_size!r} is outside region "
                 f"'{name}' ({region.byte_size} bytes)"
             )
-        return region, region.offset + offset
+        return region, region.base + offset
+
+    def check(self, name: str, offset: int, byte_size: int, what: str) -> None:
+        """Raise INVALID_ARG unless the window lies inside a registered region
+        (lets an adapter refuse a bad output window before running the model)."""
+        self._window(name, offset, byte_size, what)
 
     def view(self, name: str, offset: int, byte_size: int, what: str) -> memoryview:
-        """A zero-copy, bounds-checked view of ``byte_size`` bytes of a region."""
+        """A zero-copy, read-only, bounds-checked view of ``byte_size`` bytes of a
+        region. The view keeps the mapping alive, even after unregister."""
         region, start = self._window(name, offset, byte_size, what)
-        return memoryview(region.mapping)[start : start + byte_size]
+        return memoryview(region.mapping)[start : start + byte_size].toreadonly()
 
     def write(
         self, name: str, offset: int, byte_size: int, data: bytes | memoryview, what: str
     ) -> None:
-        """Copy ``data`` into a region; it must fit in the ``byte_size`` the caller gave."""
-        if len(data) > byte_size:
+        """Copy ``data`` to ``offset`` of a region. The window the caller declared
+        (``offset``, ``byte_size``) must lie inside the region and ``data`` must fit
+        in it; otherwise INVALID_ARG and nothing is written."""
+        raw = memoryview(data).cast("B") if isinstance(data, memoryview) else data
+        region, start = self._window(name, offset, byte_size, what)
+        if len(raw) > byte_size:
             raise invalid(
-                f"{what}: {len(data)} bytes do not fit in the {byte_size} bytes "
-                f"given for region '{name}'"
+                f"{what}: needs {len(raw)} bytes but shared_memory_byte_size is "
+                f"{byte_size} in region '{name}'"
             )
-        region, start = self._window(name, offset, len(data), what)
-        region.mapping[start : start + len(data)] = data
+        region.mapping[start : start + len(raw)] = raw

@@ -498,7 +498,7 @@ def test_server_config_empty_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("options", "expected"),
     [
-        ({"http_port": "eighty"}, "http_port: expected an integer >= 0, got 'eighty'"),
+        ({"http_port": "eighty"}, "http_port: expected an integer >= -1, got 'eighty'"),
         ({"metrics_port": -2}, "metrics_port: expected an integer >= -1, got -2"),
         ({"log_level": "loud"}, "log_level: expected debug, info, warning or error, got 'loud'"),
         ({"drain_timeout_s": -1}, "drain_timeout_s: expected a number of seconds >= 0, got -1"),
@@ -518,10 +518,10 @@ def test_server_config_bad_values_name_the_field(options: dict[str, Any], expect
 
 def test_server_config_bad_value_in_file_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "appliance.yaml"
-    path.write_text("http_port: -1\n")
+    path.write_text("http_port: -2\n")
     with pytest.raises(ConfigError) as e:
         load_server_config(path, {})
-    assert str(e.value) == f"{path}: http_port: expected an integer >= 0, got -1"
+    assert str(e.value) == f"{path}: http_port: expected an integer >= -1, got -2"
 
 
 def test_server_config_model_repository_not_a_directory(tmp_path: Path) -> None:

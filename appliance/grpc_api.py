@@ -1,0 +1,329 @@
+"""KServe v2 / Triton gRPC adapter (``inference.GRPCInferenceService``) over the data plane.
+
+Runs on ``grpc.aio`` inside the server's event loop, next to the HTTP endpoint,
+with Triton's published service definitions (the generated modules tritonclient
+ships), plus the standard ``grpc.health.v1`` service. Every RPC is a thin call
+into :class:`DataPlane`; :class:`ApplianceError` codes become gRPC status codes
+as Triton maps them, and any other exception is logged and answered INTERNAL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+
+from appliance import grpc_codec
+from appliance.config import ConfigError
+from appliance.dataplane import DataPlane
+from appliance.errors import ApplianceError, Code
+from appliance.request import InferenceResponse
+
+try:  # grpcio-health-checking is a dependency; a trimmed image may lack it
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+except ImportError:  # pragma: no cover - exercised only on such images
+    health = None
+
+log = logging.getLogger(__name__)
+
+STATUS = {
+    Code.INVALID_ARG: grpc.StatusCode.INVALID_ARGUMENT,
+    Code.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Code.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Code.TOO_LARGE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Code.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+# messages above this are decoded/encoded on a worker thread: BYTES tensors and typed
+# contents are parsed element by element, which would stall every other call
+_OFFLOAD_BYTES = 256 * 1024
+# requests of one stream in flight at once; past it the stream is not read further
+# (gRPC flow control then holds the client back)
+STREAM_WINDOW = 64
+
+R = TypeVar("R")
+S = TypeVar("S")
+Unary = Callable[[S, Any, Any], Awaitable[R]]
+
+
+def _guarded(method: Unary[S, R]) -> Unary[S, R]:
+    """Answer an :class:`ApplianceError` with its gRPC status and any other exception
+    with INTERNAL (traceback logged); the server keeps serving either way."""
+
+    @functools.wraps(method)
+    async def wrapper(self: S, request: Any, context: Any) -> R:
+        try:
+            return await method(self, request, context)
+        except ApplianceError as exc:
+            code, message = STATUS[exc.code], exc.message
+        except Exception as exc:  # a bug: answer INTERNAL and keep serving
+            log.exception("unhandled error in gRPC %s", method.__name__)
+            code, message = grpc.StatusCode.INTERNAL, f"internal error: {exc}"
+        await context.abort(code, message)  # raises: ends the call with that status
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+def _params(params: Any) -> dict[str, Any]:
+    """A protobuf map of oneof parameters -> plain values."""
+    return {
+        k: getattr(v, v.WhichOneof("parameter_choice") or "string_param") for k, v in params.items()
+    }
+
+
+class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    """One method per RPC; those not overridden (trace and log settings) answer
+    UNIMPLEMENTED through the generated base class."""
+
+    def __init__(self, dataplane: DataPlane) -> None:
+        self.dp = dataplane
+
+    # ---- health and metadata -----------------------------------------------------------
+
+    @_guarded
+    async def ServerLive(self, request: Any, context: Any) -> Any:
+        return service_pb2.ServerLiveResponse(live=self.dp.live)
+
+    @_guarded
+    async def ServerReady(self, request: Any, context: Any) -> Any:
+        return service_pb2.ServerReadyResponse(ready=self.dp.ready())
+
+    @_guarded
+    async def ModelReady(self, request: Any, context: Any) -> Any:
+        return service_pb2.ModelReadyResponse(
+            ready=self.dp.model_ready(request.name, request.version)
+        )
+
+    @_guarded
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:
+        return json_format.ParseDict(
+            self.dp.server_metadata(),
+            service_pb2.ServerMetadataResponse(),
+            ignore_unknown_fields=True,
+        )
+
+    @_guarded
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:
+        doc = self.dp.model_metadata(request.name, request.version)
+        return json_format.ParseDict(
+            doc, service_pb2.ModelMetadataResponse(), ignore_unknown_fields=True
+        )
+
+    @_guarded
+    async def ModelConfig(self, request: Any, context: Any) -> Any:
+        config = json_format.ParseDict(
+            self.dp.model_config(request.name, request.version),
+            model_config_pb2.ModelConfig(),
+            ignore_unknown_fields=True,
+        )
+        return service_pb2.ModelConfigResponse(config=config)
+
+    @_guarded
+    async def ModelStatistics(self, request: Any, context: Any) -> Any:
+        return json_format.ParseDict(
+            self.dp.statistics(request.name, request.version),
+            service_pb2.ModelStatisticsResponse(),
+            ignore_unknown_fields=True,
+        )
+
+    # ---- inference ---------------------------------------------------------------------
+
+    async def _infer(self, request: Any) -> Any:
+        shm = self.dp.shared_memory
+        if request.ByteSize() > _OFFLOAD_BYTES:
+            decoded = await asyncio.to_thread(grpc_codec.decode_request, request, shm)
+        else:
+            decoded = grpc_codec.decode_request(request, shm)
+        inference, shm_outputs = decoded
+        response: InferenceResponse = await self.dp.infer(inference)
+        if sum(a.nbytes for a in response.outputs.values()) > _OFFLOAD_BYTES:
+            return await asyncio.to_thread(grpc_codec.encode_response, response, shm_outputs, shm)
+        return grpc_codec.encode_response(response, shm_outputs, shm)
+
+    @_guarded
+    async def ModelInfer(self, request: Any, context: Any) -> Any:
+        return await self._infer(request)
+
+    async def _stream_one(self, request: Any) -> Any:
+        """One stream request -> its response; a failure becomes ``error_message`` so the
+        stream goes on (Triton's behaviour), never an exception."""
+        try:
+            # tritonclient's enable_empty_final_response: mark the (only) response final
+            final = grpc_codec.param(
+                request.parameters, "triton_enable_empty_final_response", "bool_param", "request"
+            )
+            response = await self._infer(request)
+        except ApplianceError as exc:
+            message = exc.message
+        except Exception as exc:  # a bug: report it in-stream and keep serving
+            log.exception("unhandled error in gRPC ModelStreamInfer")
+            message = f"internal error: {exc}"
+        else:
+            if final:
+                response.parameters["triton_final_response"].bool_param = True
+            return service_pb2.ModelStreamInferResponse(infer_response=response)
+        echo = service_pb2.ModelInferResponse(
+            model_name=request.model_name, model_version=request.model_version, id=request.id
+        )
+        return service_pb2.ModelStreamInferResponse(error_message=message, infer_response=echo)
+
+    async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+        """Bidirectional stream: requests run concurrently (up to ``STREAM_WINDOW``), and
+        responses go back in request order.
+
+        A reader task takes requests off the stream and queues one task per request;
+        this generator awaits them in queue order. The window semaphore is released by
+        this generator after each response, so a slow model stops the reading, not the
+        memory. When the call ends (the client cancels, or the server stops after its
+        grace), the reader and every queued task are cancelled.
+        """
+        window = asyncio.Semaphore(STREAM_WINDOW)
+        pending: asyncio.Queue[asyncio.Task[Any] | None] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    await window.acquire()
+                    pending.put_nowait(asyncio.create_task(self._stream_one(request)))
+            finally:
+                pending.put_nowait(None)  # unbounded queue: never blocks
+
+        reader = asyncio.create_task(read())  # referenced until the finally below
+        try:
+            while (task := await pending.get()) is not None:
+                response = await task
+                window.release()
+                yield response
+            await reader  # re-raises a broken read
+        finally:
+            reader.cancel()
+            # a read that broke after this generator stopped must not log "never retrieved"
+            reader.add_done_callback(lambda t: t.cancelled() or t.exception())
+            while not pending.empty():
+                queued = pending.get_nowait()
+                if queued is not None:
+                    queued.cancel()
+
+    # ---- repository ---------------------------------------------------------------------
+
+    @_guarded
+    async def RepositoryIndex(self, request: Any, context: Any) -> Any:
+        response = service_pb2.RepositoryIndexResponse()
+        for row in self.dp.repository_index(request.ready):
+            response.models.add(
+                name=row["name"],
+                version=row.get("version", ""),
+                state=row.get("state", ""),
+                reason=row.get("reason", ""),
+            )
+        return response
+
+    @_guarded
+    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+        await self.dp.load_model(request.model_name, _params(request.parameters))
+        return service_pb2.RepositoryModelLoadResponse()
+
+    @_guarded
+    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+        # parameters such as unload_dependents are accepted, unused (as over HTTP)
+        await self.dp.unload_model(request.model_name)
+        return service_pb2.RepositoryModelUnloadResponse()
+
+    # ---- shared memory ------------------------------------------------------------------
+
+    @_guarded
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        response = service_pb2.SystemSharedMemoryStatusResponse()
+        for region in self.dp.shared_memory.status(request.name):
+            response.regions[region["name"]].CopyFrom(
+                service_pb2.SystemSharedMemoryStatusResponse.RegionStatus(**region)
+            )
+        return response
+
+    @_guarded
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        self.dp.shared_memory.register(request.name, request.key, request.offset, request.byte_size)
+        return service_pb2.SystemSharedMemoryRegisterResponse()
+
+    @_guarded
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self.dp.shared_memory.unregister(request.name)
+        return service_pb2.SystemSharedMemoryUnregisterResponse()
+
+    async def _no_cuda(self, request: Any, context: Any) -> Any:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "CUDA shared memory is not supported by this server; use system shared memory",
+        )
+
+    CudaSharedMemoryStatus = _no_cuda
+    CudaSharedMemoryRegister = _no_cuda
+    CudaSharedMemoryUnregister = _no_cuda
+
+
+class GrpcEndpoint:
+    """The gRPC listener: owns one ``grpc.aio`` server in the running event loop."""
+
+    def __init__(self, dataplane: DataPlane, host: str, port: int, max_message_size: int) -> None:
+        self._dataplane = dataplane
+        self._host = host
+        self._port = port
+        self._max_message_size = max_message_size
+        self._server: Any = None
+        self._health: Any = None
+
+    async def start(self) -> int:
+        """Bind ``host:port`` (port 0: a free port) and serve; returns the bound port.
+
+        Raises :class:`ConfigError` when the address cannot be bound.
+        """
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", self._max_message_size),
+                ("grpc.max_send_message_length", self._max_message_size),
+                # without this a second server could silently share the port
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+            _Servicer(self._dataplane), server
+        )
+        if health is not None:
+            self._health = health.aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        else:
+            log.warning("grpc.health.v1 disabled: pip install grpcio-health-checking")
+        address = (
+            f"[{self._host}]:{self._port}" if ":" in self._host else f"{self._host}:{self._port}"
+        )
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpcio raises where older versions returned 0
+            port, reason = 0, str(exc)
+        else:
+            reason = "the address is in use or not local"
+        if port == 0:
+            raise ConfigError("<server>", "grpc_port", f"cannot listen on {address}: {reason}")
+        if self._health is not None:
+            serving = health_pb2.HealthCheckResponse.SERVING
+            for service in ("", "inference.GRPCInferenceService"):
+                await self._health.set(service, serving)
+        await server.start()
+        self._server = server
+        return int(port)
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting at once; in-flight RPCs (streams included) get ``grace_s``
+        seconds to finish, then are cancelled. Health turns NOT_SERVING first."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        await server.stop(grace_s)
