@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -19,7 +20,7 @@ import grpc
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from appliance import grpc_codec
+from appliance import datatypes, grpc_codec
 from appliance.config import ConfigError
 from appliance.dataplane import DataPlane
 from appliance.errors import ApplianceError, Code
@@ -75,6 +76,16 @@ def _params(params: Any) -> dict[str, Any]:
     return {
         k: getattr(v, v.WhichOneof("parameter_choice") or "string_param") for k, v in params.items()
     }
+
+
+def _declared_bytes(request: Any) -> int:
+    """What the request's inputs claim to weigh (BYTES counted as one byte an element)."""
+    total = 0
+    for tensor in request.inputs:
+        known = tensor.datatype in datatypes.DATATYPES
+        itemsize = datatypes.byte_size(tensor.datatype, [1]) if known else None
+        total += math.prod(tensor.shape) * (itemsize or 1)
+    return total
 
 
 class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
@@ -136,7 +147,9 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[
 
     async def _infer(self, request: Any) -> Any:
         shm = self.dp.shared_memory
-        if request.ByteSize() > _OFFLOAD_BYTES:
+        # estimated from the declared shapes: ByteSize() walks the whole message and each
+        # read of a raw_input_contents entry copies it (~1.4 ms per 6 MB frame)
+        if _declared_bytes(request) > _OFFLOAD_BYTES:
             decoded = await asyncio.to_thread(grpc_codec.decode_request, request, shm)
         else:
             decoded = grpc_codec.decode_request(request, shm)

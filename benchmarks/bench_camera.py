@@ -104,8 +104,13 @@ def run_case(
     latencies: list[float] = []
     errors: list[str] = []
     lock = threading.Lock()
-    start_gate = threading.Barrier(concurrency + 1)
-    deadline: list[float] = [0.0]
+    clock: dict[str, float] = {}
+
+    def go() -> None:  # runs once, when every worker is warm, before any is released
+        clock["cpu0"], clock["t0"] = cpu_seconds(pid), time.perf_counter()
+        clock["deadline"] = clock["t0"] + args.seconds
+
+    start_gate = threading.Barrier(concurrency + 1, action=go)
     per_thread = max(1, args.frames // concurrency)
 
     def worker(i: int) -> None:
@@ -116,7 +121,7 @@ def run_case(
             start_gate.wait()
             mine = []
             for _ in range(per_thread):
-                if time.perf_counter() > deadline[0]:
+                if time.perf_counter() > clock["deadline"]:
                     break
                 t0 = time.perf_counter()
                 client.infer(frame)
@@ -136,11 +141,12 @@ def run_case(
         t.start()
     with contextlib.suppress(threading.BrokenBarrierError):  # a worker failed: reported
         start_gate.wait(timeout=60)
-    cpu0, t0 = cpu_seconds(pid), time.perf_counter()
-    deadline[0] = t0 + args.seconds
     for t in threads:
         t.join(args.seconds + 60)
-    elapsed, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
+    if "t0" not in clock:
+        go()  # the gate broke: report what (little) there is
+    elapsed = time.perf_counter() - clock["t0"]
+    cpu = cpu_seconds(pid) - clock["cpu0"]
     lat = np.array(latencies) * 1000 if latencies else np.array([float("nan")])
     return {
         "protocol": protocol,
