@@ -100,6 +100,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grpc-port", type=int, help="KServe v2 gRPC port (default 8001, -1 off)")
     serve.add_argument("--metrics-port", type=int, help="Prometheus port (default 8002, -1 off)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--model-control-mode",
+        choices=["none", "explicit", "poll"],
+        help="none: load all at start, no changes; explicit (default): load --load-model "
+        "at start, the rest on request; poll: load all and follow the repository",
+    )
+    serve.add_argument(
+        "--load-model",
+        action="append",
+        metavar="NAME",
+        help="explicit mode: a model to load at start (repeatable; '*' = all, the default)",
+    )
+    serve.add_argument("--repository-poll-secs", type=float, help="poll mode: seconds (15)")
+    serve.add_argument(
+        "--memory-limit", help="memory all loaded models may use, e.g. 1.5GiB or 60%% of RAM"
+    )
+    serve.add_argument(
+        "--mqtt-broker", metavar="HOST:PORT", help="serve requests over MQTT from this broker"
+    )
     return parser
 
 
@@ -115,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
                 "grpc_port": args.grpc_port,
                 "metrics_port": args.metrics_port,
                 "log_level": args.log_level,
+                "model_control_mode": args.model_control_mode,
+                "load_model": args.load_model,
+                "repository_poll_secs": args.repository_poll_secs,
+                "memory_limit": args.memory_limit,
+                "mqtt_broker": args.mqtt_broker,
             },
         )
     except ApplianceError as exc:

@@ -1,9 +1,11 @@
 """Model and server configuration, validated once at the edge into typed objects.
 
-Model configs use Triton's field names (``config.yaml``; ``config.pbtxt`` comes
-with the Triton-repository work). Every error names the file, the field and what
-was expected, e.g. ``models/simple/config.yaml: input[0].dims: expected a list of
-integers >= -1, got 'x'``. A config may leave inputs, outputs and max_batch_size
+Model configs use Triton's field names: ``config.yaml``, or Triton's own
+``config.pbtxt`` (protobuf text format, read with protobuf's parser against
+Triton's published ``ModelConfig`` schema, then validated by the same code as
+YAML). Every error names the file, the field and what was expected, e.g.
+``models/simple/config.yaml: input[0].dims: expected a list of integers >= -1,
+got 'x'``. A config may leave inputs, outputs and max_batch_size
 out; :func:`complete` fills them from what the engine declares, as Triton's
 auto-complete does.
 """
@@ -73,6 +75,27 @@ class VersionPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class WarmupInput:
+    """One input of a warm-up sample; ``dims`` exclude the batch dimension."""
+
+    name: str
+    datatype: str  # KServe name
+    dims: tuple[int, ...]
+    data: str  # zero | random | file
+    file: str = ""  # input_data_file, relative to the model's warmup/ folder
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupSample:
+    """Triton's ``model_warmup`` entry: run ``count`` times before the model is READY."""
+
+    name: str
+    batch_size: int
+    inputs: tuple[WarmupInput, ...]
+    count: int = 1
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     name: str
     backend: str = ""
@@ -85,6 +108,8 @@ class ModelConfig:
     version_policy: VersionPolicy = VersionPolicy()
     default_model_filename: str = ""
     parameters: dict[str, str] = field(default_factory=dict)
+    model_warmup: tuple[WarmupSample, ...] = ()
+    memory_limit: int | None = None  # parameters.memory_limit: one copy's cap, bytes
     source: str = "<auto-complete>"
 
     @property
@@ -101,7 +126,6 @@ _UNSUPPORTED = {
     "sequence_batching",
     "ensemble_scheduling",
     "optimization",
-    "model_warmup",
     "response_cache",
     "model_transaction_policy",
     "batch_input",
@@ -125,7 +149,11 @@ _MODEL_FIELDS = {
     "version_policy",
     "default_model_filename",
     "parameters",
+    "model_warmup",
 } | _UNSUPPORTED
+
+
+_INT = re.compile(r"-?\d+")
 
 
 class Fields:
@@ -149,7 +177,7 @@ class Fields:
 
     def integer(self, key: str, default: int, minimum: int = 0) -> int:
         value = self.data.get(key, default)
-        if isinstance(value, str) and re.fullmatch(r"-?\d+", value):
+        if isinstance(value, str) and _INT.fullmatch(value):
             value = int(value)  # protobuf JSON writes int64 as strings
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
             raise self.fail(key, f"expected an integer >= {minimum}, got {value!r}")
@@ -169,6 +197,8 @@ class Fields:
 
     def ints(self, key: str, minimum: int) -> tuple[int, ...]:
         value = self.data.get(key, [])
+        if isinstance(value, list):  # protobuf JSON writes int64 as strings
+            value = [int(v) if isinstance(v, str) and _INT.fullmatch(v) else v for v in value]
         if not isinstance(value, list) or not all(
             isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value
         ):
@@ -298,7 +328,13 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
         raise f.fail("name", f"expected '{name}' (the model's folder name), got {declared!r}")
     groups = []
     for g in f.entries("instance_group"):
-        g.check_keys({"name", "count", "kind", "gpus", "host_policy", "profile", "passive"})
+        g.check_keys(
+            {"name", "count", "kind", "gpus", "host_policy", "profile", "passive"}
+            | {"rate_limiter", "secondary_devices"}
+        )
+        for key in ("rate_limiter", "secondary_devices", "host_policy", "profile", "passive"):
+            if key in g.data:
+                log.warning("%s: %s: '%s' is not supported and is ignored", source, g.path, key)
         kind = g.text("kind", "KIND_CPU")
         if kind not in ("KIND_CPU", "KIND_GPU", "KIND_AUTO"):
             raise g.fail("kind", f"expected KIND_CPU, KIND_GPU or KIND_AUTO, got {kind!r}")
@@ -306,35 +342,126 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
     db = f.sub("dynamic_batching")
     vp = f.sub("version_policy")
     params = f.sub("parameters")
+    parameters = _parameters(params) if params is not None else {}
+    max_batch = f.integer("max_batch_size", 0) if "max_batch_size" in f.data else None
+    dynamic = (
+        _dynamic_batching(db)
+        if db is not None
+        else (DynamicBatching() if "dynamic_batching" in f.data else None)
+    )
+    if dynamic is not None and max_batch:
+        too_big = [n for n in dynamic.preferred_batch_size if n > max_batch]
+        if too_big:
+            raise f.fail(
+                "dynamic_batching.preferred_batch_size",
+                f"{too_big} exceed max_batch_size {max_batch}",
+            )
+    warmup = tuple(_warmup(w) for w in f.entries("model_warmup"))
+    for i, w in enumerate(warmup):
+        if max_batch is not None and w.batch_size > max(1, max_batch):
+            raise f.fail(
+                f"model_warmup[{i}].batch_size",
+                f"{w.batch_size} exceeds max_batch_size {max_batch}"
+                + ("" if max_batch else " (a model that does not batch warms up one sample)"),
+            )
     return ModelConfig(
         name=name,
         backend=f.text("backend"),
         platform=f.text("platform"),
-        max_batch_size=f.integer("max_batch_size", 0) if "max_batch_size" in f.data else None,
+        max_batch_size=max_batch,
         inputs=tuple(_tensor(t) for t in f.entries("input")),
         outputs=tuple(_tensor(t) for t in f.entries("output")),
-        dynamic_batching=_dynamic_batching(db)
-        if db is not None
-        else (DynamicBatching() if "dynamic_batching" in f.data else None),
+        dynamic_batching=dynamic,
         instance_group=tuple(groups) or (InstanceGroup(),),
         version_policy=_version_policy(vp) if vp is not None else VersionPolicy(),
         default_model_filename=f.text("default_model_filename"),
-        parameters=_parameters(params) if params is not None else {},
+        parameters=parameters,
+        model_warmup=warmup,
+        memory_limit=_memory_limit(parameters, source),
         source=source,
     )
 
 
+def _memory_limit(parameters: dict[str, str], source: str) -> int | None:
+    if "memory_limit" not in parameters:
+        return None
+    from appliance.memory import parse_limit  # here: memory imports this module
+
+    return parse_limit(parameters["memory_limit"], source, "parameters.memory_limit")
+
+
+_WARMUP_DATA = ("zero_data", "random_data", "input_data_file")
+
+
+def _warmup(f: Fields) -> WarmupSample:
+    f.check_keys({"name", "batch_size", "inputs", "count"})
+    name = f.text("name")
+    if not name:
+        raise f.fail("name", "expected a non-empty warm-up sample name")
+    inputs = f.sub("inputs")
+    if inputs is None or not inputs.data:
+        raise f.fail("inputs", "expected a mapping of input names to warm-up data")
+    parsed = []
+    for key, value in inputs.data.items():
+        i = Fields(f.source, value, inputs.at(str(key)))
+        i.check_keys({"data_type", "dims", *_WARMUP_DATA})
+        raw_type = i.text("data_type")
+        try:
+            datatype = datatypes.from_config_type(raw_type)
+        except ValueError:
+            raise i.fail("data_type", f"expected a Triton data type, got {raw_type!r}") from None
+        given = [k for k in _WARMUP_DATA if i.data.get(k) not in (None, False, "")]
+        if len(given) != 1:
+            raise ConfigError(
+                f.source, i.path, f"expected exactly one of {', '.join(_WARMUP_DATA)}"
+            )
+        data = {"zero_data": "zero", "random_data": "random", "input_data_file": "file"}[given[0]]
+        if data != "file" and i.data[given[0]] is not True:
+            raise i.fail(given[0], f"expected true, got {i.data[given[0]]!r}")
+        file = i.text("input_data_file") if data == "file" else ""
+        parsed.append(WarmupInput(str(key), datatype, i.ints("dims", 0), data, file))
+    return WarmupSample(
+        name,
+        # protobuf leaves 0 out; Triton treats a missing batch size and count as 1
+        max(1, f.integer("batch_size", 1)),
+        tuple(parsed),
+        max(1, f.integer("count", 1)),
+    )
+
+
+CONFIG_FILES = ("config.yaml", "config.yml", "config.pbtxt")
+
+
 def load_model_config(model_dir: Path) -> ModelConfig:
-    """Read ``model_dir/config.yaml`` (or .yml); no file means everything is auto-completed."""
-    for filename in ("config.yaml", "config.yml"):
-        path = model_dir / filename
-        if path.is_file():
-            try:
-                data = yaml.safe_load(path.read_text(encoding="utf-8"))
-            except (yaml.YAMLError, UnicodeDecodeError) as exc:
-                raise ConfigError(str(path), "", f"not valid YAML: {exc}") from None
-            return parse_model_config(data, model_dir.name, str(path))
-    return ModelConfig(name=model_dir.name, source=str(model_dir))
+    """Read ``model_dir/config.yaml`` (or .yml) or Triton's ``config.pbtxt``; no file
+    means everything is auto-completed. Two config files are an error: which one
+    counts would be a guess."""
+    found = [model_dir / n for n in CONFIG_FILES if (model_dir / n).is_file()]
+    if len(found) > 1:
+        raise ConfigError(
+            str(model_dir),
+            "",
+            f"found {' and '.join(p.name for p in found)}: keep exactly one config file",
+        )
+    if not found:
+        return ModelConfig(name=model_dir.name, source=str(model_dir))
+    path = found[0]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(path), "", f"not UTF-8 text: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(str(path), "", f"cannot read: {exc.strerror}") from None
+    if path.suffix == ".pbtxt":
+        from appliance.triton_config import pbtxt_to_dict  # protobuf: only when needed
+
+        data = pbtxt_to_dict(text, str(path))
+    else:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(str(path), "", f"not valid YAML: {exc}") from None
+    return parse_model_config(data, model_dir.name, str(path))
 
 
 def _check_against(
@@ -373,7 +500,13 @@ def complete(
     max_batch = config.max_batch_size
     if max_batch is None:
         batchable = all(len(s.shape) >= 1 and s.shape[0] == -1 for s in (*inputs, *outputs))
-        max_batch = default_max_batch_size if batchable else 0
+        ranks = {s.name: len(s.shape) for s in inputs}
+        # declared dims with the model's full rank state the whole shape: that is a
+        # config written for max_batch_size 0 (protobuf drops an explicit 0 from pbtxt)
+        full_shape = bool(config.inputs) and all(
+            len(t.dims) == ranks.get(t.name, -1) for t in config.inputs
+        )
+        max_batch = default_max_batch_size if batchable and not full_shape else 0
     batched = max_batch > 0
     dynamic = config.dynamic_batching
     if dynamic is None and config.max_batch_size is None and batched:
@@ -409,53 +542,3 @@ def complete(
         outputs=fill(config.outputs, outputs, "output"),
         dynamic_batching=dynamic,
     )
-
-
-def to_triton_json(config: ModelConfig) -> dict[str, Any]:
-    """The model config in Triton's JSON form (GET /v2/models/{m}/config)."""
-
-    def tensor(t: TensorConfig) -> dict[str, Any]:
-        return {
-            "name": t.name,
-            "data_type": datatypes.to_config_type(t.datatype),
-            "format": "FORMAT_NONE",
-            "dims": list(t.dims),
-            "optional": t.optional,
-        }
-
-    policy: dict[str, Any]
-    vp = config.version_policy
-    if vp.kind == "latest":
-        policy = {"latest": {"num_versions": vp.num_versions}}
-    elif vp.kind == "specific":
-        policy = {"specific": {"versions": list(vp.versions)}}
-    else:
-        policy = {"all": {}}
-    out: dict[str, Any] = {
-        "name": config.name,
-        "platform": config.platform,
-        "backend": config.backend,
-        "version_policy": policy,
-        "max_batch_size": config.batch_size,
-        "input": [tensor(t) for t in config.inputs],
-        "output": [tensor(t) for t in config.outputs],
-        "instance_group": [
-            {"name": f"{config.name}_{i}", "kind": g.kind, "count": g.count}
-            for i, g in enumerate(config.instance_group)
-        ],
-        "default_model_filename": config.default_model_filename,
-        "parameters": {k: {"string_value": v} for k, v in config.parameters.items()},
-    }
-    if config.dynamic_batching is not None:
-        db = config.dynamic_batching
-        out["dynamic_batching"] = {
-            "preferred_batch_size": list(db.preferred_batch_size),
-            "max_queue_delay_microseconds": db.max_queue_delay_us,
-            "default_queue_policy": {
-                "timeout_action": "REJECT",
-                "default_timeout_microseconds": db.default_timeout_us,
-                "allow_timeout_override": db.allow_timeout_override,
-                "max_queue_size": db.max_queue_size,
-            },
-        }
-    return out

@@ -8,17 +8,18 @@ its own. Everything raises :class:`ApplianceError`, never a protocol status.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 
 from appliance import __version__
-from appliance.config import to_triton_json
 from appliance.errors import invalid, unavailable
 from appliance.lifecycle import ModelLifeCycle
 from appliance.model import State
 from appliance.request import InferenceRequest, InferenceResponse
 from appliance.shared_memory import SharedMemoryRegistry
+from appliance.triton_config import json_to_dict, to_triton_json
 
 EXTENSIONS = [
     "classification",
@@ -103,12 +104,51 @@ class DataPlane:
         rows = self.lifecycle.index()
         return [r for r in rows if r.get("state") == "READY"] if ready_only else rows
 
+    def _check_control(self, what: str) -> None:
+        mode = self.lifecycle.server.model_control_mode
+        if mode == "none":
+            raise invalid(
+                f"cannot {what} models: model control is off (model_control_mode: none); "
+                "models load once at start"
+            )
+        if mode == "poll":
+            raise invalid(
+                f"cannot {what} models on request: the repository is polled "
+                "(model_control_mode: poll); change the files in the repository instead"
+            )
+
     async def load_model(self, name: str, parameters: dict[str, Any] | None = None) -> None:
-        if parameters:
-            raise invalid(f"load parameters {sorted(parameters)} are not supported yet")
-        entry = await self.lifecycle.load(name)
+        """Triton's repository load. Parameters: ``config`` (Triton's JSON model config,
+        used instead of the repository's config file for this load) and ``in_place``
+        (swap without room for two copies; the model is briefly unavailable)."""
+        self._check_control("load")
+        params = dict(parameters or {})
+        override = None
+        if "config" in params:
+            raw = params.pop("config")
+            if isinstance(raw, dict):
+                raw = json.dumps(raw)
+            if not isinstance(raw, str):
+                raise invalid("load parameter 'config' must be the model config as a JSON string")
+            override = json_to_dict(raw, f"load request for model '{name}': parameter 'config'")
+        in_place = params.pop("in_place", False)
+        if isinstance(in_place, str) and in_place.lower() in ("true", "false"):
+            in_place = in_place.lower() == "true"
+        if not isinstance(in_place, bool):
+            raise invalid(f"load parameter 'in_place' must be true or false, got {in_place!r}")
+        if params:
+            raise invalid(
+                f"unsupported load parameter(s) {sorted(params)}: this server takes 'config' "
+                "and 'in_place' (model files come from the model repository)"
+            )
+        entry = await self.lifecycle.load(name, override, in_place)
         if entry.state != State.READY or entry.reason:  # a failed reload keeps the old copy
             raise invalid(f"failed to load model '{name}': {entry.reason}")
 
     async def unload_model(self, name: str) -> None:
+        self._check_control("unload")
         await self.lifecycle.unload(name)
+
+    def memory(self) -> tuple[int | None, int]:
+        """The memory budget: (limit in bytes or None when unlimited, bytes in use)."""
+        return self.lifecycle.budget.limit, self.lifecycle.budget.used

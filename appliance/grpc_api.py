@@ -21,6 +21,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from appliance import datatypes, grpc_codec
+from appliance.access import AccessPolicy, Scope
 from appliance.config import ConfigError
 from appliance.dataplane import DataPlane
 from appliance.errors import ApplianceError, Code
@@ -280,14 +281,72 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[
     CudaSharedMemoryUnregister = _no_cuda
 
 
+_ADMIN_RPCS = {
+    "RepositoryModelLoad",
+    "RepositoryModelUnload",
+    "SystemSharedMemoryRegister",
+    "SystemSharedMemoryUnregister",
+    "CudaSharedMemoryRegister",
+    "CudaSharedMemoryUnregister",
+}
+_PUBLIC_RPCS = {"ServerLive", "ServerReady", "ServerMetadata"}
+
+
+class _AccessInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """The HTTP endpoint's token rule (:mod:`appliance.access`) for gRPC: the token
+    comes as ``authorization: Bearer <token>`` metadata. A refused call ends with
+    UNAUTHENTICATED (no or wrong token) or PERMISSION_DENIED (admin calls disabled)."""
+
+    def __init__(self, policy: AccessPolicy) -> None:
+        self._policy = policy
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        service, _, method = details.method.lstrip("/").partition("/")
+        if service.startswith("grpc.health.") or method in _PUBLIC_RPCS:
+            scope = Scope.PUBLIC
+        else:
+            scope = Scope.ADMIN if method in _ADMIN_RPCS else Scope.INFERENCE
+        metadata = dict(details.invocation_metadata or ())
+        denial = self._policy.check(scope, metadata.get("authorization"))
+        handler = await continuation(details)
+        if denial is None or handler is None:
+            return handler
+        code = grpc.StatusCode.UNAUTHENTICATED
+        if denial.forbidden:
+            code = grpc.StatusCode.PERMISSION_DENIED
+
+        async def deny(request: Any, context: Any) -> None:
+            await context.abort(code, denial.message)
+
+        make = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(handler.request_streaming, handler.response_streaming)]
+        return make(
+            deny,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
 class GrpcEndpoint:
     """The gRPC listener: owns one ``grpc.aio`` server in the running event loop."""
 
-    def __init__(self, dataplane: DataPlane, host: str, port: int, max_message_size: int) -> None:
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        host: str,
+        port: int,
+        max_message_size: int,
+        access: AccessPolicy | None = None,
+    ) -> None:
         self._dataplane = dataplane
         self._host = host
         self._port = port
         self._max_message_size = max_message_size
+        self._access = access
         self._server: Any = None
         self._health: Any = None
 
@@ -302,7 +361,8 @@ class GrpcEndpoint:
                 ("grpc.max_send_message_length", self._max_message_size),
                 # without this a second server could silently share the port
                 ("grpc.so_reuseport", 0),
-            ]
+            ],
+            interceptors=[_AccessInterceptor(self._access)] if self._access else None,
         )
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
             _Servicer(self._dataplane), server

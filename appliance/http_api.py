@@ -2,6 +2,8 @@
 
 Routes decode the wire into data-plane calls and map :class:`ApplianceError`
 codes to HTTP statuses as Triton does; every error body is ``{"error": msg}``.
+Access (bearer tokens, :mod:`appliance.access`) is checked by a middleware before
+any route runs: 401 without a valid token, 403 where admin calls are disabled.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import orjson
 from aiohttp import web
 
 from appliance import http_codec
+from appliance.access import AccessPolicy, Scope
 from appliance.dataplane import DataPlane
 from appliance.errors import ApplianceError, Code, invalid
 
@@ -22,6 +25,7 @@ log = logging.getLogger(__name__)
 
 DATAPLANE = web.AppKey("dataplane", DataPlane)
 MAX_REQUEST_SIZE = web.AppKey("max_request_size", int)
+ACCESS = web.AppKey("access", AccessPolicy)
 STATUS = {
     Code.INVALID_ARG: 400,
     Code.NOT_FOUND: 404,
@@ -72,6 +76,20 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except Exception as exc:  # a bug: answer 500 and keep serving
         log.exception("unhandled error on %s %s", request.method, request.path)
         return _error(500, f"internal error: {exc}")
+
+
+@web.middleware
+async def _access(request: web.Request, handler: Handler) -> web.StreamResponse:
+    route = request.match_info.route.handler
+    scope = _ADMIN_ROUTES.get(route) or _PUBLIC_ROUTES.get(route) or Scope.INFERENCE
+    denial = request.app[ACCESS].check(scope, request.headers.get("Authorization"))
+    if denial is None:
+        return await handler(request)
+    if denial.forbidden:
+        return _error(403, denial.message)
+    response = _error(401, denial.message)
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
 
 
 def _model(request: web.Request) -> tuple[str, str]:
@@ -210,10 +228,19 @@ async def shm_unregister(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
-def create_app(dataplane: DataPlane, max_request_size: int) -> web.Application:
-    app = web.Application(client_max_size=max_request_size, middlewares=[_errors])
+_ADMIN_ROUTES: dict[Any, Scope] = {
+    h: Scope.ADMIN for h in (repository_load, repository_unload, shm_register, shm_unregister)
+}
+_PUBLIC_ROUTES: dict[Any, Scope] = {h: Scope.PUBLIC for h in (live, ready, server_metadata)}
+
+
+def create_app(
+    dataplane: DataPlane, max_request_size: int, access: AccessPolicy | None = None
+) -> web.Application:
+    app = web.Application(client_max_size=max_request_size, middlewares=[_errors, _access])
     app[DATAPLANE] = dataplane
     app[MAX_REQUEST_SIZE] = max_request_size
+    app[ACCESS] = access or AccessPolicy()
     r = app.router
     r.add_get("/v2", server_metadata)
     r.add_get("/v2/health/live", live)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from appliance import memory
 from backends.base import Backend
 
 log = logging.getLogger(__name__)
@@ -33,15 +34,44 @@ def cpu_share(instance_count: int) -> int:
 class ModelInstance:
     """One backend object plus the one thread allowed to touch it."""
 
-    def __init__(self, name: str, executor: ThreadPoolExecutor, backend: Backend) -> None:
+    def __init__(
+        self,
+        name: str,
+        executor: ThreadPoolExecutor,
+        backend: Backend,
+        created: memory.Usage = memory.NOTHING,
+    ) -> None:
         self.name = name
         self.backend = backend
+        self.created = created  # memory growth while the backend was built
         self._executor = executor
+
+    @classmethod
+    async def start(
+        cls, model: str, index: int, factory: Callable[[int], Backend]
+    ) -> ModelInstance:
+        """Build instance ``index`` on a new thread of its own, measuring its memory.
+
+        On failure the thread is shut down and the error raised.
+        """
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{model}#{index}")
+        loop = asyncio.get_running_loop()
+        try:
+            backend, usage = await loop.run_in_executor(executor, memory.measure, factory, index)
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        return cls(f"{model}_{index}", executor, backend, usage)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(backend, *args)`` on this instance's thread."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, fn, self.backend, *args)
+
+    async def run_measured(self, fn: Callable[..., T], *args: Any) -> tuple[T, memory.Usage]:
+        """:meth:`run`, returning also the memory growth it caused."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, memory.measure, fn, self.backend, *args)
 
     async def close(self) -> None:
         loop = asyncio.get_running_loop()
@@ -72,17 +102,10 @@ class InstanceGroup:
         On failure every instance already created is closed and the error raised.
         """
 
-        async def one(i: int) -> ModelInstance:
-            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{model}#{i}")
-            loop = asyncio.get_running_loop()
-            try:
-                backend = await loop.run_in_executor(executor, factory, i)
-            except BaseException:
-                executor.shutdown(wait=False)
-                raise
-            return ModelInstance(f"{model}_{i}", executor, backend)
-
-        results = await asyncio.gather(*(one(i) for i in range(count)), return_exceptions=True)
+        results = await asyncio.gather(
+            *(ModelInstance.start(model, i, factory) for i in range(count)),
+            return_exceptions=True,
+        )
         made = [r for r in results if isinstance(r, ModelInstance)]
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:

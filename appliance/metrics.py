@@ -99,8 +99,48 @@ def process_memory() -> tuple[int, int, int]:
         return rss, 0, total
 
 
-def render(stats: Iterable[ModelStats]) -> str:
-    """The /metrics page for the given model versions plus process memory."""
+def _memory_lines(stats: list[ModelStats], budget: tuple[int | None, int] | None) -> list[str]:
+    """Per model-version memory and instances, and the budget (limit -1: unlimited)."""
+    lines = [
+        "# HELP appliance_model_memory_bytes Measured memory of a loaded model version",
+        "# TYPE appliance_model_memory_bytes gauge",
+    ]
+    for s in stats:
+        for row in s.memory_usage:
+            lines.append(
+                f'appliance_model_memory_bytes{{model="{_label(s.name)}",type="{row["type"]}",'
+                f'version="{s.version}"}} {row["byte_size"]}'
+            )
+    for name, help_text, attr in (
+        ("appliance_model_instances", "Instances admitted by the memory budget", "instances"),
+        (
+            "appliance_model_instances_requested",
+            "Instances the model config asks for",
+            "instances_requested",
+        ),
+    ):
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+        for s in stats:
+            lines.append(
+                f'{name}{{model="{_label(s.name)}",version="{s.version}"}} {getattr(s, attr)}'
+            )
+    if budget is not None:
+        limit, used = budget
+        for name, help_text, amount in (
+            (
+                "appliance_memory_budget_bytes",
+                "Memory budget for loaded models (-1: unlimited)",
+                -1 if limit is None else limit,
+            ),
+            ("appliance_memory_budget_used_bytes", "Memory the loaded models use", used),
+        ):
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {amount}"]
+    return lines
+
+
+def render(stats: Iterable[ModelStats], budget: tuple[int | None, int] | None = None) -> str:
+    """The /metrics page for the given model versions plus process memory and, when
+    given, the memory budget as (limit or None, used)."""
     stats = list(stats)
     lines: list[str] = []
     for name, help_text, kind, value in _MODEL_METRICS:
@@ -129,4 +169,5 @@ def render(stats: Iterable[ModelStats]) -> str:
         ("nv_cpu_memory_total_bytes", "CPU (system) memory total in bytes", total),
     ]:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {amount}"]
+    lines += _memory_lines(stats, budget)
     return "\n".join(lines) + "\n"

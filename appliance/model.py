@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
 import time
 from dataclasses import replace
@@ -18,15 +19,16 @@ from typing import Any
 import numpy as np
 
 import backends
-from appliance import datatypes
+from appliance import datatypes, memory, warmup
 from appliance.batcher import BatchPolicy, DynamicBatcher
 from appliance.config import ConfigError, ModelConfig, TensorConfig, complete
+from appliance.config import InstanceGroup as GroupConfig
 from appliance.errors import ApplianceError, FailureReason, invalid
-from appliance.instances import InstanceGroup, cpu_share
+from appliance.instances import InstanceGroup, ModelInstance, cpu_share
 from appliance.request import InferenceRequest, InferenceResponse
 from appliance.server_config import ServerConfig
 from appliance.stats import ModelStats
-from backends.base import BackendOptions
+from backends.base import BackendOptions, memory_usage
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +76,49 @@ def resolve_backend(config: ModelConfig, version_dir: Path) -> tuple[str, Path]:
     return name, path
 
 
+_LOADS = itertools.count(1)  # share groups: one per loaded copy
+
+
+def _trimmed(groups: tuple[GroupConfig, ...], admitted: int) -> tuple[GroupConfig, ...]:
+    """The instance groups cut down to the ``admitted`` first instances."""
+    out = []
+    for g in groups:
+        take = min(g.count, admitted)
+        if take:
+            out.append(replace(g, count=take))
+        admitted -= take
+    return tuple(out)
+
+
 class ModelVersion:
-    """A servable version. Created READY by :meth:`load`; :meth:`unload` drains it."""
+    """A servable version. Created READY by :meth:`load`; :meth:`unload` drains it.
+
+    Memory: the copy's measured cost is ``memory``, charged to ``budget`` under
+    ``owner`` until :meth:`unload` has closed the instances.
+    """
 
     def __init__(
-        self, config: ModelConfig, version: int, instances: InstanceGroup, max_queue_size: int
+        self,
+        config: ModelConfig,
+        version: int,
+        instances: InstanceGroup,
+        max_queue_size: int,
+        usage: memory.Usage = memory.NOTHING,
+        budget: memory.MemoryBudget | None = None,
+        owner: object = None,
+        requested_instances: int = 0,
     ) -> None:
         self.config = config
         self.version = version
         self.state = State.READY
+        self.memory = usage
+        self.requested_instances = requested_instances or config.instance_count
         self.stats = ModelStats(config.name, str(version))
+        self.stats.memory_usage = usage.json()
+        self.stats.instances = len(instances.instances)
+        self.stats.instances_requested = self.requested_instances
+        self._budget = budget
+        self._owner = owner
         self._instances = instances
         self._inputs = {t.name: t for t in config.inputs}
         self._outputs = tuple(t.name for t in config.outputs)
@@ -103,11 +138,25 @@ class ModelVersion:
 
     @classmethod
     async def load(
-        cls, config: ModelConfig, version_dir: Path, server: ServerConfig
+        cls,
+        config: ModelConfig,
+        version_dir: Path,
+        server: ServerConfig,
+        budget: memory.MemoryBudget | None = None,
+        required_instances: int = 1,
     ) -> ModelVersion:
-        """Create the instances (each on its own thread), complete and check the config."""
+        """Create the instances one by one, each on its own thread, within the budget.
+
+        Each instance is measured while it is built and warmed up (see
+        :mod:`appliance.memory`); instances are admitted while they fit the budget
+        and the model's own ``memory_limit``. Fewer than ``required_instances`` (one,
+        or during a hot swap what the old copy had) is a refusal: everything made is
+        closed, the charge released, and INVALID_ARG raised naming the budget, what
+        is in use and what was needed. Warm-up failures fail the load the same way.
+        """
+        budget = budget or memory.MemoryBudget(None)
         backend, path = resolve_backend(config, version_dir)
-        count = config.instance_count
+        requested = config.instance_count
         # each instance's share of the cores, unless the config pins it
         pinned = config.parameters.get("intra_op_thread_count", "0")
         if not pinned.isdigit():
@@ -116,8 +165,10 @@ class ModelVersion:
                 "parameters.intra_op_thread_count",
                 f"expected a positive integer, got {pinned!r}",
             )
-        threads = int(pinned) or cpu_share(count)
+        threads = int(pinned) or cpu_share(requested)
         kind = config.instance_group[0].kind
+        share_group = f"{config.name}:{version_dir.name}:{next(_LOADS)}"
+        version = int(version_dir.name)
 
         def factory(index: int) -> backends.Backend:
             return backends.create(
@@ -125,43 +176,103 @@ class ModelVersion:
                 BackendOptions(
                     model_path=path,
                     instance_index=index,
-                    instance_count=count,
+                    instance_count=requested,
                     kind=kind,
                     threads=threads,
                     parameters=config.parameters,
+                    max_batch_size=config.max_batch_size,
+                    share_group=share_group,
                 ),
             )
 
         started = time.perf_counter()
-        instances = await InstanceGroup.create(config.name, count, factory)
+        admission = memory.Admission(budget, config.name, config.memory_limit)
+        made: list[ModelInstance] = []
         try:
-            first = instances.instances[0].backend
-            platform = config.platform or next(
-                (p for p, b in backends.PLATFORMS.items() if b == backend), ""
-            )
-            completed = complete(
-                replace(
-                    config, backend=backend, platform=platform, default_model_filename=path.name
-                ),
-                first.inputs,
-                first.outputs,
-                server.default_max_batch_size,
-            )
+            async with budget.measuring():
+                known = budget.estimate(config.name, version)
+                guess = known[0].total if known else path.stat().st_size
+                if not admission.fits(guess):
+                    raise memory.BudgetRefused(admission.refusal("one instance (estimated)", guess))
+                made.append(await ModelInstance.start(config.name, 0, factory))
+                first = made[0].backend
+                platform = config.platform or next(
+                    (p for p, b in backends.PLATFORMS.items() if b == backend), ""
+                )
+                completed = complete(
+                    replace(
+                        config, backend=backend, platform=platform, default_model_filename=path.name
+                    ),
+                    first.inputs,
+                    first.outputs,
+                    # capped by the engine's own limit (a TensorRT optimization profile)
+                    backends.auto_max_batch_size(first, server.default_max_batch_size),
+                )
+                samples = warmup.samples(completed, version_dir.parent)
+                outputs = [t.name for t in completed.outputs]
+                first_cost, working = await _warm(made[0], samples, outputs, config.name)
+                if not admission.fits(first_cost.total):
+                    raise memory.BudgetRefused(admission.refusal("one instance", first_cost.total))
+                admission.add(first_cost)
+                # what one more instance needs at least: its working memory (weights may
+                # be shared); once one was measured, what that one really cost
+                extra = working
+                while len(made) < requested and admission.fits(extra.total):
+                    made.append(await ModelInstance.start(config.name, len(made), factory))
+                    cost, _ = await _warm(made[-1], samples, outputs, config.name)
+                    cost = cost.at_least(working)
+                    if not admission.fits(cost.total):
+                        await made.pop().close()
+                        break
+                    admission.add(cost)
+                    extra = cost
+            if len(made) < required_instances:
+                raise memory.BudgetRefused(
+                    admission.refusal(
+                        f"{required_instances} instance(s) (as many as the copy it replaces)",
+                        admission.held.total + extra.total * (required_instances - len(made)),
+                    )
+                )
         except BaseException:
-            await instances.close()
+            budget.release(admission.owner)
+            await InstanceGroup(made).close()
             raise
+        count = len(made)
+        if count < requested:
+            log.warning(
+                "model '%s' version %d: %d of %d instance(s) admitted: %s",
+                config.name,
+                version,
+                count,
+                requested,
+                admission.refusal("another instance", extra.total),
+            )
+        budget.remember(config.name, version, first_cost, extra, count)
         log.info(
             "loaded model '%s' version %d: %d instance(s) x %d thread(s), backend %s, "
-            "max_batch_size %d, in %.2fs",
+            "max_batch_size %d, memory %s (first instance %s, each further %s), in %.2fs",
             config.name,
-            int(version_dir.name),
+            version,
             count,
             threads,
             backend,
             completed.batch_size,
+            memory.fmt(admission.held.total),
+            memory.fmt(first_cost.total),
+            memory.fmt(extra.total),
             time.perf_counter() - started,
         )
-        return cls(completed, int(version_dir.name), instances, server.default_max_queue_size)
+        effective = replace(completed, instance_group=_trimmed(completed.instance_group, count))
+        return cls(
+            effective,
+            version,
+            InstanceGroup(made),
+            server.default_max_queue_size,
+            admission.held,
+            budget,
+            admission.owner,
+            requested,
+        )
 
     # ---- requests ---------------------------------------------------------------------
 
@@ -261,8 +372,33 @@ class ModelVersion:
         }
 
     async def unload(self, timeout_s: float) -> None:
-        """Drain queued and running requests (up to ``timeout_s``), then free the instances."""
+        """Drain queued and running requests (up to ``timeout_s``), free the instances,
+        hand the freed heap back to the OS and the charge back to the budget."""
         self.state = State.UNLOADING
-        await self.batcher.stop(timeout_s)
-        await self._instances.close()
-        self.state = State.UNAVAILABLE
+        budget = self._budget or memory.MemoryBudget(None)
+        try:
+            await self.batcher.stop(timeout_s)
+            # not while another copy is being measured: memory freed meanwhile would
+            # make that copy look cheaper than it is
+            async with budget.measuring():
+                await self._instances.close()
+                await asyncio.to_thread(memory.trim)
+        finally:
+            self.state = State.UNAVAILABLE
+            budget.release(self._owner)
+
+
+async def _warm(
+    instance: ModelInstance, samples: list[warmup.Sample], outputs: list[str], model: str
+) -> tuple[memory.Usage, memory.Usage]:
+    """Warm ``instance`` up; return (its whole cost, the part the warm-up added).
+
+    The engine's own report counts where RSS and NVML are blind (GPU memory on a
+    Jetson, for one).
+    """
+    _, working = await instance.run_measured(warmup.run, model, outputs, samples)
+    cost = instance.created + working
+    reported = memory_usage(instance.backend)
+    if reported is not None:
+        cost = cost.at_least(memory.Usage(reported.cpu_bytes, reported.gpu_bytes))
+    return cost, working

@@ -1,7 +1,9 @@
 """The server process: model lifecycle, data plane and the HTTP and metrics endpoints.
 
 Start-up: bind the endpoints (HTTP, gRPC, metrics: live at once, ready once the
-initial models loaded), then load the repository. Shutdown, as a checklist:
+initial models loaded), then load the repository, then start the MQTT bridge
+(when configured; it connects in the background). Shutdown, as a checklist: the
+MQTT bridge stops taking requests, answers those in flight and disconnects ->
 readiness goes false and new inferences are refused -> listeners close and
 in-flight HTTP and gRPC requests get up to ``drain_timeout_s`` to finish -> every
 model drains its queue and unloads -> the metrics endpoint closes.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import time
 from importlib import resources
 from pathlib import Path
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from appliance import http_api, metrics
+from appliance.access import AccessPolicy, is_loopback
 from appliance.config import ConfigError
 from appliance.dataplane import DataPlane
 from appliance.lifecycle import ModelLifeCycle
@@ -27,6 +31,7 @@ from appliance.shared_memory import SharedMemoryRegistry
 
 if TYPE_CHECKING:
     from appliance.grpc_api import GrpcEndpoint
+    from appliance.mqtt_bridge import MqttBridge
 from appliance.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -44,18 +49,38 @@ class Server:
         self.config = config
         self.repository = config.model_repository or demo_repository()
         self.lifecycle = ModelLifeCycle(self.repository, config)
+        self.access = AccessPolicy.from_config(config)
         self.dataplane = DataPlane(
             self.lifecycle, SharedMemoryRegistry(enabled=config.shared_memory == "system")
         )
         self._http: web.AppRunner | None = None
         self._grpc: GrpcEndpoint | None = None
         self._metrics: web.AppRunner | None = None
+        self.mqtt: MqttBridge | None = None
         self.http_port = 0
         self.grpc_port = 0
         self.metrics_port = 0
 
+    def _tls(self) -> ssl.SSLContext | None:
+        """HTTPS for the HTTP endpoint when the config names a certificate and key."""
+        cert, key = self.config.tls_cert, self.config.tls_key
+        if cert is None or key is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(cert, key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(
+                "<server>", "tls_cert", f"cannot use {cert} with {key}: {exc}"
+            ) from None
+        return context
+
     async def _site(
-        self, app: web.Application, port: int, shutdown_timeout: float
+        self,
+        app: web.Application,
+        port: int,
+        shutdown_timeout: float,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> tuple[web.AppRunner, int]:
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
         await runner.setup()
@@ -71,17 +96,18 @@ class Server:
             raise ConfigError(
                 "<server>", "port", f"cannot listen on {self.config.host}:{port}: {exc.strerror}"
             ) from None
-        site = web.SockSite(runner, sock)
+        site = web.SockSite(runner, sock, ssl_context=ssl_context)
         await site.start()
         return runner, int(sock.getsockname()[1])
 
     async def start(self) -> None:
         """Bind the endpoints, then load the model repository."""
         started = time.perf_counter()
+        tls = self._tls()
         if self.config.http_port >= 0:
-            app = http_api.create_app(self.dataplane, self.config.max_request_size)
+            app = http_api.create_app(self.dataplane, self.config.max_request_size, self.access)
             self._http, self.http_port = await self._site(
-                app, self.config.http_port, self.config.drain_timeout_s
+                app, self.config.http_port, self.config.drain_timeout_s, tls
             )
         if self.config.metrics_port >= 0:
             mapp = web.Application()
@@ -91,18 +117,28 @@ class Server:
             await self._start_grpc()
         host = self.config.host
         endpoints = [
-            f"http://{host}:{self.http_port} (KServe v2)" if self._http else "",
+            f"{'https' if tls else 'http'}://{host}:{self.http_port} (KServe v2)"
+            if self._http
+            else "",
             f"grpc {host}:{self.grpc_port}" if self._grpc else "",
             f"metrics http://{host}:{self.metrics_port}/metrics" if self._metrics else "",
         ]
         log.info("listening: %s", ", ".join(e for e in endpoints if e) or "in-process only")
-        await self.lifecycle.load_all()
+        tokens = self.config.admin_token or self.config.inference_token
+        if tokens and not is_loopback(host) and (tls is None or self._grpc is not None):
+            log.warning(
+                "bearer tokens travel in clear text on %s: %s",
+                host,
+                "set tls_cert and tls_key" if tls is None else "gRPC has no TLS",
+            )
+        await self.lifecycle.start()
         log.info(
             "ready in %.2fs: %d model version(s) from %s",
             time.perf_counter() - started,
             len(self.lifecycle.loaded()),
             self.repository,
         )
+        await self._start_mqtt()
 
     async def _start_grpc(self) -> None:
         try:  # grpcio is a dependency, but a trimmed device image may leave it out
@@ -111,17 +147,41 @@ class Server:
             log.warning("gRPC endpoint disabled: %s (pip install grpcio)", exc)
             return
         self._grpc = GrpcEndpoint(
-            self.dataplane, self.config.host, self.config.grpc_port, self.config.max_request_size
+            self.dataplane,
+            self.config.host,
+            self.config.grpc_port,
+            self.config.max_request_size,
+            access=self.access,
         )
         self.grpc_port = await self._grpc.start()
 
+    async def _start_mqtt(self) -> None:
+        """The MQTT bridge, once the models are loaded; it connects in the background,
+        and nothing about it (even a missing paho) can stop HTTP and gRPC serving."""
+        if self.config.mqtt is None:
+            return
+        try:
+            from appliance.mqtt_bridge import MqttBridge
+
+            bridge = MqttBridge(self.config.mqtt, self.dataplane, self.config.max_request_size)
+            await bridge.start()
+        except Exception as exc:
+            log.error("MQTT bridge disabled: %s", exc)
+            return
+        self.mqtt = bridge
+
     async def _render_metrics(self, request: web.Request) -> web.Response:
-        text = metrics.render(mv.stats for mv in self.lifecycle.loaded())
+        text = metrics.render((mv.stats for mv in self.lifecycle.loaded()), self.dataplane.memory())
+        if self.mqtt is not None:
+            text += "\n".join(self.mqtt.render_lines()) + "\n"
         return web.Response(text=text, headers={"Content-Type": metrics.CONTENT_TYPE})
 
     async def stop(self) -> None:
         """Graceful shutdown; see the module docstring for the order."""
         log.info("shutting down: draining for up to %.0fs", self.config.drain_timeout_s)
+        mqtt_bridge, self.mqtt = self.mqtt, None
+        if mqtt_bridge is not None:  # first: its requests in flight still get answers
+            await mqtt_bridge.stop(self.config.drain_timeout_s)
         self.dataplane.accepting = False
         http, grpc, metrics_runner = self._http, self._grpc, self._metrics
         self._http = self._grpc = self._metrics = None

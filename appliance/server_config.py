@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,17 @@ class ServerConfig:
     default_max_queue_size: int = 1024
     log_level: str = "info"
     event_loop: str = "auto"  # auto (uvloop when installed) | asyncio | uvloop
+    mqtt: MqttConfig | None = None  # None: no MQTT bridge
+    # model control, memory and access: see _control() at the end of this module
+    model_control_mode: str = "explicit"  # none | explicit | poll
+    load_model: tuple[str, ...] = ("*",)  # explicit: models loaded at start ("*": all)
+    repository_poll_secs: float = 15.0  # poll: seconds between looks at the repository
+    memory_limit: int | None = None  # bytes all loaded models may use; None: unlimited
+    admin_token: str = ""  # bearer token for load/unload/shared-memory registration
+    inference_token: str = ""  # bearer token for inference and metadata; "": open
+    require_admin_token: bool = False  # admin needs the token on loopback too
+    tls_cert: Path | None = None  # HTTPS on the HTTP endpoint: certificate and key
+    tls_key: Path | None = None
 
 
 def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerConfig:
@@ -67,6 +79,8 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
             raise ConfigError(source, "", f"not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(source, "", f"expected a mapping, got {type(data).__name__}")
+    overrides = dict(overrides)
+    broker = overrides.pop("mqtt_broker", None)  # --mqtt-broker HOST:PORT
     data.update({k: v for k, v in overrides.items() if v is not None})
     f = Fields(source, data)
     f.check_keys(set(ServerConfig.__slots__))
@@ -102,6 +116,8 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         default_max_queue_size=f.integer("default_max_queue_size", 1024, minimum=1),
         log_level=level,
         event_loop=_choice(f, "event_loop", "auto", ("auto", "asyncio", "uvloop")),
+        mqtt=_mqtt(f, path, broker),
+        **_control(f, path),
     )
 
 
@@ -110,3 +126,202 @@ def _choice(f: Fields, key: str, default: str, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise f.fail(key, f"expected one of {', '.join(allowed)}, got {value!r}")
     return value
+
+
+# ---- mqtt: the MQTT bridge (appliance/mqtt_bridge.py) ----------------------------------
+
+_MQTT_FIELDS = {
+    "host",
+    "port",
+    "device_id",
+    "client_id",
+    "topic_prefix",
+    "qos",
+    "models",
+    "shared_group",
+    "username",
+    "password",
+    "tls",
+    "keepalive_s",
+    "session_expiry_s",
+    "max_pending",
+    "dedup_window_s",
+    "dedup_max_entries",
+    "reconnect_min_s",
+    "reconnect_max_s",
+    "file_directory",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MqttTls:
+    ca_file: Path | None = None  # None: the system's trusted CAs
+    cert_file: Path | None = None  # client certificate (mutual TLS), with key_file
+    key_file: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MqttConfig:
+    """The ``mqtt:`` section of appliance.yaml (see docs/mqtt.md for each field)."""
+
+    host: str
+    port: int = 1883
+    device_id: str = ""  # default: the host name
+    client_id: str = ""  # default: the device id
+    topic_prefix: str = "appliance"
+    qos: int = 1  # subscriptions and replies: 0 or 1
+    models: tuple[str, ...] = ()  # () = every model
+    shared_group: str = ""  # also serve $share/<group>/<prefix>/infer/<model>
+    username: str = ""
+    password: str = ""
+    tls: MqttTls | None = None
+    keepalive_s: int = 30
+    session_expiry_s: int = 300  # the broker keeps our subscriptions and QoS 1 requests
+    max_pending: int = 64  # requests held at once; beyond: "overloaded" reply
+    dedup_window_s: float = 60.0
+    dedup_max_entries: int = 10000
+    reconnect_min_s: float = 1.0
+    reconnect_max_s: float = 60.0
+    file_directory: Path | None = None  # payloads may name files under it; None: refused
+
+
+def _seconds(f: Fields, key: str, default: float, minimum: float) -> float:
+    value = f.data.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < minimum:
+        raise f.fail(key, f"expected a number of seconds >= {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def _topic_level(f: Fields, key: str, default: str, allow_slash: bool = False) -> str:
+    """A topic part we publish or subscribe with: no wildcards, no empty levels."""
+    value = f.text(key, default)
+    if (
+        not value
+        or value.startswith("$")
+        or any(c in value for c in "+#\0")
+        or (not allow_slash and "/" in value)
+        or "" in value.split("/")
+    ):
+        what = "topic prefix (levels separated by '/')" if allow_slash else "topic level"
+        raise f.fail(
+            key,
+            f"expected a non-empty MQTT {what} without '+', '#', empty levels "
+            f"or a leading '$', got {value!r}",
+        )
+    return value
+
+
+def _file(f: Fields, key: str, base: Path | None, directory: bool = False) -> Path | None:
+    value = f.data.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise f.fail(key, f"expected a path, got {value!r}")
+    path = Path(os.path.expanduser(value))
+    if base is not None and not path.is_absolute():
+        path = base.parent / path  # relative to the config file
+    if not (path.is_dir() if directory else path.is_file()):
+        kind = "directory" if directory else "file"
+        raise f.fail(key, f"expected an existing {kind}, {str(path)!r} is not one")
+    return path
+
+
+def _mqtt(f: Fields, path: Path | None, broker: str | None) -> MqttConfig | None:
+    """The ``mqtt`` section, or None when it is absent and --mqtt-broker is not given."""
+    raw = f.data.get("mqtt")
+    if raw is None and broker is None:
+        return None
+    m = Fields(f.source, {} if raw is None else raw, f.at("mqtt"))
+    m.check_keys(_MQTT_FIELDS)
+    data = dict(m.data)
+    if broker is not None:
+        name, sep, number = str(broker).rpartition(":")
+        if not sep or not name or not number.isdigit() or not 0 < int(number) < 65536:
+            raise ConfigError(
+                "<command line>", "--mqtt-broker", f"expected HOST:PORT, got {broker!r}"
+            )
+        data.update(host=name.strip("[]"), port=int(number))
+    m = Fields(m.source, data, m.path)
+    host = m.text("host")
+    if not host:
+        raise m.fail("host", "expected the broker's host name or address")
+    port = m.integer("port", 1883, minimum=1)
+    if port > 65535:
+        raise m.fail("port", f"expected a port number 1..65535, got {port}")
+    qos = m.integer("qos", 1)
+    if qos > 1:
+        raise m.fail("qos", f"expected 0 or 1, got {qos}")
+    models = data.get("models", [])
+    if not isinstance(models, list) or not all(
+        isinstance(x, str) and x and not set(x) & set("+#/\0") for x in models
+    ):
+        raise m.fail("models", f"expected a list of model names, got {models!r}")
+    device_id = _topic_level(m, "device_id", socket.gethostname() or "appliance")
+    tls = None
+    if isinstance(data.get("tls"), bool):  # tls: true = the system's trusted CAs
+        tls = MqttTls() if data["tls"] else None
+    elif (t := m.sub("tls")) is not None:
+        t.check_keys({"ca_file", "cert_file", "key_file"})
+        files = [_file(t, key, path) for key in ("ca_file", "cert_file", "key_file")]
+        tls = MqttTls(*files)
+        if (tls.cert_file is None) != (tls.key_file is None):
+            raise t.fail("cert_file", "a client certificate needs both cert_file and key_file")
+    low = _seconds(m, "reconnect_min_s", 1.0, 0.01)
+    high = _seconds(m, "reconnect_max_s", max(60.0, low), low)
+    shared = data.get("shared_group") or ""
+    return MqttConfig(
+        host=host,
+        port=port,
+        device_id=device_id,
+        client_id=m.text("client_id", device_id) or device_id,
+        topic_prefix=_topic_level(m, "topic_prefix", "appliance", allow_slash=True),
+        qos=qos,
+        models=tuple(models),
+        shared_group=_topic_level(m, "shared_group", shared) if shared else "",
+        username=m.text("username"),
+        password=m.text("password"),
+        tls=tls,
+        keepalive_s=m.integer("keepalive_s", 30, minimum=5),
+        session_expiry_s=m.integer("session_expiry_s", 300),
+        max_pending=m.integer("max_pending", 64, minimum=1),
+        dedup_window_s=_seconds(m, "dedup_window_s", 60.0, 0.0),
+        dedup_max_entries=m.integer("dedup_max_entries", 10000, minimum=1),
+        reconnect_min_s=low,
+        reconnect_max_s=high,
+        file_directory=_file(m, "file_directory", path, directory=True),
+    )
+
+
+# ---- model control, memory budget, access (lifecycle.py, memory.py, access.py) --------
+
+
+def _control(f: Fields, path: Path | None) -> dict[str, Any]:
+    from appliance.memory import parse_limit  # here: memory imports this module
+
+    mode = _choice(f, "model_control_mode", "explicit", ("none", "explicit", "poll"))
+    names = f.data.get("load_model", ["*"])
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) and n for n in names):
+        raise f.fail("load_model", f"expected a list of model names (or '*'), got {names!r}")
+    if "load_model" in f.data and mode != "explicit":
+        raise f.fail("load_model", f"only applies to model_control_mode explicit, not {mode!r}")
+    poll = f.data.get("repository_poll_secs", 15.0)
+    if not isinstance(poll, (int, float)) or isinstance(poll, bool) or poll <= 0:
+        raise f.fail("repository_poll_secs", f"expected a number of seconds > 0, got {poll!r}")
+    require = f.flag("require_admin_token", False)
+    cert, key = _file(f, "tls_cert", path), _file(f, "tls_key", path)
+    if (cert is None) != (key is None):
+        missing = "tls_cert" if cert is None else "tls_key"
+        raise f.fail(missing, "HTTPS needs both tls_cert and tls_key")
+    return {
+        "model_control_mode": mode,
+        "load_model": tuple(names),
+        "repository_poll_secs": float(poll),
+        "memory_limit": parse_limit(f.data.get("memory_limit"), f.source, "memory_limit"),
+        "admin_token": f.text("admin_token"),
+        "inference_token": f.text("inference_token"),
+        "require_admin_token": require,
+        "tls_cert": cert,
+        "tls_key": key,
+    }

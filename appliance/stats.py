@@ -52,6 +52,10 @@ class ModelStats:
     failures: dict[FailureReason, int] = field(default_factory=dict)
     batches: dict[int, BatchStats] = field(default_factory=dict)
     pending: int = 0  # requests queued, not yet executing
+    # the copy's measured memory in Triton's shape: [{type: CPU|GPU, id, byte_size}]
+    memory_usage: list[dict[str, Any]] = field(default_factory=list)
+    instances: int = 0  # admitted by the memory budget
+    instances_requested: int = 0  # what the config asked for
 
     def record_execution(
         self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int
@@ -109,5 +113,5 @@ class ModelStats:
                 }
                 for size, b in sorted(self.batches.items())
             ],
-            "memory_usage": [],
+            "memory_usage": self.memory_usage,
         }

@@ -12,37 +12,60 @@ import importlib
 from pathlib import Path
 
 from appliance.errors import invalid
-from backends.base import Backend, BackendOptions, TensorSpec
+from backends.base import Backend, BackendOptions, TensorSpec, batch_limit
 
-# backend name -> (module:class, pip extra that provides its engine)
+# backend name -> (module:class, pip extra of this package that provides its engine;
+# "" for an engine that is a core dependency)
 BACKENDS: dict[str, tuple[str, str]] = {
-    "onnxruntime": ("backends.onnxruntime_backend:OnnxRuntimeBackend", "appliance"),
+    "onnxruntime": ("backends.onnxruntime_backend:OnnxRuntimeBackend", ""),
+    "openvino": ("backends.openvino_backend:OpenVinoBackend", "openvino"),
+    "tensorrt": ("backends.tensorrt_backend:TensorRtBackend", "tensorrt"),
 }
 
 # Triton platform names -> backend names
 PLATFORMS: dict[str, str] = {
     "onnxruntime_onnx": "onnxruntime",
+    "tensorrt_plan": "tensorrt",
 }
 
 # default model file name of each backend (Triton's default_model_filename)
 DEFAULT_FILENAMES: dict[str, str] = {
     "onnxruntime": "model.onnx",
+    "openvino": "model.xml",
+    "tensorrt": "model.plan",
 }
 
-# model file suffix -> backend, used when a config names neither backend nor platform
+# model file suffix -> backend, used when a config names neither backend nor platform.
+# OpenVINO IR is model.xml plus its weights, model.bin (which is never a model itself).
 BY_SUFFIX: dict[str, str] = {
     ".onnx": "onnxruntime",
+    ".xml": "openvino",
+    ".plan": "tensorrt",
+    ".engine": "tensorrt",
 }
+
+
+def install_hint(name: str) -> str:
+    """The pip command that provides backend ``name``'s engine."""
+    extra = BACKENDS[name][1]
+    return f"pip install 'appliance[{extra}]'" if extra else "pip install appliance"
 
 
 def backend_for_file(path: Path) -> str | None:
     return BY_SUFFIX.get(path.suffix)
 
 
+def auto_max_batch_size(backend: object, default: int) -> int:
+    """The max_batch_size auto-complete gives a model: the server's default, capped by
+    the engine's own limit where it has one (a TensorRT optimization profile)."""
+    limit = batch_limit(backend)
+    return min(default, limit) if limit else default
+
+
 def create(name: str, options: BackendOptions) -> Backend:
     """Create one instance of backend ``name`` (blocking: call from a worker thread)."""
     try:
-        target, extra = BACKENDS[name]
+        target, _ = BACKENDS[name]
     except KeyError:
         raise invalid(
             f"unknown backend '{name}', expected one of {', '.join(sorted(BACKENDS))}"
@@ -53,11 +76,20 @@ def create(name: str, options: BackendOptions) -> Backend:
     except ImportError as exc:
         raise invalid(
             f"backend '{name}' needs a package that is not installed ({exc.name}); "
-            f"install it with: pip install '{extra}'"
+            f"install it with: {install_hint(name)}"
         ) from None
     cls = getattr(module, class_name)
     backend: Backend = cls(options)
     return backend
 
 
-__all__ = ["BACKENDS", "Backend", "BackendOptions", "TensorSpec", "create"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "BackendOptions",
+    "TensorSpec",
+    "auto_max_batch_size",
+    "backend_for_file",
+    "create",
+    "install_hint",
+]

@@ -7,11 +7,15 @@ worker thread, so ``infer`` is only ever called from that one thread at a time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+
+from appliance import datatypes
+from appliance.errors import invalid
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +38,35 @@ class BackendOptions:
     # threads this instance may use for one inference (its share of the cores)
     threads: int = 1
     parameters: dict[str, str] = field(default_factory=dict)
+    # the config's max_batch_size; None when the config leaves it to auto-complete.
+    # Engines with fixed shapes use it: OpenVINO reshapes a static batch dim, TensorRT
+    # builds its optimization profile for it.
+    max_batch_size: int | None = None
+    # one loaded copy of a model version: every instance of the copy gets the same
+    # value, the next load (a reload, a hot swap) a new one. An engine that shares
+    # weights between instances keys its cache on it, so the old and the new copy
+    # never share: each copy's memory is its own and is freed when it unloads.
+    # "" (the default): no sharing between instances.
+    share_group: str = ""
+
+    @property
+    def model_name(self) -> str:
+        """The model's name (``<repository>/<model>/<version>/<file>``)."""
+        return self.model_path.parent.parent.name
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryUsage:
+    """What one instance holds, as its engine reports it.
+
+    Weights shared by several instances are counted once, on the instance that
+    loaded them, so summing over a model's instances gives the model's cost. The
+    memory budget measures RSS and NVML itself; a report matters where those are
+    blind, e.g. CUDA allocations on a Jetson (unified memory, no per-process NVML).
+    """
+
+    cpu_bytes: int = 0
+    gpu_bytes: int = 0
 
 
 class Backend(Protocol):
@@ -56,3 +89,58 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release the engine's memory; the object is unusable afterwards."""
         ...
+
+
+class ReportsMemory(Protocol):
+    """Optional: a backend that can say what it holds (TensorRT: its GPU memory)."""
+
+    def memory_usage(self) -> MemoryUsage: ...
+
+
+class BatchLimited(Protocol):
+    """Optional: a backend whose engine caps the batch size (TensorRT profiles)."""
+
+    max_batch_size: int
+
+
+def memory_usage(backend: object) -> MemoryUsage | None:
+    """The backend's reported memory, or None when it reports none."""
+    report = getattr(backend, "memory_usage", None)
+    if report is None:
+        return None
+    usage: MemoryUsage = report()
+    return usage
+
+
+def batch_limit(backend: object) -> int | None:
+    """The largest batch the backend's engine accepts, or None when it has no limit."""
+    limit = getattr(backend, "max_batch_size", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def check_inputs(model: str, specs: Sequence[TensorSpec], inputs: dict[str, np.ndarray]) -> None:
+    """Raise INVALID_ARG unless ``inputs`` has exactly the declared tensors with
+    their datatypes and ranks, and fixed dims where the model fixes them.
+
+    The model version already checks requests against its config; this is the
+    engine's own guard, because some engines silently convert a wrong dtype or
+    reuse the previous value of a missing input (OpenVINO does both).
+    """
+    declared = {s.name for s in specs}
+    unknown = sorted(set(inputs) - declared)
+    if unknown:
+        raise invalid(
+            f"model '{model}' has no input(s) {unknown}; its inputs are {sorted(declared)}"
+        )
+    for spec in specs:
+        arr = inputs.get(spec.name)
+        where = f"input '{spec.name}' of model '{model}'"
+        if arr is None:
+            raise invalid(f"{where} is missing")
+        got = datatypes.from_numpy_dtype(arr.dtype)
+        if got != spec.datatype:
+            raise invalid(f"{where}: expected datatype {spec.datatype}, got {got}")
+        if len(arr.shape) != len(spec.shape) or any(
+            want not in (-1, have) for want, have in zip(spec.shape, arr.shape, strict=True)
+        ):
+            raise invalid(f"{where}: expected shape {list(spec.shape)}, got {list(arr.shape)}")

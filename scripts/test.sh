@@ -4,6 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install --quiet --disable-pip-version-check -e '.[test]'
+# the MQTT tests run a real broker: Debian's mosquitto (installed to /usr/sbin, which a
+# non-login PATH may lack; tests/mosquitto.py looks there too)
+if ! command -v mosquitto >/dev/null && [ ! -x /usr/sbin/mosquitto ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto >/dev/null
+    else
+        echo "test.sh: mosquitto is not installed; the MQTT tests will be skipped" >&2
+    fi
+fi
 python3 -m ruff check appliance backends tests benchmarks
 python3 -m mypy
 python3 -m pytest -q

@@ -18,10 +18,10 @@ from appliance.config import (
     complete,
     load_model_config,
     parse_model_config,
-    to_triton_json,
 )
 from appliance.errors import Code
 from appliance.server_config import ServerConfig, load_server_config, parse_size
+from appliance.triton_config import to_triton_json
 from backends.base import TensorSpec
 
 SRC = "models/det/config.yaml"
@@ -220,7 +220,7 @@ def test_config_must_be_a_mapping() -> None:
 
 def test_unsupported_fields_warn_instead_of_failing(caplog: pytest.LogCaptureFixture) -> None:
     data = {
-        "model_warmup": [{"name": "w"}],
+        "sequence_batching": {},
         "optimization": {},
         "input": [{"name": "a", "data_type": "TYPE_FP32", "dims": [1], "reshape": {"shape": []}}],
         "output": [
@@ -231,7 +231,7 @@ def test_unsupported_fields_warn_instead_of_failing(caplog: pytest.LogCaptureFix
         cfg = parse_model_config(data, "m", SRC)
     assert cfg.inputs[0].name == "a" and cfg.outputs[0].dims == (10,)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    for field in ("model_warmup", "optimization", "reshape", "label_filename"):
+    for field in ("sequence_batching", "optimization", "reshape", "label_filename"):
         assert any(SRC in w and field in w for w in warnings), field
 
 

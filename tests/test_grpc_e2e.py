@@ -262,10 +262,19 @@ def test_repository_index_load_and_unload(run_appliance: Any) -> None:
     _assert_simple_ok(client)
     _fails(lambda: client.load_model("nope"), "NOT_FOUND", "'nope'")
     _fails(lambda: client.unload_model("nope"), "NOT_FOUND", "'nope'")
+    # Triton's config override: this load uses the JSON config instead of the file's
+    client.load_model("simple", config='{"max_batch_size": 4}')
+    assert client.get_model_config("simple").config.max_batch_size == 4
+    _assert_simple_ok(client)
     _fails(
-        lambda: client.load_model("simple", config='{"max_batch_size": 4}'),
+        lambda: client.load_model("simple", config='{"max_batch_size": "four"}'),
         "INVALID_ARGUMENT",
-        "not supported",
+        "parameter 'config': not a valid Triton model config",
+    )
+    _fails(
+        lambda: client.load_model("simple", files={"file:1/model.onnx": b"x"}),
+        "INVALID_ARGUMENT",
+        "unsupported load parameter(s) ['file:1/model.onnx']",
     )
 
 

@@ -1,0 +1,107 @@
+"""The model repository on disk: model folders, version folders, and what changed.
+
+Layout as Triton's: ``<repository>/<model>/<version>/<model file>``, version folders
+named by positive integers, an optional ``warmup/`` folder for warm-up data. Names
+starting with a dot are invisible, so a writer can stage ``.2.tmp`` and rename it
+to ``2`` once it is complete (an atomic step on one file system).
+
+:class:`RepositoryPoller` decides, poll by poll, which models to (re)load or unload
+in ``poll`` mode. It never acts on a model whose files are still changing: a
+change is applied only once two consecutive polls saw the same files, sizes and
+modification times, and no version folder is empty.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from appliance.errors import invalid
+
+# folders inside a model folder that are not versions
+NOT_VERSIONS = {"warmup"}
+
+# (relative path, size, mtime_ns) of every visible file in a model folder
+Fingerprint = tuple[tuple[str, int, int], ...]
+
+
+def model_names(repository: Path) -> list[str]:
+    return sorted(p.name for p in repository.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def version_dirs(model_dir: Path) -> list[int]:
+    """The model's version numbers; INVALID_ARG naming a folder that is not a number."""
+    versions = []
+    for p in sorted(model_dir.iterdir()):
+        if not p.is_dir() or p.name.startswith(".") or p.name in NOT_VERSIONS:
+            continue
+        if not p.name.isdigit() or int(p.name) < 1:
+            raise invalid(
+                f"model '{model_dir.name}': version folder '{p.name}' is not a version number "
+                f"(version folders are named 1, 2, ...; stage unfinished ones under a name "
+                f"starting with '.')"
+            )
+        versions.append(int(p.name))
+    return sorted(versions)
+
+
+def fingerprint(model_dir: Path) -> Fingerprint | None:
+    """What the model folder holds now; None while a version folder is empty (being
+    written) or the folder vanished."""
+    out = []
+    try:
+        for root, dirs, files in os.walk(model_dir):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            rel = os.path.relpath(root, model_dir)
+            visible = [f for f in files if not f.startswith(".")]
+            if rel != "." and os.sep not in rel and rel.isdigit() and not visible and not dirs:
+                return None  # a version folder with no file yet
+            for name in visible:
+                st = os.stat(os.path.join(root, name))
+                out.append((os.path.normpath(os.path.join(rel, name)), st.st_size, st.st_mtime_ns))
+    except OSError:
+        return None
+    return tuple(sorted(out))
+
+
+def snapshot(repository: Path) -> dict[str, Fingerprint | None]:
+    """Every model folder's fingerprint (blocking: run it on a worker thread)."""
+    try:
+        names = model_names(repository)
+    except OSError:
+        return {}
+    return {name: fingerprint(repository / name) for name in names}
+
+
+class RepositoryPoller:
+    """Which models to load or unload, given successive snapshots of the repository.
+
+    Pure bookkeeping, no I/O: feed each poll's snapshot to :meth:`changes`, and
+    report each model it asked for with :meth:`applied` once acted on.
+    """
+
+    def __init__(self, baseline: Mapping[str, Fingerprint | None]) -> None:
+        self._applied: dict[str, Fingerprint | None] = dict(baseline)
+        self._previous: dict[str, Fingerprint | None] = dict(baseline)
+
+    def changes(self, current: Mapping[str, Fingerprint | None]) -> tuple[list[str], list[str]]:
+        """(models to load or reload, models to unload) for this poll."""
+        previous, self._previous = self._previous, dict(current)
+        load = [
+            name
+            for name, fp in current.items()
+            if fp is not None
+            and name in previous
+            and previous[name] == fp  # unchanged since the last poll: not being written
+            and self._applied.get(name, ()) != fp
+        ]
+        # gone in two polls running: a folder renamed away and back in between is kept
+        unload = [n for n in self._applied if n not in current and n not in previous]
+        return sorted(load), sorted(unload)
+
+    def applied(self, name: str, fp: Fingerprint | None) -> None:
+        self._applied[name] = fp
+
+    def forget(self, name: str) -> None:
+        self._applied.pop(name, None)
