@@ -41,7 +41,6 @@ import gc
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -54,7 +53,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
-import onnxruntime as ort
+from machine import describe  # benchmarks/machine.py, next to this script
 
 import backends
 from appliance import modelgen
@@ -246,34 +245,6 @@ def memory_of(engine: str, model: str) -> float:
     return float(json.loads(out.strip().splitlines()[-1])["bytes"]) / 2**20
 
 
-def machine() -> dict[str, str]:
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    flags = set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    isa = [x for x in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16") if x in flags]
-    import openvino as ov
-
-    return {
-        "CPU": f"{cpu} ({', '.join(isa) or 'no AVX2'})",
-        "cores (usable)": f"{CORES} (of {os.cpu_count()})",
-        "OS": f"{platform.system()} {platform.release()}",
-        "Python": platform.python_version(),
-        "onnxruntime": ort.__version__,
-        "openvino": ov.__version__,
-        "numpy": np.__version__,
-        "load average before run (1/5/15 min)": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-    }
-
-
 def cell(values: list[float], fmt: str) -> str:
     mid = statistics.median(values)
     if len(values) < 2:
@@ -300,7 +271,7 @@ def main() -> None:
         memory_child(*args.memory_child)
         return
     started = datetime.datetime.now()
-    info = machine()
+    info = describe("onnxruntime", "openvino", "numpy")
     models = [m for m in args.models.split(",") if m]
     results: dict[tuple[str, str], Figures] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,8 +23,6 @@ import argparse
 import contextlib
 import datetime as dt
 import os
-import platform
-import re
 import signal
 import socket
 import subprocess
@@ -40,6 +38,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from machine import describe  # noqa: E402  (benchmarks/machine.py, next to this script)
 
 from appliance import modelgen  # noqa: E402
 
@@ -160,24 +160,6 @@ def run_case(
     }
 
 
-def machine() -> str:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    mem = int(re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text()).group(1))  # type: ignore[union-attr]
-    import onnxruntime
-
-    return (
-        f"{cpu}, {len(os.sched_getaffinity(0))} cores, {mem / 2**20:.1f} GiB RAM, "
-        f"Python {platform.python_version()}, onnxruntime {onnxruntime.__version__}"
-    )
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=6.0, help="measured time per case")
@@ -227,7 +209,9 @@ def main() -> int:
         "python benchmarks/bench_camera.py " + " ".join(sys.argv[1:]),
         "```",
         "",
-        f"Machine: {machine()}. Client and server share the machine.",
+        "Machine: "
+        + "; ".join(f"{k} {v}" for k, v in describe("onnxruntime", "tritonclient").items())
+        + ". Client and server share the machine.",
         f"Frame: UINT8 {SHAPE} ({int(np.prod(SHAPE)) / 1e6:.1f} MB) through `frame_mean`; "
         f"measured {args.seconds:g} s or {args.frames} frames per case.",
         "",

@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import datetime
 import os
-import platform
 import shlex
 import signal
 import socket
@@ -48,11 +47,12 @@ from typing import Any, ClassVar
 
 import aiohttp
 import numpy as np
-import onnxruntime as ort
 import orjson
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
+
+from machine import describe  # noqa: E402  (benchmarks/machine.py, next to this script)
 
 from appliance import modelgen  # noqa: E402
 from appliance.instances import cpu_share  # noqa: E402
@@ -567,27 +567,6 @@ async def run_case(
 # ---- report ----------------------------------------------------------------------------
 
 
-def machine() -> dict[str, str]:
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem_kib = proc_status_kib_meminfo()
-    return {
-        "CPU": cpu,
-        "cores (usable)": f"{len(os.sched_getaffinity(0))} (of {os.cpu_count()})",
-        "RAM": f"{mem_kib / 2**20:.1f} GiB",
-        "OS": f"{platform.system()} {platform.release()}",
-        "Python": platform.python_version(),
-        "onnxruntime": ort.__version__,
-        "aiohttp": aiohttp.__version__,
-        "numpy": np.__version__,
-        "load average before run (1/5/15 min)": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-    }
-
-
 def proc_status_kib_meminfo() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -971,7 +950,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     args = parse_args(argv)
     command = shlex.join([Path(sys.executable).name, *sys.argv])
-    info = machine()
+    info = describe("onnxruntime", "aiohttp", "uvloop", "numpy")
     info["started"] = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     # the load average lags by minutes; the 'other CPU' columns are the real noise gauge
     log(

@@ -29,10 +29,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import importlib.metadata
 import itertools
 import os
-import platform
 import shlex
 import socket
 import subprocess
@@ -55,6 +53,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
 sys.path.insert(0, str(REPO_ROOT / "tests"))  # the broker helper the MQTT tests use
 
+from machine import describe  # noqa: E402  (benchmarks/machine.py, next to this script)
 from mosquitto import Broker, find_mosquitto, free_port  # noqa: E402
 
 from appliance import modelgen  # noqa: E402
@@ -318,21 +317,12 @@ def wait_online(port: int, timeout_s: float = 120.0) -> None:
 
 
 def machine() -> dict[str, str]:
-    cpu = "unknown"
-    with open("/proc/cpuinfo") as f:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     broker_version = subprocess.run(
         [find_mosquitto() or "mosquitto", "-h"], capture_output=True, text=True
     ).stdout.splitlines()[:1]
-    return {
-        "CPU": cpu,
-        "cores (usable)": f"{len(os.sched_getaffinity(0))} (of {os.cpu_count()})",
-        "OS": f"{platform.system()} {platform.release()}",
-        "Python": platform.python_version(),
-        "paho-mqtt": importlib.metadata.version("paho-mqtt"),
-        "broker": broker_version[0] if broker_version else "mosquitto",
-        "load average before run": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-    }
+    info = describe("paho-mqtt")
+    info["broker"] = broker_version[0] if broker_version else "mosquitto"
+    return info
 
 
 def render(cases: list[Case], info: dict[str, str], command: str, started: str) -> str:
