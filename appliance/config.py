@@ -96,6 +96,18 @@ class WarmupSample:
 
 
 @dataclass(frozen=True, slots=True)
+class EnsembleStep:
+    """One step of Triton's ``ensemble_scheduling``: which model runs, and how its
+    tensor names map to the ensemble's (``input_map``: model input -> ensemble tensor,
+    ``output_map``: model output -> ensemble tensor)."""
+
+    model_name: str
+    model_version: int  # -1: the newest ready version
+    input_map: dict[str, str]
+    output_map: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     name: str
     backend: str = ""
@@ -110,6 +122,7 @@ class ModelConfig:
     parameters: dict[str, str] = field(default_factory=dict)
     model_warmup: tuple[WarmupSample, ...] = ()
     memory_limit: int | None = None  # parameters.memory_limit: one copy's cap, bytes
+    ensemble_steps: tuple[EnsembleStep, ...] = ()  # platform "ensemble" only
     source: str = "<auto-complete>"
 
     @property
@@ -124,7 +137,6 @@ class ModelConfig:
 # Triton fields accepted but not acted on yet: warned about, never silently dropped.
 _UNSUPPORTED = {
     "sequence_batching",
-    "ensemble_scheduling",
     "optimization",
     "response_cache",
     "model_transaction_policy",
@@ -150,6 +162,7 @@ _MODEL_FIELDS = {
     "default_model_filename",
     "parameters",
     "model_warmup",
+    "ensemble_scheduling",
 } | _UNSUPPORTED
 
 
@@ -364,6 +377,13 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
                 f"{w.batch_size} exceeds max_batch_size {max_batch}"
                 + ("" if max_batch else " (a model that does not batch warms up one sample)"),
             )
+    steps = _ensemble(f)
+    if steps and not (max_batch is not None and f.data.get("input") and f.data.get("output")):
+        raise f.fail(
+            "ensemble_scheduling",
+            "an ensemble has no engine to complete its config from: "
+            "declare max_batch_size, input and output",
+        )
     return ModelConfig(
         name=name,
         backend=f.text("backend"),
@@ -378,8 +398,50 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
         parameters=parameters,
         model_warmup=warmup,
         memory_limit=_memory_limit(parameters, source),
+        ensemble_steps=steps,
         source=source,
     )
+
+
+def _string_map(f: Fields, key: str) -> dict[str, str]:
+    value = f.data.get(key, {})
+    if (
+        not isinstance(value, dict)
+        or not value
+        or not all(isinstance(k, str) and isinstance(v, str) and k and v for k, v in value.items())
+    ):
+        raise f.fail(key, f"expected a non-empty mapping of tensor names, got {value!r}")
+    return dict(value)
+
+
+def _ensemble(f: Fields) -> tuple[EnsembleStep, ...]:
+    """``ensemble_scheduling`` for platform ``ensemble`` (and only for it)."""
+    is_ensemble = f.data.get("platform") == "ensemble"
+    scheduling = f.sub("ensemble_scheduling")
+    if scheduling is None:
+        if is_ensemble:
+            raise f.fail("ensemble_scheduling", "platform 'ensemble' needs ensemble_scheduling")
+        return ()
+    if not is_ensemble:
+        raise f.fail("ensemble_scheduling", "only a model with platform 'ensemble' has steps")
+    scheduling.check_keys({"step"})
+    steps = []
+    for s in scheduling.entries("step"):
+        s.check_keys({"model_name", "model_version", "input_map", "output_map"})
+        model = s.text("model_name")
+        if not model:
+            raise s.fail("model_name", "expected the name of the model this step runs")
+        steps.append(
+            EnsembleStep(
+                model,
+                s.integer("model_version", -1, minimum=-1),
+                _string_map(s, "input_map"),
+                _string_map(s, "output_map"),
+            )
+        )
+    if not steps:
+        raise scheduling.fail("step", "expected at least one step")
+    return tuple(steps)
 
 
 def _memory_limit(parameters: dict[str, str], source: str) -> int | None:

@@ -31,6 +31,7 @@ from typing import Any
 
 from appliance import repository
 from appliance.config import ConfigError, ModelConfig, load_model_config, parse_model_config
+from appliance.ensemble import EnsembleVersion
 from appliance.errors import ApplianceError, invalid, not_found, unavailable
 from appliance.memory import BudgetRefused, MemoryBudget, fmt
 from appliance.model import ModelVersion, State
@@ -96,6 +97,8 @@ class ModelLifeCycle:
         poll = self.server.model_control_mode == "poll"
         if poll:  # before loading: a change made while loading is seen by the first poll
             baseline = await asyncio.to_thread(repository.snapshot, self.repository)
+        # ensembles last: their validation needs the step models loaded
+        names.sort(key=self._is_ensemble)
         for name in names:
             await self.load(name)
         self._started = True
@@ -105,9 +108,15 @@ class ModelLifeCycle:
                 self._poll_forever(), name="repository-poll"
             )
 
+    def _is_ensemble(self, name: str) -> bool:
+        try:
+            return load_model_config(self.repository / name).platform == "ensemble"
+        except ApplianceError:
+            return False  # reported when it loads
+
     async def load_all(self) -> None:
-        """Load every model in the repository."""
-        for name in self.names():
+        """Load every model in the repository (ensembles last)."""
+        for name in sorted(self.names(), key=self._is_ensemble):
             await self.load(name)
         self._started = True
 
@@ -196,6 +205,11 @@ class ModelLifeCycle:
         failed: dict[int, str] = {}
         for version in wanted:
             try:
+                if config.platform == "ensemble":
+                    new[version] = await EnsembleVersion.load_ensemble(
+                        config, model_dir / str(version), self.server, self.get
+                    )
+                    continue
                 new[version] = await ModelVersion.load(
                     config,
                     model_dir / str(version),
@@ -322,7 +336,7 @@ class ModelLifeCycle:
                 await self.unload(name)
                 self._models.pop(name, None)
             self._poller.forget(name)
-        for name in to_load:
+        for name in sorted(to_load, key=self._is_ensemble):  # ensembles after their steps
             log.info("model '%s' changed in the repository: loading it", name)
             self._poller.applied(name, current[name])
             try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
+import json
 import logging
 import time
 from dataclasses import replace
@@ -28,7 +29,8 @@ from appliance.instances import InstanceGroup, ModelInstance, cpu_share
 from appliance.request import InferenceRequest, InferenceResponse
 from appliance.server_config import ServerConfig
 from appliance.stats import ModelStats
-from backends.base import BackendOptions, memory_usage
+from appliance.triton_config import to_triton_json
+from backends.base import BackendOptions, TensorSpec, memory_usage
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,18 @@ def resolve_backend(config: ModelConfig, version_dir: Path) -> tuple[str, Path]:
             f"model '{config.name}' version {version_dir.name}: model file {path} does not exist"
         )
     return name, path
+
+
+def declared_tensors(
+    config: ModelConfig,
+) -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """The config's tensors as engine specs (batch dim -1 where the model batches)."""
+    batch = (-1,) if config.batch_size > 0 else ()
+
+    def specs(tensors: tuple[TensorConfig, ...]) -> tuple[TensorSpec, ...]:
+        return tuple(TensorSpec(t.name, t.datatype, batch + t.dims) for t in tensors)
+
+    return specs(config.inputs), specs(config.outputs)
 
 
 _LOADS = itertools.count(1)  # share groups: one per loaded copy
@@ -169,6 +183,8 @@ class ModelVersion:
         kind = config.instance_group[0].kind
         share_group = f"{config.name}:{version_dir.name}:{next(_LOADS)}"
         version = int(version_dir.name)
+        declared_in, declared_out = declared_tensors(config)
+        config_json = json.dumps(to_triton_json(config))
 
         def factory(index: int) -> backends.Backend:
             return backends.create(
@@ -182,6 +198,10 @@ class ModelVersion:
                     parameters=config.parameters,
                     max_batch_size=config.max_batch_size,
                     share_group=share_group,
+                    inputs=declared_in,
+                    outputs=declared_out,
+                    model_config=config_json,
+                    config_source=config.source,
                 ),
             )
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -287,10 +288,24 @@ DEMO_MODELS: dict[str, tuple[Callable[[], bytes], str]] = {
 }
 
 
+# Demo models that are source, not generated: the camera pipeline's Python steps and
+# the ensemble joining them to ``classifier``. They live in ``demo_models`` as they are
+# and are copied from there.
+PIPELINE_MODELS = ("preprocess", "postprocess", "image_classifier")
+DEMO_DIR = Path(__file__).resolve().parent / "demo_models"
+
+
 def write_demo_repository(repo: Path) -> None:
-    """Write the ``simple`` and ``classifier`` demo models and their config.yaml."""
+    """Write the ``simple`` and ``classifier`` demo models and their config.yaml, and
+    copy the ``image_classifier`` pipeline (preprocess -> classifier -> postprocess)."""
     for name, (build, config) in DEMO_MODELS.items():
         write_model(repo, name, build(), config)
+    for name in PIPELINE_MODELS:
+        source, target = DEMO_DIR / name, Path(repo) / name
+        if source.resolve() != target.resolve():
+            shutil.copytree(
+                source, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__")
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -302,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path(__file__).resolve().parent / "demo_models",
+        default=DEMO_DIR,
         help="model repository to write (default: %(default)s)",
     )
     args = parser.parse_args(argv)

@@ -99,6 +99,18 @@ def to_triton_json(config: ModelConfig) -> dict[str, Any]:
         "default_model_filename": config.default_model_filename,
         "parameters": {k: {"string_value": v} for k, v in config.parameters.items()},
     }
+    if config.ensemble_steps:
+        out["ensemble_scheduling"] = {
+            "step": [
+                {
+                    "model_name": s.model_name,
+                    "model_version": s.model_version,
+                    "input_map": dict(s.input_map),
+                    "output_map": dict(s.output_map),
+                }
+                for s in config.ensemble_steps
+            ]
+        }
     if config.model_warmup:
         out["model_warmup"] = [_warmup_json(w) for w in config.model_warmup]
     if config.dynamic_batching is not None:

@@ -20,6 +20,7 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "onnxruntime": ("backends.onnxruntime_backend:OnnxRuntimeBackend", ""),
     "openvino": ("backends.openvino_backend:OpenVinoBackend", "openvino"),
     "tensorrt": ("backends.tensorrt_backend:TensorRtBackend", "tensorrt"),
+    "python": ("backends.python_backend:PythonBackend", ""),
 }
 
 # Triton platform names -> backend names
@@ -33,6 +34,7 @@ DEFAULT_FILENAMES: dict[str, str] = {
     "onnxruntime": "model.onnx",
     "openvino": "model.xml",
     "tensorrt": "model.plan",
+    "python": "model.py",
 }
 
 # model file suffix -> backend, used when a config names neither backend nor platform.
@@ -42,6 +44,7 @@ BY_SUFFIX: dict[str, str] = {
     ".xml": "openvino",
     ".plan": "tensorrt",
     ".engine": "tensorrt",
+    ".py": "python",
 }
 
 

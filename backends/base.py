@@ -48,6 +48,13 @@ class BackendOptions:
     # never share: each copy's memory is its own and is freed when it unloads.
     # "" (the default): no sharing between instances.
     share_group: str = ""
+    # the tensors the config declares (with the batch dim as -1 where the model
+    # batches) and the config as Triton's JSON text: for a backend with no graph to
+    # read them from (Python models)
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    model_config: str = ""
+    config_source: str = ""  # the config file, for error messages
 
     @property
     def model_name(self) -> str:

@@ -125,6 +125,9 @@ def test_demo_models_serve_with_no_arguments() -> None:
         assert {(r["name"], r["state"]) for r in doc} == {
             ("simple", "READY"),
             ("classifier", "READY"),
+            ("preprocess", "READY"),
+            ("postprocess", "READY"),
+            ("image_classifier", "READY"),
         }
     finally:
         os.kill(proc.pid, signal.SIGINT)  # Ctrl-C is as graceful as SIGTERM

@@ -23,6 +23,8 @@ from tritonclient.utils import InferenceServerException
 A = np.arange(16, dtype=np.int32).reshape(1, 16)
 B = np.full((1, 16), 3, dtype=np.int32)
 
+PIPELINE = ("preprocess", "postprocess", "image_classifier")  # the demo camera pipeline
+
 
 def _simple_inputs(a: np.ndarray = A, b: np.ndarray = B) -> list[grpcclient.InferInput]:
     inputs = [
@@ -100,7 +102,7 @@ def test_health_metadata_config_and_statistics(run_appliance: Any) -> None:
     assert stats.inference_stats.success.count == 1 and stats.inference_stats.compute_infer.ns > 0
     assert stats.batch_stats[0].batch_size == 2
     everything = client.get_inference_statistics().model_stats
-    assert {s.name for s in everything} == {"simple", "classifier"}
+    assert {s.name for s in everything} == {"simple", "classifier", *PIPELINE}
     _fails(lambda: client.get_model_metadata("nope"), "NOT_FOUND", "unknown model 'nope'")
     with grpc.insecure_channel(srv.grpc_url) as channel:
         check = health_pb2_grpc.HealthStub(channel).Check
@@ -251,7 +253,7 @@ def test_repository_index_load_and_unload(run_appliance: Any) -> None:
     srv = run_appliance()
     client = grpcclient.InferenceServerClient(srv.grpc_url)
     index = {(m.name, m.version, m.state) for m in client.get_model_repository_index().models}
-    assert index == {("classifier", "1", "READY"), ("simple", "1", "READY")}
+    assert index == {(m, "1", "READY") for m in ("classifier", "simple", *PIPELINE)}
     client.unload_model("simple")
     assert not client.is_model_ready("simple")
     states = {m.name: m.state for m in client.get_model_repository_index().models}

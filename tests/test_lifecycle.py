@@ -96,6 +96,9 @@ def test_mode_explicit_loads_only_what_is_asked(run_appliance, tmp_path: Path) -
     client = httpclient.InferenceServerClient(srv.url)
     assert client.get_model_repository_index() == [
         {"name": "classifier"},
+        {"name": "image_classifier"},
+        {"name": "postprocess"},
+        {"name": "preprocess"},
         {"name": "simple", "version": "1", "state": "READY", "reason": ""},
     ]
     assert client.is_server_ready()  # ready: every model it was asked to load is

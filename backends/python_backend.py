@@ -1,0 +1,166 @@
+"""Python models: ``<version>/model.py`` defining ``TritonPythonModel``, as in Triton.
+
+Where it runs: in the server process, on the instance's own worker thread (no
+IPC, no copies; the GIL is the limit, so CPU-heavy Python code scales with
+numpy/Pillow releasing the GIL, not with instance count). The price is
+isolation: user code shares the process. Exceptions are contained (they fail
+their batch with INTERNAL, reason BACKEND, and the next batch runs normally).
+A hang is bounded by the ``execute_timeout_s`` parameter: ``execute`` then runs
+on a watchdog thread and the batch fails with UNAVAILABLE once the time is up;
+until the abandoned call returns, further batches fail fast with UNAVAILABLE
+instead of touching the model object from two threads. A crash of the
+interpreter itself (a segfault in an extension) is not contained.
+
+The model declares its tensors in its config (there is no graph to read).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import sys
+import threading
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from appliance import python_model as pb
+from appliance.config import ConfigError
+from appliance.errors import ApplianceError, FailureReason, internal, invalid, unavailable
+from backends.base import BackendOptions, TensorSpec, check_inputs
+
+_MODULES = itertools.count(1)  # each instance imports its own copy of model.py
+
+
+def _load_module(options: BackendOptions) -> ModuleType:
+    name = f"appliance_python_model_{next(_MODULES)}"
+    spec = importlib.util.spec_from_file_location(name, options.model_path)
+    if spec is None or spec.loader is None:
+        raise invalid(f"model '{options.model_name}': cannot import {options.model_path}")
+    module = importlib.util.module_from_spec(spec)
+    # model.py may import helpers that sit next to it
+    folder = str(options.model_path.parent)
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if added:
+            sys.path.remove(folder)
+    return module
+
+
+def _as_error(model: str, error: BaseException) -> ApplianceError:
+    if isinstance(error, ApplianceError):
+        return error
+    if isinstance(error, pb.TritonError):
+        if error.code() == pb.TritonError.INVALID_ARG:
+            return invalid(f"model '{model}': {error.message()}")
+        if error.code() == pb.TritonError.UNAVAILABLE:
+            return unavailable(f"model '{model}': {error.message()}", FailureReason.BACKEND)
+        return internal(f"model '{model}': {error.message()}", FailureReason.BACKEND)
+    return internal(
+        f"model '{model}' raised {type(error).__name__}: {error}", FailureReason.BACKEND
+    )
+
+
+class PythonBackend:
+    """One ``TritonPythonModel`` object; see the module docstring for the contract."""
+
+    def __init__(self, options: BackendOptions) -> None:
+        self._name = options.model_name
+        if not options.inputs or not options.outputs:
+            raise ConfigError(
+                options.config_source or str(options.model_path.parent.parent),
+                "input" if not options.inputs else "output",
+                "a Python model has no graph to read its tensors from: "
+                "declare every input and output in its config",
+            )
+        self.inputs: list[TensorSpec] = list(options.inputs)
+        self.outputs: list[TensorSpec] = list(options.outputs)
+        timeout = options.parameters.get("execute_timeout_s", "")
+        try:
+            self._timeout = float(timeout) if timeout else None
+        except ValueError:
+            raise ConfigError(
+                options.config_source,
+                "parameters.execute_timeout_s",
+                f"expected a number of seconds, got {timeout!r}",
+            ) from None
+        self._busy: threading.Thread | None = None  # an abandoned, timed-out execute
+        module = _load_module(options)
+        cls = getattr(module, "TritonPythonModel", None)
+        if cls is None:
+            raise invalid(
+                f"model '{self._name}': {options.model_path} defines no TritonPythonModel"
+            )
+        self._model = cls()
+        init = getattr(self._model, "initialize", None)
+        if init is not None:
+            init(
+                {
+                    "model_config": options.model_config or "{}",
+                    "model_instance_kind": options.kind.removeprefix("KIND_"),
+                    "model_instance_name": f"{self._name}_{options.instance_index}",
+                    "model_instance_device_id": "0",
+                    "model_repository": str(options.model_path.parent.parent),
+                    "model_version": options.model_path.parent.name,
+                    "model_name": self._name,
+                }
+            )
+
+    def infer(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+        check_inputs(self._name, self.inputs, inputs)
+        request = pb.InferenceRequest([pb.Tensor(n, a) for n, a in inputs.items()], outputs)
+        responses = self._execute([request])
+        if not isinstance(responses, list) or len(responses) != 1:
+            raise internal(
+                f"model '{self._name}': execute must return one InferenceResponse per request",
+                FailureReason.BACKEND,
+            )
+        response = responses[0]
+        error = response.error()
+        if error is not None:
+            raise _as_error(self._name, error)
+        result = {t.name(): t.as_numpy() for t in response.output_tensors()}
+        return {n: result[n] for n in outputs if n in result}
+
+    def _execute(self, requests: list[pb.InferenceRequest]) -> Any:
+        if self._timeout is None:
+            try:
+                return self._model.execute(requests)
+            except Exception as exc:
+                raise _as_error(self._name, exc) from None
+        if self._busy is not None and self._busy.is_alive():
+            raise unavailable(
+                f"model '{self._name}' is still running an execute that timed out",
+                FailureReason.BACKEND,
+            )
+        box: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                box["result"] = self._model.execute(requests)
+            except BaseException as exc:  # handed to the waiting instance thread
+                box["error"] = exc
+
+        # daemon: a call that never returns must not keep the process from exiting
+        worker = threading.Thread(target=call, name=f"{self._name}-execute", daemon=True)
+        worker.start()
+        worker.join(self._timeout)
+        if worker.is_alive():
+            self._busy = worker
+            raise unavailable(
+                f"model '{self._name}': execute did not finish within {self._timeout:g}s",
+                FailureReason.BACKEND,
+            )
+        if "error" in box:
+            raise _as_error(self._name, box["error"])
+        return box["result"]
+
+    def close(self) -> None:
+        finalize = getattr(self._model, "finalize", None)
+        if finalize is not None and (self._busy is None or not self._busy.is_alive()):
+            finalize()
