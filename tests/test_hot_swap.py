@@ -7,7 +7,6 @@ fail, and once the old copies have unloaded the memory is back where it was.
 
 from __future__ import annotations
 
-import json
 import shutil
 import threading
 import time
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 import tritonclient.http as httpclient
+from http_helpers import post_json
 from tritonclient.utils import InferenceServerException
 
 from appliance import modelgen
@@ -189,15 +189,6 @@ def _used_of(client: httpclient.InferenceServerClient, model: str) -> int:
     return sum(m["byte_size"] for s in stats for m in s["memory_usage"])
 
 
-def _post(url: str, doc: dict[str, Any]) -> tuple[int, str]:
-    request = urllib.request.Request(url, data=json.dumps(doc).encode(), method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
 def test_a_swap_the_budget_cannot_hold_is_refused_unless_in_place(
     run_appliance, tmp_path: Path
 ) -> None:
@@ -211,7 +202,7 @@ def test_a_swap_the_budget_cannot_hold_is_refused_unless_in_place(
     srv = run_appliance(tmp_path, memory_limit=int(small + 1.5 * copy))
     client = httpclient.InferenceServerClient(srv.url)
     shutil.copytree(folder / "1", folder / "2")
-    status, body = _post(f"http://{srv.url}/v2/repository/models/m/load", {})
+    status, body = post_json(f"http://{srv.url}/v2/repository/models/m/load", {})
     assert status == 400
     assert "the old and the new copy must fit the budget together" in body
     assert "in_place=true" in body and "memory budget is" in body
@@ -219,7 +210,7 @@ def test_a_swap_the_budget_cannot_hold_is_refused_unless_in_place(
 
     with LoadGenerator(srv.url, "m", threads=2) as gen:
         _wait_for(lambda: gen.count() >= 20)
-        status, body = _post(
+        status, body = post_json(
             f"http://{srv.url}/v2/repository/models/m/load", {"parameters": {"in_place": True}}
         )
         assert status == 200, body

@@ -7,14 +7,13 @@ import json
 import shutil
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from http_helpers import post_json
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
@@ -49,15 +48,6 @@ def _until(condition: Any, timeout: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < end, "timed out"
         time.sleep(0.05)
-
-
-def _post(url: str, doc: dict[str, Any]) -> tuple[int, str]:
-    request = urllib.request.Request(url, data=json.dumps(doc).encode(), method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 def _matmul_4() -> bytes:
@@ -258,7 +248,7 @@ def test_a_failed_in_place_swap_restores_the_old_copy(run_appliance, tmp_path: P
             }
         ],
     }
-    status, body = _post(
+    status, body = post_json(
         f"http://{srv.url}/v2/repository/models/mm/load",
         {"parameters": {"in_place": True, "config": json.dumps(broken)}},
     )
@@ -296,20 +286,20 @@ def test_bad_input_is_a_clear_client_error_and_disturbs_nothing(
     url = f"http://{srv.url}/v2/repository/models"
 
     (folder / "v2").mkdir()
-    status, body = _post(f"{url}/simple/load", {})
+    status, body = post_json(f"{url}/simple/load", {})
     assert status == 400 and "version folder 'v2' is not a version number" in body
     (folder / "v2").rmdir()
 
     (folder / "2").mkdir()  # a version folder without its model file
     (folder / "config.yaml").write_text("backend: onnxruntime\n")
-    status, body = _post(f"{url}/simple/load", {})
+    status, body = post_json(f"{url}/simple/load", {})
     assert status == 400 and "model file" in body and "does not exist" in body
     shutil.rmtree(folder / "2")
 
     (folder / "config.yaml").write_text(
         "max_batch_size: 4\ndynamic_batching: {preferred_batch_size: [8]}\n"
     )
-    status, body = _post(f"{url}/simple/load", {})
+    status, body = post_json(f"{url}/simple/load", {})
     assert status == 400 and "preferred_batch_size: [8] exceed max_batch_size 4" in body
 
     for name, call, expected in [
@@ -321,7 +311,7 @@ def test_bad_input_is_a_clear_client_error_and_disturbs_nothing(
         params = {"colour": "red"} if "colour" in expected[1] else {}
         if "in_place" in expected[1]:
             params = {"in_place": "maybe"}
-        status, body = _post(f"{url}/{name}/{call}", {"parameters": params})
+        status, body = post_json(f"{url}/{name}/{call}", {"parameters": params})
         assert (status, expected[1] in body) == (expected[0], True), body
     assert _serves(client) == "1"  # through all of it
 
