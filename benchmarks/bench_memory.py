@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import os
-import platform
 import tempfile
 from pathlib import Path
 
-import onnxruntime as ort
+from machine import describe  # benchmarks/machine.py, next to this script
 
 from appliance import InProcessServer, modelgen
 from appliance.memory import MiB, rss_bytes
@@ -84,20 +82,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the report here")
     args = parser.parse_args()
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    cpu = names[0] if names else platform.processor()
+    machine = "; ".join(f"{k} {v}" for k, v in describe("onnxruntime").items())
     out = [
         f"# Memory per instance, {datetime.date.today()}",
         "",
         "```\npython3 benchmarks/bench_memory.py\n```",
         "",
-        f"Machine: {cpu}, {len(os.sched_getaffinity(0))} cores, Python "
-        f"{platform.python_version()}, onnxruntime {ort.__version__}, {platform.system()} "
-        f"{platform.release()}.",
+        f"Machine: {machine}.",
         "",
     ]
     asyncio.run(_measure(out))
