@@ -31,30 +31,30 @@ def _as_dict(message: Any) -> dict[str, Any]:
     return doc
 
 
-def pbtxt_to_dict(text: str, source: str) -> dict[str, Any]:
-    """Parse ``config.pbtxt`` text; a syntax error or unknown field names the line."""
-    from google.protobuf import text_format
+def _parse(text: str, source: str, form: str) -> dict[str, Any]:
+    """Triton's ModelConfig from protobuf ``text`` or ``json`` form, as a plain dict."""
+    from google.protobuf import json_format, text_format
     from tritonclient.grpc import model_config_pb2
 
     message = model_config_pb2.ModelConfig()
     try:
-        text_format.Parse(text, message)
-    except text_format.ParseError as exc:
+        if form == "text":
+            text_format.Parse(text, message)
+        else:
+            json_format.Parse(text, message)
+    except (text_format.ParseError, json_format.ParseError) as exc:
         raise ConfigError(source, "", f"not a valid Triton model config: {exc}") from None
     return _as_dict(message)
+
+
+def pbtxt_to_dict(text: str, source: str) -> dict[str, Any]:
+    """Parse ``config.pbtxt`` text; a syntax error or unknown field names the line."""
+    return _parse(text, source, "text")
 
 
 def json_to_dict(text: str, source: str) -> dict[str, Any]:
     """Parse Triton's JSON model config (a load request's ``config`` parameter)."""
-    from google.protobuf import json_format
-    from tritonclient.grpc import model_config_pb2
-
-    message = model_config_pb2.ModelConfig()
-    try:
-        json_format.Parse(text, message)
-    except json_format.ParseError as exc:
-        raise ConfigError(source, "", f"not a valid Triton model config: {exc}") from None
-    return _as_dict(message)
+    return _parse(text, source, "json")
 
 
 def to_triton_json(config: ModelConfig) -> dict[str, Any]:
