@@ -1,0 +1,59 @@
+"""Device reports over MQTT: retained JSON on ``<prefix>/<device_id>/ota``.
+
+Retained, so a fleet watcher that subscribes later still sees every device's last
+state; QoS 1. The broker comes from the server's own ``mqtt:`` section. A broker
+that is down never holds up an update: reports are best effort, and the next
+state change publishes the whole state again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from appliance.server_config import MqttConfig
+
+log = logging.getLogger(__name__)
+
+
+def topic(prefix: str, device_id: str) -> str:
+    return f"{prefix}/{device_id}/ota"
+
+
+class Reporter:
+    """Publishes the agent's report; :meth:`close` waits for the last one (bounded)."""
+
+    def __init__(self, config: MqttConfig, device_id: str) -> None:
+        self.topic = topic(config.topic_prefix, device_id)
+        self._client = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id=f"{device_id}-ota", protocol=mqtt.MQTTv5
+        )
+        if config.username:
+            self._client.username_pw_set(config.username, config.password)
+        if config.tls is not None:
+            self._client.tls_set(
+                ca_certs=str(config.tls.ca_file) if config.tls.ca_file else None,
+                certfile=str(config.tls.cert_file) if config.tls.cert_file else None,
+                keyfile=str(config.tls.key_file) if config.tls.key_file else None,
+            )
+        self._connected = threading.Event()
+        self._client.on_connect = lambda *args: self._connected.set()
+        self._client.connect_async(config.host, config.port, keepalive=config.keepalive_s)
+        self._client.loop_start()
+
+    def publish(self, report: dict[str, Any], wait_s: float = 5.0) -> None:
+        self._connected.wait(wait_s)
+        info = self._client.publish(self.topic, json.dumps(report), qos=1, retain=True)
+        try:
+            info.wait_for_publish(wait_s)
+        except (RuntimeError, ValueError) as exc:  # not connected: best effort
+            log.warning("OTA report not published: %s", exc)
+
+    def close(self) -> None:
+        self._client.disconnect()
+        self._client.loop_stop()
