@@ -123,7 +123,14 @@ class Agent:
         try:
             if self.state.job is None:
                 self._enter("check")
-                job = self._check()
+                try:
+                    job = self._check()
+                except OtaError as exc:  # nothing changed: report and wait for the next
+                    self.state.last_error = str(exc)
+                    log.error("ota: check: %s", exc)
+                    self._enter("idle")
+                    self._report("error")
+                    return False
                 self.state.last_check = time.time()
                 if job is None:
                     self.state.last_error = ""
@@ -173,6 +180,8 @@ class Agent:
                 if phase in ("load", "self_test", "switch", "probation"):
                     reason = f"the server stopped during {phase}: {exc}"
                     return self._fail(job, reason, rollback=True, bad=True)
+                return self._fail(job, str(exc), rollback=False, bad=False)
+            except download.Mismatch as exc:  # a bad mirror: drop the job, retry next check
                 return self._fail(job, str(exc), rollback=False, bad=False)
             except OtaError as exc:
                 if phase == "download":  # keep the job: the next cycle resumes it
@@ -380,10 +389,11 @@ class Agent:
             mean = stats.mean_ms()
             if self.cfg.max_latency_ms and mean > self.cfg.max_latency_ms:
                 raise Rollback(f"probation: mean latency {mean:.1f} ms is above the limit")
-            if old_ms and stats.success >= 10 and mean > old_ms * self.cfg.max_latency_ratio:
+            ratio = self.cfg.max_latency_ratio
+            if ratio and old_ms and stats.success >= 10 and mean > old_ms * ratio:
                 raise Rollback(
                     f"probation: mean latency {mean:.1f} ms is over "
-                    f"{self.cfg.max_latency_ratio:g}x the old version's {old_ms:.1f} ms"
+                    f"{ratio:g}x the old version's {old_ms:.1f} ms"
                 )
             if time.monotonic() >= deadline:
                 return "commit"

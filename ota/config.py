@@ -35,7 +35,7 @@ class OtaConfig:
     probation_s: float = 60.0
     probation_poll_s: float = 1.0
     max_error_rate: float = 0.01  # failed / all requests of the new version in probation
-    max_latency_ratio: float = 3.0  # new mean latency over the old one's
+    max_latency_ratio: float = 3.0  # new mean latency over the old one's; 0: off
     max_latency_ms: float = 0.0  # absolute ceiling on the new mean latency; 0: off
     keep_versions: int = 2
     max_bandwidth: int = 0  # bytes/s while downloading; 0: unlimited

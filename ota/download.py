@@ -27,6 +27,10 @@ CHUNK = 64 * 1024
 Progress = Callable[[int, int], None]  # (bytes on disk, total)
 
 
+class Mismatch(OtaError):
+    """The downloaded bytes are not the signed target (deleted; not resumed)."""
+
+
 def _pace(started: float, sent: int, max_bandwidth: int) -> None:
     """Sleep until ``sent`` bytes since ``started`` are within the cap."""
     if max_bandwidth > 0:
@@ -64,7 +68,7 @@ def fetch(
             target.verify_length_and_hashes(f)
     except LengthOrHashMismatchError as exc:
         part.unlink(missing_ok=True)
-        raise OtaError(
+        raise Mismatch(
             f"download of {target.path} does not match the signed target: {exc}"
         ) from None
     os.replace(part, done_path)
@@ -101,7 +105,8 @@ def _transfer(
             f.seek(have)
             f.truncate()
             try:
-                for chunk in response.stream(CHUNK):
+                # read1: whatever arrived, so bytes before a break are kept for the resume
+                while chunk := response.read1(CHUNK):
                     if have + len(chunk) > target.length:
                         raise OtaError(
                             f"download of {target.path}: longer than the signed "
