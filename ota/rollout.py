@@ -75,7 +75,8 @@ class Rollout:
     def to_json(self) -> dict[str, Any]:
         return {
             "channel": self.channel,
-            "percent": self.percent,
+            # TUF's canonical JSON has no floats: hundredths of a percent, as an integer
+            "basis_points": round(self.percent * 100),
             "groups": list(self.groups),
             "halted": self.halted,
         }
@@ -85,12 +86,12 @@ class Rollout:
         """From signed metadata; anything malformed is an OtaError (the target is skipped)."""
         if not isinstance(data, dict):
             raise OtaError("rollout settings: expected an object")
-        channel, percent = data.get("channel", "stable"), data.get("percent", 100.0)
+        channel, points = data.get("channel", "stable"), data.get("basis_points", 10000)
         groups, halted = data.get("groups", []), data.get("halted", False)
         if not isinstance(channel, str) or not isinstance(halted, bool):
             raise OtaError("rollout settings: channel must be a string, halted a boolean")
-        if not isinstance(percent, (int, float)) or isinstance(percent, bool):
-            raise OtaError("rollout settings: percent must be a number")
+        if not isinstance(points, int) or isinstance(points, bool):
+            raise OtaError("rollout settings: basis_points must be an integer")
         if not isinstance(groups, list) or not all(isinstance(g, str) for g in groups):
             raise OtaError("rollout settings: groups must be a list of names")
-        return cls(channel, float(percent), tuple(groups), halted)
+        return cls(channel, points / 100, tuple(groups), halted)
