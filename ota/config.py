@@ -40,7 +40,7 @@ class OtaConfig:
     keep_versions: int = 2
     max_bandwidth: int = 0  # bytes/s while downloading; 0: unlimited
     max_bundle_bytes: int = 4 << 30
-    max_load_attempts: int = 1  # loads of one version interrupted before it is marked bad
+    max_load_attempts: int = 2  # loads of one version interrupted before it is marked bad
     admin_token: str = ""
     memory_limit: int | None = None
     mqtt: MqttConfig | None = None
@@ -122,7 +122,7 @@ def load(path: Path) -> OtaConfig:
         max_bundle_bytes=parse_size(
             f.data.get("max_bundle_size", 4 << 30), str(path), "ota.max_bundle_size"
         ),
-        max_load_attempts=f.integer("max_load_attempts", 1, minimum=1),
+        max_load_attempts=f.integer("max_load_attempts", 2, minimum=1),
         admin_token=server.admin_token,
         memory_limit=server.memory_limit,
         mqtt=server.mqtt,
