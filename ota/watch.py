@@ -120,6 +120,8 @@ def main(args: argparse.Namespace) -> int:
                 if args.repo is not None:
                     repo.set_rollout(Path(args.repo), Path(args.keys), model, version, halted=True)
                     print(f"{model} v{version}: rollout halted (targets re-signed)", flush=True)
+            if halted and args.exit_on_halt:
+                return 0
     except KeyboardInterrupt:
         pass
     finally:
