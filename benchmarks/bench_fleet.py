@@ -209,15 +209,18 @@ def main() -> None:
         )
         b2 = fleet.bundle(2)
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        repo.publish(fleet.repo, fleet.keys, b2, Rollout(percent=100))
-        t2 = time.monotonic()
-        watch = subprocess.run(
+        # the watcher runs before the release, as it would in a fleet
+        watch = subprocess.Popen(
             [sys.executable, "-m", "appliance", "fleet", "watch", "--mqtt",
              f"127.0.0.1:{broker.port}", "--prefix", PREFIX, "--halt-at-failure-rate", "0.2",
              "--min-reports", "20", "--model", "simple", "--repo", str(fleet.repo),
              "--keys", str(fleet.keys), "--exit-on-halt", "--duration-s", str(args.timeout)],
-            env=env, capture_output=True, text=True, timeout=args.timeout + 30,
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
+        time.sleep(5)  # its start-up (imports, retained reports)
+        repo.publish(fleet.repo, fleet.keys, b2, Rollout(percent=100))
+        t2 = time.monotonic()
+        watch.wait(args.timeout + 30)
         halted = time.monotonic() - t2
         at_halt = reports.count(2, "rolled_back", everyone)
         results["bad v2 publish -> halted by fleet watch (s)"] = round(halted, 1)
@@ -225,6 +228,7 @@ def main() -> None:
         time.sleep(args.interval * (1 + args.jitter) + 2)
         results["devices that took v2 in total"] = reports.count(2, "rolled_back", everyone)
         results["watch exit status"] = watch.returncode
+        results["check interval / jitter"] = f"{args.interval}s / {args.jitter}"
     finally:
         stop.set()
         for proc in procs:

@@ -360,7 +360,7 @@ class Agent:
             raise Rollback(f"self-test failed: {exc}") from None
         log.info("ota: %s version %d passed %d self-test vector(s)", job.model, job.version, count)
         before = self.api.stats(job.model).get(job.previous)
-        self.state.progress = {"old_latency_us": int(before.mean_ms() * 1000) if before else 0}
+        job.old_latency_us = int(before.mean_ms() * 1000) if before else 0
         return "switch"
 
     def _switch(self, job: Job) -> str:
@@ -374,7 +374,7 @@ class Agent:
         return "probation"
 
     def _probation(self, job: Job) -> str:
-        old_ms = self.state.progress.get("old_latency_us", 0) / 1000
+        old_ms = job.old_latency_us / 1000
         deadline = time.monotonic() + self.cfg.probation_s
         while True:
             stats = self.api.stats(job.model).get(job.version)

@@ -42,16 +42,25 @@ class Reporter:
                 keyfile=str(config.tls.key_file) if config.tls.key_file else None,
             )
         self._connected = threading.Event()
+        self._first = True
         self._client.on_connect = lambda *args: self._connected.set()
+        self._client.on_disconnect = lambda *args: self._connected.clear()
         self._client.connect_async(config.host, config.port, keepalive=config.keepalive_s)
         self._client.loop_start()
 
     def publish(self, report: dict[str, Any], wait_s: float = 5.0) -> None:
-        self._connected.wait(wait_s)
+        """Publish and wait (bounded) for the broker's acknowledgement. Only the first
+        report waits for the connection: with the broker down, paho queues QoS 1
+        reports and sends them once it connects, and the update goes on meanwhile."""
+        if self._first:
+            self._first = False
+            self._connected.wait(wait_s)
         info = self._client.publish(self.topic, json.dumps(report), qos=1, retain=True)
+        if not self._connected.is_set():
+            return
         try:
             info.wait_for_publish(wait_s)
-        except (RuntimeError, ValueError) as exc:  # not connected: best effort
+        except (RuntimeError, ValueError) as exc:  # connection lost meanwhile
             log.warning("OTA report not published: %s", exc)
 
     def close(self) -> None:

@@ -42,6 +42,7 @@ class Job:
     previous: int = 0  # the version that served before (0: none, a fresh install)
     load_attempts: int = 0
     reason: str = ""  # why it is being rolled back
+    old_latency_us: int = 0  # the old version's mean latency, for probation
     started: float = 0.0  # wall-clock time, for reports only
 
 

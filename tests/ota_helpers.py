@@ -56,6 +56,9 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
 
 
 class StaticServer(http.server.ThreadingHTTPServer):
+    request_queue_size = 1024  # a fleet's devices connect at once (benchmarks/bench_fleet.py)
+    daemon_threads = True
+
     def __init__(self, root: Path) -> None:
         self.root = root
         self.requests: list[tuple[str, str]] = []

@@ -76,6 +76,9 @@ def test_fresh_install_then_upgrade_under_load(fleet: Fleet, device: Any) -> Non
                 failures.append(r.data.decode())
             done.wait(0.005)  # steady, modest traffic: this process also runs the agent
 
+    seen: dict[str, str] = {}
+    # during the self-test, version 2 is loaded but unversioned traffic stays on 1
+    agent.hook = lambda phase: seen.setdefault(phase, serving_version(device.url))
     t = threading.Thread(target=load)
     t.start()
     try:
@@ -84,6 +87,7 @@ def test_fresh_install_then_upgrade_under_load(fleet: Fleet, device: Any) -> Non
         done.set()
         t.join(30)
     assert failures == [] and count > 0
+    assert seen["self_test"] == "1" and seen["probation"] == "2"
     assert serving_version(device.url) == "2"
     assert agent.state.models["simple"].current == 2
     assert agent.state.models["simple"].previous == [1]
