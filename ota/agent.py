@@ -38,7 +38,7 @@ from typing import Any
 import urllib3
 from tuf.api.metadata import TargetFile
 
-from ota import OtaError, bundle, check, download, install, selftest
+from ota import OtaError, bundle, check, download, install, probation, report, selftest
 from ota.config import OtaConfig
 from ota.manifest import Manifest
 from ota.report import Reporter
@@ -84,22 +84,8 @@ class Agent:
         return f" {job.model} version {job.version}" if job else ""
 
     def _report(self, result: str = "") -> None:
-        if self.reporter is None:
-            return
-        job = self.state.job
-        last = self.state.history[-1] if self.state.history else {}
-        self.reporter.publish(
-            {
-                "device_id": self.cfg.device_id,
-                "state": self.state.phase,
-                "result": result or "",
-                "model": job.model if job else last.get("model", ""),
-                "version": job.version if job else last.get("version", 0),
-                "current": {m: s.current for m, s in self.state.models.items()},
-                "error": self.state.last_error,
-                "time": time.time(),
-            }
-        )
+        if self.reporter is not None:
+            self.reporter.publish(report.payload(self.cfg.device_id, self.state, result))
 
     def close(self) -> None:
         if self.reporter is not None:
@@ -227,7 +213,7 @@ class Agent:
         offer = check.newest_offer(self.cfg, self.state)
         if offer is None:
             return None
-        self._check_budget(offer.model, offer.memory_bytes)
+        check.fits_budget(self.cfg, self.api, offer)
         return Job(
             model=offer.model,
             version=offer.version,
@@ -237,19 +223,6 @@ class Agent:
             previous=check.current(self.cfg, self.state, offer.model),
             started=time.time(),
         )
-
-    def _check_budget(self, model: str, needed: int) -> None:
-        """Refuse before anything changes when the budget cannot hold the new copy
-        next to everything loaded now (the old copy serves during the swap)."""
-        limit = self.cfg.memory_limit
-        if limit is None or not needed:
-            return
-        used = self.api.memory_in_use()
-        if needed > limit - used:
-            raise OtaError(
-                f"{model}: the bundle needs about {needed} bytes, but the memory budget is "
-                f"{limit} bytes with {used} in use; not installing it"
-            )
 
     # ---- download, verify, stage --------------------------------------------------------
 
@@ -374,27 +347,14 @@ class Agent:
         return "probation"
 
     def _probation(self, job: Job) -> str:
-        old_ms = job.old_latency_us / 1000
         deadline = time.monotonic() + self.cfg.probation_s
         while True:
             stats = self.api.stats(job.model).get(job.version)
             if stats is None:
                 raise Rollback(f"version {job.version} is no longer loaded during probation")
-            total = stats.success + stats.fail
-            if total and stats.fail / total > self.cfg.max_error_rate:
-                raise Rollback(
-                    f"probation: error rate {stats.fail}/{total} is above "
-                    f"{self.cfg.max_error_rate:g}"
-                )
-            mean = stats.mean_ms()
-            if self.cfg.max_latency_ms and mean > self.cfg.max_latency_ms:
-                raise Rollback(f"probation: mean latency {mean:.1f} ms is above the limit")
-            ratio = self.cfg.max_latency_ratio
-            if ratio and old_ms and stats.success >= 10 and mean > old_ms * ratio:
-                raise Rollback(
-                    f"probation: mean latency {mean:.1f} ms is over "
-                    f"{ratio:g}x the old version's {old_ms:.1f} ms"
-                )
+            verdict = probation.judge(stats, job.old_latency_us / 1000, self.cfg)
+            if verdict:
+                raise Rollback(f"probation: {verdict}")
             if time.monotonic() >= deadline:
                 return "commit"
             time.sleep(min(self.cfg.probation_poll_s, max(0.0, deadline - time.monotonic())))

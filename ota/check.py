@@ -20,6 +20,7 @@ from ota import OtaError, bundle, install
 from ota.config import OtaConfig
 from ota.manifest import version_tuple
 from ota.rollout import Rollout
+from ota.server_api import ServerApi
 from ota.state import AgentState
 
 
@@ -107,3 +108,17 @@ def newest_offer(cfg: OtaConfig, state: AgentState) -> Offer | None:
         memory = info.get("memory_bytes", 0) if isinstance(info, dict) else 0
         best[chosen[0]] = Offer(chosen[0], chosen[1], target, int(memory or 0))
     return best[min(best)] if best else None
+
+
+def fits_budget(cfg: OtaConfig, api: ServerApi, offer: Offer) -> None:
+    """Refuse before anything changes when the budget cannot hold the new copy next
+    to everything loaded now (the old copy serves during the swap)."""
+    limit, needed = cfg.memory_limit, offer.memory_bytes
+    if limit is None or not needed:
+        return
+    used = api.memory_in_use()
+    if needed > limit - used:
+        raise OtaError(
+            f"{offer.model} version {offer.version}: the bundle needs about {needed} bytes, "
+            f"but the memory budget is {limit} bytes with {used} in use; not installing it"
+        )

@@ -11,18 +11,36 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from typing import Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 from appliance.server_config import MqttConfig
+from ota.state import AgentState
 
 log = logging.getLogger(__name__)
 
 
 def topic(prefix: str, device_id: str) -> str:
     return f"{prefix}/{device_id}/ota"
+
+
+def payload(device_id: str, state: AgentState, result: str = "") -> dict[str, Any]:
+    """The report: the update under way (or the last one) and each model's version."""
+    job = state.job
+    last = state.history[-1] if state.history else {}
+    return {
+        "device_id": device_id,
+        "state": state.phase,
+        "result": result,
+        "model": job.model if job else last.get("model", ""),
+        "version": job.version if job else last.get("version", 0),
+        "current": {m: s.current for m, s in state.models.items()},
+        "error": state.last_error,
+        "time": time.time(),
+    }
 
 
 class Reporter:

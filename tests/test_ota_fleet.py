@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 
-from ota import OtaError, bundle, check, repo
+from ota import OtaError, bundle, check, probation, repo
 from ota.agent import Agent
+from ota.config import OtaConfig
 from ota.rollout import Rollout, bucket
+from ota.server_api import VersionStats
 from ota.state import AgentState
 from tests.ota_helpers import Fleet, start_fleet
 
@@ -127,3 +129,16 @@ def test_over_budget_bundle_refused_before_anything_changes(
     assert "memory budget" in agent.state.last_error
     assert list(models.iterdir()) == []
     assert not any((tmp_path / "state").rglob("*.bundle"))
+
+
+def test_probation_verdicts(tmp_path: Path) -> None:
+    cfg = OtaConfig(
+        source="http://x/", trusted_root=tmp_path, state_dir=tmp_path, server="http://x",
+        model_repository=tmp_path, device_id="d", max_error_rate=0.1, max_latency_ratio=2.0,
+    )  # fmt: skip
+    ms = 1_000_000
+    assert probation.judge(VersionStats(0, 0, 0), 5.0, cfg) == ""
+    assert probation.judge(VersionStats(95, 5, 95 * 5 * ms), 5.0, cfg) == ""
+    assert "error rate 2/10" in probation.judge(VersionStats(8, 2, 8 * ms), 5.0, cfg)
+    assert "over 2x" in probation.judge(VersionStats(20, 0, 20 * 11 * ms), 5.0, cfg)
+    assert probation.judge(VersionStats(5, 0, 5 * 50 * ms), 5.0, cfg) == ""  # too few yet
