@@ -59,6 +59,10 @@ class ModelEntry:
     reason: str = ""
     busy: str = ""  # "loading" or "unloading" while an operation holds the model
     unloaded: bool = False  # unloaded on request: not counted by server readiness
+    # the version unversioned requests go to (0: the newest); set by a load's
+    # ``default_version`` so a candidate can be loaded and tested by version while
+    # the old one keeps the default traffic (the OTA agent's self-test)
+    default: int = 0
 
     def newest(self) -> ModelVersion | None:
         return self.versions[max(self.versions)] if self.versions else None
@@ -121,10 +125,16 @@ class ModelLifeCycle:
         self._started = True
 
     async def load(
-        self, name: str, override: dict[str, Any] | None = None, in_place: bool = False
+        self,
+        name: str,
+        override: dict[str, Any] | None = None,
+        in_place: bool = False,
+        default_version: int = 0,
     ) -> ModelEntry:
         """(Re)load ``name``: see the module docstring. ``override`` is a config mapping
         used instead of the repository's config file (the load request's ``config``).
+        ``default_version``: the loaded version that takes unversioned requests from
+        the flip on (0, or a version that did not load: the newest).
 
         Never raises for a bad model or a refused load: the failure is logged and
         recorded as the model's reason, and whatever served before keeps serving.
@@ -137,13 +147,18 @@ class ModelLifeCycle:
             entry = self._models.setdefault(name, ModelEntry(name))
             entry.busy, entry.unloaded = "loading", False
             try:
-                await self._load(entry, model_dir, override, in_place)
+                await self._load(entry, model_dir, override, in_place, default_version)
             finally:
                 entry.busy, entry.loading = "", set()
             return entry
 
     async def _load(
-        self, entry: ModelEntry, model_dir: Path, override: dict[str, Any] | None, in_place: bool
+        self,
+        entry: ModelEntry,
+        model_dir: Path,
+        override: dict[str, Any] | None,
+        in_place: bool,
+        default_version: int,
     ) -> None:
         name = entry.name
         try:
@@ -189,6 +204,8 @@ class ModelLifeCycle:
         else:
             keep = {v: mv for v, mv in old.items() if v in failed}
         routing = {**keep, **new}
+        if new:  # a load that changed nothing keeps the routing it had
+            entry.default = default_version if default_version in routing else 0
         entry.versions = routing  # the flip: the next request goes to the new copy
         entry.failed = {v: r for v, r in failed.items() if v not in routing}
         entry.state = State.READY if routing else State.UNAVAILABLE
@@ -352,7 +369,7 @@ class ModelLifeCycle:
         if entry is None:
             raise not_found(f"unknown model '{name}'")
         if not version:
-            mv = entry.newest()
+            mv = entry.versions.get(entry.default) or entry.newest()
             if mv is None:
                 raise unavailable(
                     f"model '{name}' is not ready ({entry.state.value}"

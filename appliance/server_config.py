@@ -83,7 +83,8 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
     broker = overrides.pop("mqtt_broker", None)  # --mqtt-broker HOST:PORT
     data.update({k: v for k, v in overrides.items() if v is not None})
     f = Fields(source, data)
-    f.check_keys(set(ServerConfig.__slots__))
+    # ``ota:`` belongs to the update agent (ota/config.py), which reads this same file
+    f.check_keys(set(ServerConfig.__slots__) | {"ota"})
     level = f.text("log_level", "info").lower()
     if level not in ("debug", "info", "warning", "error"):
         raise f.fail("log_level", f"expected debug, info, warning or error, got {level!r}")
