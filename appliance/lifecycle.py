@@ -36,6 +36,7 @@ from appliance.errors import ApplianceError, invalid, not_found, unavailable
 from appliance.memory import BudgetRefused, MemoryBudget, fmt
 from appliance.model import ModelVersion, State
 from appliance.server_config import ServerConfig
+from appliance.stats import LatencyWindow
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +218,8 @@ class ModelLifeCycle:
                     self.budget,
                     required.get(version, 1),
                 )
+                if self.server.metrics_summary_latencies:
+                    new[version].stats.latencies = LatencyWindow()
             except Exception as exc:  # one bad version must not stop the others
                 swap = isinstance(exc, BudgetRefused) and bool(required)
                 message = str(exc) + (SWAP_HINT if swap else "")

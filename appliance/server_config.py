@@ -46,6 +46,9 @@ class ServerConfig:
     http_port: int = 8000  # -1 disables the HTTP endpoint (in-process use)
     grpc_port: int = 8001  # -1 disables the gRPC endpoint
     metrics_port: int = 8002  # -1 disables the metrics endpoint
+    # Triton's latency summaries (nv_inference_*_summary_us, quantiles over the last
+    # requests), as `--metrics-config summary_latencies=true` turns them on there
+    metrics_summary_latencies: bool = False
     max_request_size: int = 64 * 2**20  # HTTP bodies and gRPC messages, each way
     shared_memory: str = "off"  # off | system (Triton's system shared-memory extension)
     drain_timeout_s: float = 30.0
@@ -106,6 +109,7 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         host=f.text("host", "127.0.0.1"),
         http_port=f.integer("http_port", 8000, minimum=-1),
         metrics_port=f.integer("metrics_port", 8002, minimum=-1),
+        metrics_summary_latencies=f.flag("metrics_summary_latencies", False),
         grpc_port=f.integer("grpc_port", 8001, minimum=-1),
         shared_memory=_choice(f, "shared_memory", "off", ("off", "system")),
         max_request_size=parse_size(
