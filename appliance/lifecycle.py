@@ -30,9 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from appliance import repository
-from appliance.config import ConfigError, ModelConfig, load_model_config, parse_model_config
+from appliance.config import ModelConfig, parse_model_config
+from appliance.config_reader import load_model_config
 from appliance.ensemble import EnsembleVersion
 from appliance.errors import ApplianceError, invalid, not_found, unavailable
+from appliance.fields import ConfigError
 from appliance.memory import BudgetRefused, MemoryBudget, fmt
 from appliance.model import ModelVersion, State
 from appliance.server_config import ServerConfig

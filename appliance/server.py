@@ -24,8 +24,8 @@ from aiohttp import web
 
 from appliance import http_api, metrics
 from appliance.access import AccessPolicy, is_loopback
-from appliance.config import ConfigError
 from appliance.dataplane import DataPlane
+from appliance.fields import ConfigError
 from appliance.lifecycle import ModelLifeCycle
 from appliance.shared_memory import SharedMemoryRegistry
 

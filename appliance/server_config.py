@@ -7,7 +7,6 @@ e.g. ``appliance.yaml: http_port: expected an integer >= 0, got 'eighty'``.
 from __future__ import annotations
 
 import os
-import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,28 +14,7 @@ from typing import Any
 
 import yaml
 
-from appliance.config import ConfigError, Fields
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-}
-
-
-def parse_size(value: Any, source: str, key: str) -> int:
-    """'64MiB', '1.5GB', 1048576 -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise ConfigError(source, key, f"expected a size such as 64MiB or 1.5GB, got {value!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+from appliance.fields import ConfigError, Fields, parse_limit, parse_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,8 +278,6 @@ def _mqtt(f: Fields, path: Path | None, broker: str | None) -> MqttConfig | None
 
 
 def _control(f: Fields, path: Path | None) -> dict[str, Any]:
-    from appliance.memory import parse_limit  # here: memory imports this module
-
     mode = _choice(f, "model_control_mode", "explicit", ("none", "explicit", "poll"))
     names = f.data.get("load_model", ["*"])
     if isinstance(names, str):
