@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from appliance import datatypes
+from appliance.datatypes import TensorSpec
 from appliance.fields import ConfigError, Fields, parse_limit
-from backends.base import TensorSpec
 
 log = logging.getLogger(__name__)
 
