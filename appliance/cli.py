@@ -18,10 +18,10 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from appliance import __version__
 from appliance.errors import ApplianceError, Code
 from appliance.server import Server
 from appliance.server_config import load_server_config
+from appliance.version import __version__
 from ota import cli as ota_cli
 
 

@@ -13,26 +13,14 @@ auto-complete does.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from appliance import datatypes
-from appliance.errors import ApplianceError, Code
-from backends.base import TensorSpec
+from appliance.datatypes import TensorSpec
+from appliance.fields import ConfigError, Fields, parse_limit
 
 log = logging.getLogger(__name__)
-
-
-class ConfigError(ApplianceError):
-    """A config file is invalid; the message names file, field and expectation."""
-
-    def __init__(self, source: str, path: str, message: str) -> None:
-        where = f"{source}: {path}: " if path else f"{source}: "
-        super().__init__(Code.INVALID_ARG, where + message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,70 +152,6 @@ _MODEL_FIELDS = {
     "model_warmup",
     "ensemble_scheduling",
 } | _UNSUPPORTED
-
-
-_INT = re.compile(r"-?\d+")
-
-
-class Fields:
-    """Typed reads of one mapping, with errors naming the file and field path."""
-
-    def __init__(self, source: str, data: Any, path: str = "") -> None:
-        if not isinstance(data, dict):
-            raise ConfigError(source, path, f"expected a mapping, got {type(data).__name__}")
-        self.source, self.data, self.path = source, data, path
-
-    def at(self, key: str) -> str:
-        return f"{self.path}.{key}" if self.path else key
-
-    def fail(self, key: str, message: str) -> ConfigError:
-        return ConfigError(self.source, self.at(key), message)
-
-    def check_keys(self, allowed: set[str]) -> None:
-        for key in self.data:
-            if key not in allowed:
-                raise self.fail(str(key), f"unknown field, expected one of {sorted(allowed)}")
-
-    def integer(self, key: str, default: int, minimum: int = 0) -> int:
-        value = self.data.get(key, default)
-        if isinstance(value, str) and _INT.fullmatch(value):
-            value = int(value)  # protobuf JSON writes int64 as strings
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise self.fail(key, f"expected an integer >= {minimum}, got {value!r}")
-        return value
-
-    def text(self, key: str, default: str = "") -> str:
-        value = self.data.get(key, default)
-        if not isinstance(value, str):
-            raise self.fail(key, f"expected a string, got {value!r}")
-        return value
-
-    def flag(self, key: str, default: bool) -> bool:
-        value = self.data.get(key, default)
-        if not isinstance(value, bool):
-            raise self.fail(key, f"expected true or false, got {value!r}")
-        return value
-
-    def ints(self, key: str, minimum: int) -> tuple[int, ...]:
-        value = self.data.get(key, [])
-        if isinstance(value, list):  # protobuf JSON writes int64 as strings
-            value = [int(v) if isinstance(v, str) and _INT.fullmatch(v) else v for v in value]
-        if not isinstance(value, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value
-        ):
-            raise self.fail(key, f"expected a list of integers >= {minimum}, got {value!r}")
-        return tuple(value)
-
-    def entries(self, key: str) -> list[Fields]:
-        value = self.data.get(key, [])
-        if not isinstance(value, list):
-            raise self.fail(key, f"expected a list, got {type(value).__name__}")
-        return [Fields(self.source, v, f"{self.at(key)}[{i}]") for i, v in enumerate(value)]
-
-    def sub(self, key: str) -> Fields | None:
-        if key not in self.data or self.data[key] is None:
-            return None
-        return Fields(self.source, self.data[key], self.at(key))
 
 
 # Triton tensor fields accepted but not acted on yet (warned about, like model fields).
@@ -447,8 +371,6 @@ def _ensemble(f: Fields) -> tuple[EnsembleStep, ...]:
 def _memory_limit(parameters: dict[str, str], source: str) -> int | None:
     if "memory_limit" not in parameters:
         return None
-    from appliance.memory import parse_limit  # here: memory imports this module
-
     return parse_limit(parameters["memory_limit"], source, "parameters.memory_limit")
 
 
@@ -489,41 +411,6 @@ def _warmup(f: Fields) -> WarmupSample:
         tuple(parsed),
         max(1, f.integer("count", 1)),
     )
-
-
-CONFIG_FILES = ("config.yaml", "config.yml", "config.pbtxt")
-
-
-def load_model_config(model_dir: Path) -> ModelConfig:
-    """Read ``model_dir/config.yaml`` (or .yml) or Triton's ``config.pbtxt``; no file
-    means everything is auto-completed. Two config files are an error: which one
-    counts would be a guess."""
-    found = [model_dir / n for n in CONFIG_FILES if (model_dir / n).is_file()]
-    if len(found) > 1:
-        raise ConfigError(
-            str(model_dir),
-            "",
-            f"found {' and '.join(p.name for p in found)}: keep exactly one config file",
-        )
-    if not found:
-        return ModelConfig(name=model_dir.name, source=str(model_dir))
-    path = found[0]
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(str(path), "", f"not UTF-8 text: {exc}") from None
-    except OSError as exc:
-        raise ConfigError(str(path), "", f"cannot read: {exc.strerror}") from None
-    if path.suffix == ".pbtxt":
-        from appliance.triton_config import pbtxt_to_dict  # protobuf: only when needed
-
-        data = pbtxt_to_dict(text, str(path))
-    else:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(str(path), "", f"not valid YAML: {exc}") from None
-    return parse_model_config(data, model_dir.name, str(path))
 
 
 def _check_against(

@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from appliance import __version__
 from appliance.errors import invalid, unavailable
 from appliance.lifecycle import ModelLifeCycle
 from appliance.model import State
 from appliance.request import InferenceRequest, InferenceResponse
 from appliance.shared_memory import SharedMemoryRegistry
 from appliance.triton_config import json_to_dict, to_triton_json
+from appliance.version import __version__
 
 EXTENSIONS = [
     "classification",

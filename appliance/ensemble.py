@@ -27,8 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from appliance.config import ConfigError, EnsembleStep, ModelConfig, TensorConfig
+from appliance.config import EnsembleStep, ModelConfig, TensorConfig
 from appliance.errors import ApplianceError, FailureReason
+from appliance.fields import ConfigError
 from appliance.instances import InstanceGroup
 from appliance.model import ModelVersion
 from appliance.request import InferenceRequest, InferenceResponse

@@ -30,12 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from appliance import repository
-from appliance.config import ConfigError, ModelConfig, load_model_config, parse_model_config
+from appliance.config import ModelConfig, parse_model_config
+from appliance.config_reader import load_model_config
 from appliance.ensemble import EnsembleVersion
 from appliance.errors import ApplianceError, invalid, not_found, unavailable
+from appliance.fields import ConfigError
 from appliance.memory import BudgetRefused, MemoryBudget, fmt
 from appliance.model import ModelVersion, State
 from appliance.server_config import ServerConfig
+from appliance.stats import LatencyWindow
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +237,8 @@ class ModelLifeCycle:
                     self.budget,
                     required.get(version, 1),
                 )
+                if self.server.metrics_summary_latencies:
+                    new[version].stats.latencies = LatencyWindow()
             except Exception as exc:  # one bad version must not stop the others
                 swap = isinstance(exc, BudgetRefused) and bool(required)
                 message = str(exc) + (SWAP_HINT if swap else "")

@@ -22,9 +22,10 @@ import numpy as np
 import backends
 from appliance import datatypes, memory, warmup
 from appliance.batcher import BatchPolicy, DynamicBatcher
-from appliance.config import ConfigError, ModelConfig, TensorConfig, complete
 from appliance.config import InstanceGroup as GroupConfig
+from appliance.config import ModelConfig, TensorConfig, complete
 from appliance.errors import ApplianceError, FailureReason, invalid
+from appliance.fields import ConfigError
 from appliance.instances import InstanceGroup, ModelInstance, cpu_share
 from appliance.request import InferenceRequest, InferenceResponse
 from appliance.server_config import ServerConfig

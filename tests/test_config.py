@@ -9,18 +9,18 @@ from typing import Any
 import pytest
 
 from appliance.config import (
-    ConfigError,
     DynamicBatching,
     InstanceGroup,
     ModelConfig,
     TensorConfig,
     VersionPolicy,
     complete,
-    load_model_config,
     parse_model_config,
 )
+from appliance.config_reader import load_model_config
 from appliance.errors import Code
-from appliance.server_config import ServerConfig, load_server_config, parse_size
+from appliance.fields import ConfigError, parse_size
+from appliance.server_config import ServerConfig, load_server_config
 from appliance.triton_config import to_triton_json
 from backends.base import TensorSpec
 
