@@ -27,6 +27,8 @@ from appliance.ensemble import EnsembleVersion, Resolver
 from appliance.errors import invalid
 from appliance.instances import ModelInstance, Warm, cpu_share, start_within_budget
 from appliance.model import ModelVersion
+from appliance.sequence_config import implicit_inputs, implicit_outputs
+from appliance.sequence_feed import load_initial_states, warmup_inputs
 from appliance.servable import Servable
 from appliance.server_config import ServerConfig
 from appliance.triton_config import to_triton_json
@@ -99,10 +101,16 @@ def declared_tensors(
     """The config's tensors as engine specs (batch dim -1 where the model batches)."""
     batch = (-1,) if config.batch_size > 0 else ()
 
-    def specs(tensors: tuple[TensorConfig, ...]) -> tuple[TensorSpec, ...]:
-        return tuple(TensorSpec(t.name, t.datatype, batch + t.dims) for t in tensors)
+    def specs(
+        tensors: tuple[TensorConfig, ...], implicit: dict[str, tuple[str, tuple[int, ...]]]
+    ) -> tuple[TensorSpec, ...]:
+        declared = [TensorSpec(t.name, t.datatype, batch + t.dims) for t in tensors]
+        # the sequence batcher's control and state tensors are the model's too
+        declared += [TensorSpec(n, d, batch + dims) for n, (d, dims) in implicit.items()]
+        return tuple(declared)
 
-    return specs(config.inputs), specs(config.outputs)
+    sb = config.sequence_batching
+    return specs(config.inputs, implicit_inputs(sb)), specs(config.outputs, implicit_outputs(sb))
 
 
 def thread_share(config: ModelConfig) -> int:
@@ -186,7 +194,11 @@ async def load_model_version(
     async def prepare(first: ModelInstance) -> Warm:
         nonlocal completed
         completed = complete_from(config, first, backend, path, server)
-        samples = warmup.samples(completed, version_dir.parent)
+        completed = load_initial_states(completed, version_dir.parent)
+        samples = [
+            _with_sequence_inputs(s, completed)
+            for s in warmup.samples(completed, version_dir.parent)
+        ]
         outputs = [t.name for t in completed.outputs]
 
         async def warm(instance: ModelInstance) -> tuple[memory.Usage, memory.Usage]:
@@ -246,6 +258,14 @@ async def load_model_version(
         admitted.owner,
         config.instance_count,
     )
+
+
+def _with_sequence_inputs(sample: warmup.Sample, config: ModelConfig) -> warmup.Sample:
+    """A warm-up sample of a sequence model also carries the server-fed tensors."""
+    if config.sequence_batching is None:
+        return sample
+    rows = next((int(a.shape[0]) for a in sample.inputs.values() if a.ndim), 1)
+    return replace(sample, inputs={**sample.inputs, **warmup_inputs(config, rows)})
 
 
 def _trimmed(groups: tuple[GroupConfig, ...], admitted: int) -> tuple[GroupConfig, ...]:

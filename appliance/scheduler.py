@@ -17,6 +17,7 @@ from appliance.batcher import BatchPolicy, BatchResult, DynamicBatcher
 from appliance.config import ModelConfig
 from appliance.instances import InstanceGroup
 from appliance.request import InferenceRequest
+from appliance.sequence_batcher import SequenceBatcher
 from appliance.stats import ModelStats
 
 
@@ -48,6 +49,8 @@ def create(
     default_max_queue_size: int,
 ) -> Scheduler:
     """The scheduler ``config`` asks for, serving ``instances``."""
+    if config.sequence_batching is not None:
+        return SequenceBatcher(label, config, instances, stats, default_max_queue_size)
     db = config.dynamic_batching
     policy = BatchPolicy(
         max_batch_size=config.batch_size,
