@@ -18,7 +18,7 @@ from tritonclient.grpc import service_pb2
 
 from appliance import datatypes
 from appliance.errors import invalid
-from appliance.request import InferenceRequest, InferenceResponse, sequence_id
+from appliance.request import InferenceRequest, InferenceResponse, check_sequence_id
 from appliance.shared_memory import SharedMemoryRef, SharedMemoryRegistry
 
 # KServe datatype -> the InferTensorContents field that carries it and that field's
@@ -194,7 +194,7 @@ def decode_request(
         id=msg.id,
         timeout_us=int(timeout) if timeout else None,
         classification=classification,
-        sequence_id=sequence_id(sequence),
+        sequence_id=check_sequence_id(sequence),
         sequence_start=bool(param(msg.parameters, "sequence_start", "bool_param", "request")),
         sequence_end=bool(param(msg.parameters, "sequence_end", "bool_param", "request")),
     )

@@ -34,7 +34,7 @@ class InferenceRequest:
     sequence_end: bool = False
 
 
-def sequence_id(value: object) -> int | str:
+def check_sequence_id(value: object) -> int | str:
     """A ``sequence_id`` parameter as sent: an unsigned 64-bit integer or a string."""
     if isinstance(value, str) or (
         isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _UINT64_MAX

@@ -41,12 +41,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from appliance.batcher import BatchPolicy, BatchResult, decide, run_batch
+from appliance.batcher import BatchPolicy, BatchResult, run_batch
 from appliance.config import ModelConfig
 from appliance.errors import ApplianceError, FailureReason, internal, invalid, unavailable
 from appliance.instances import InstanceGroup, ModelInstance
 from appliance.request import InferenceRequest
 from appliance.sequence_feed import Feed
+from appliance.sequence_strategy import plan_direct, plan_oldest
 from appliance.stats import ModelStats
 
 log = logging.getLogger(__name__)
@@ -285,21 +286,17 @@ class SequenceBatcher:
             return [], None
         if self._sb.strategy == "oldest":
             ordered = sorted((q for _, q in heads), key=lambda q: q.arrival)
-            decision = decide(ordered, now, self._policy)
-            return [ordered[i] for i in decision.send], decision.wait_s
-        delay = self._policy.max_queue_delay_s
-        if delay > 0 and len(heads) < self._sb.minimum_slot_utilization * len(lane.slots):
-            oldest = min(q.arrival for _, q in heads)
-            if now - oldest < delay:
-                return [], oldest + delay - now
-        first = heads[0][1].signature  # rows must agree in shape to share a batch
-        rows: list[_Queued | None] = [None] * (max(i for i, _ in heads) + 1)
-        for i, q in heads:
-            if q.signature == first:
-                rows[i] = q
-        while rows[-1] is None:
-            rows.pop()
-        return rows, None
+            picked, wait_s = plan_oldest(ordered, now, self._policy)
+            return [ordered[i] for i in picked], wait_s
+        plan = plan_direct(
+            [(i, q.signature, q.arrival) for i, q in heads],
+            len(lane.slots),
+            now,
+            self._policy.max_queue_delay_s,
+            self._sb.minimum_slot_utilization,
+        )
+        by_slot = dict(heads)
+        return [by_slot[i] if i >= 0 else None for i in plan.rows], plan.wait_s
 
     async def _schedule(self) -> None:
         while True:

@@ -129,3 +129,89 @@ def write_sequence_repository(repo: Path, idle_us: int = 5_000_000, instances: i
             CONTROLS_PBTXT % {"name": name, "corrid_type": corrid_type}
         )
     return repo
+
+
+# a Python model without implicit state that counts in the instance itself, as
+# Triton's own sequence examples do: only correct if each sequence stays on one
+# instance and its requests arrive in order
+COUNTER_PBTXT = """\
+name: "counter"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [
+  { name: "COUNT" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "INSTANCE" data_type: TYPE_INT32 dims: [ 1 ] }
+]
+sequence_batching {
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },
+    { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }
+  ]
+}
+instance_group [ { count: 2 kind: KIND_CPU } ]
+"""
+
+COUNTER_MODEL = """\
+import numpy as np
+
+from appliance import python_model as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.instance = int(args["model_instance_name"].rsplit("_", 1)[1])
+        self.totals = {}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            def get(name):
+                return pb_utils.get_input_tensor_by_name(request, name).as_numpy()
+
+            corrid = int(get("CORRID")[0])
+            if get("START")[0]:
+                self.totals[corrid] = 0
+            self.totals[corrid] += int(get("INPUT")[0])
+            responses.append(
+                pb_utils.InferenceResponse(
+                    [
+                        pb_utils.Tensor("COUNT", np.array([self.totals[corrid]], np.int32)),
+                        pb_utils.Tensor("INSTANCE", np.array([self.instance], np.int32)),
+                    ]
+                )
+            )
+        return responses
+"""
+
+# variants that wait for full batches (10 s at most): only for the batching tests,
+# where the requests that fill the batch are sent together
+WAITING_DIRECT = """\
+  direct { max_queue_delay_microseconds: 10000000 minimum_slot_utilization: 1.0 }
+"""
+
+
+def write_batching_repository(repo: Path) -> Path:
+    """``controls_batched`` (direct, waits for both slots) and ``accumulator_pairs``
+    (oldest, preferred batch size 2, waits up to 10 s for it)."""
+    folder = repo / "controls_batched"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.py").write_text(CONTROLS_MODEL)
+    text = CONTROLS_PBTXT % {"name": "controls_batched", "corrid_type": "TYPE_UINT64"}
+    (folder / "config.pbtxt").write_text(
+        text.replace("sequence_batching {\n", "sequence_batching {\n" + WAITING_DIRECT)
+    )
+    pairs = ACCUMULATOR_OLDEST_YAML.replace(
+        "preferred_batch_size: [2, 4]", "preferred_batch_size: [2]"
+    ).replace("max_queue_delay_microseconds: 2000", "max_queue_delay_microseconds: 10000000")
+    pairs = pairs.replace("data_file: hundred", "zero_data: true")
+    modelgen.write_model(repo, "accumulator_pairs", modelgen.accumulator(), pairs)
+    return repo
+
+
+def write_counter(repo: Path) -> Path:
+    folder = repo / "counter"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.py").write_text(COUNTER_MODEL)
+    (folder / "config.pbtxt").write_text(COUNTER_PBTXT)
+    return repo
