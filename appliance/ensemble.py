@@ -194,7 +194,7 @@ class EnsembleVersion:
                     f"model '{self.config.name}' is unloading", FailureReason.REJECTED
                 )
             outputs, _, _ = check_request(self.config, request)
-            task = asyncio.ensure_future(self._run(dict(request.inputs)))
+            task = asyncio.ensure_future(self._run(dict(request.inputs), request))
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
             tensors = await task
@@ -215,7 +215,9 @@ class EnsembleVersion:
         finally:
             self.state = State.UNAVAILABLE
 
-    async def _run(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def _run(
+        self, tensors: dict[str, np.ndarray], outer: InferenceRequest
+    ) -> dict[str, np.ndarray]:
         steps = self.config.ensemble_steps
         left = set(range(len(steps)))
         running: dict[asyncio.Task[InferenceResponse], int] = {}
@@ -232,6 +234,10 @@ class EnsembleVersion:
                         step.model_name,
                         {m: tensors[t] for m, t in step.input_map.items()},
                         outputs=tuple(step.output_map),
+                        # a stateful step sees the ensemble request's sequence (Triton's)
+                        sequence_id=outer.sequence_id,
+                        sequence_start=outer.sequence_start,
+                        sequence_end=outer.sequence_end,
                     )
                     running[asyncio.ensure_future(model.infer(request))] = i
                 done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)

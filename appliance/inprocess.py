@@ -162,8 +162,20 @@ class InProcessServer:
         version: str = "",
         outputs: tuple[str, ...] = (),
         timeout_us: int | None = None,
+        sequence_id: int | str = 0,
+        sequence_start: bool = False,
+        sequence_end: bool = False,
     ) -> dict[str, np.ndarray]:
         """:meth:`infer` for threaded code; many threads may call it at once (they batch)."""
         return self._call(
-            self.infer(model, inputs, version=version, outputs=outputs, timeout_us=timeout_us)
+            self.infer(
+                model,
+                inputs,
+                version=version,
+                outputs=outputs,
+                timeout_us=timeout_us,
+                sequence_id=sequence_id,
+                sequence_start=sequence_start,
+                sequence_end=sequence_end,
+            )
         )

@@ -285,3 +285,17 @@ def test_direct_and_oldest_batch_across_sequences(
     stats = client.get_inference_statistics("accumulator_pairs")["model_stats"][0]
     assert [b["batch_size"] for b in stats["batch_stats"]] == [2]
     assert stats["execution_count"] == 2 and stats["inference_count"] == 4
+
+
+def test_the_documented_example_runs(
+    run_appliance: Callable[..., Any], sequence_repo: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/sequence-batching.md's client example, against its documented model."""
+    doc = (Path(__file__).parent.parent / "docs" / "sequence-batching.md").read_text()
+    example = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    srv = run_appliance(sequence_repo)
+    assert (
+        "sequence" in httpclient.InferenceServerClient(srv.url).get_server_metadata()["extensions"]
+    )
+    exec(example.replace("localhost:8000", srv.url), {})  # our own docs
+    assert capsys.readouterr().out.split() == ["3", "7", "12"]
