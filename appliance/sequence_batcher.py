@@ -1,26 +1,15 @@
 """Triton's sequence batcher: every request of a sequence on one instance, in order.
 
-A stateful model (a tracker, a streaming audio or sensor model) sees a sequence
-as a run of requests sharing a correlation id (``sequence_id``, an unsigned
-64-bit integer or a string), the first flagged ``sequence_start``, the last
-``sequence_end``. On START the sequence gets a *slot* on one instance (a lane)
-and keeps it until END or until it idles longer than
-``max_sequence_idle_microseconds``; sequences that find no free slot wait in a
-backlog, oldest first. A lane runs one batch at a time, each batch holds at most
-one request per sequence, and a sequence's requests queue in arrival order, so
-the model sees them in order on the same instance.
-
-Strategies (:mod:`appliance.sequence_config`): ``direct`` gives an instance
-``max_batch_size`` slots and builds each batch by slot position (batch row i is
-slot i; a slot with nothing ready gets a filler row with READY false), waiting up
-to ``max_queue_delay_microseconds`` for ``minimum_slot_utilization``. ``oldest``
-gives an instance ``max_candidate_sequences`` slots and batches the ready heads of
-its sequences by the dynamic batcher's rules (:func:`appliance.batcher.decide`:
-preferred sizes, queue delay), oldest first.
-
-The server feeds the control inputs (START/END/READY as the configured false/true
-values, CORRID as the id) and the implicit state: each sequence's state input is
-its previous state output, reset at START to the configured initial state.
+A sequence is a run of requests sharing a correlation id (``sequence_id``), the
+first flagged ``sequence_start``, the last ``sequence_end``. On START it gets a
+*slot* on one instance (a lane) and keeps it until END or until it idles longer
+than ``max_sequence_idle_microseconds``; sequences without a free slot wait in a
+backlog, oldest first. A lane runs one batch at a time, a batch holds at most one
+request per sequence, and a sequence's requests queue in arrival order, so the
+model sees them in order on one instance. Which ready requests form a batch is
+the strategy's choice (:mod:`appliance.sequence_strategy`); what the model is fed
+besides the request's inputs (controls, implicit state) is
+:mod:`appliance.sequence_feed`'s. docs/sequence-batching.md has the user's view.
 
 Concurrency contract: everything runs on the event loop except the model call,
 which runs on the lane's instance thread. Each request's future is resolved once,
@@ -130,6 +119,7 @@ class SequenceBatcher:
         self._sequences: dict[int | str, _Sequence] = {}  # correlation id -> open sequence
         self._backlog: deque[_Sequence] = deque()
         self._queued = 0
+        self._next_reap = 0.0  # no sequence idles out before this (monotonic)
         self._accepting = True
         self._wake = asyncio.Event()
         self._running: set[asyncio.Task[None]] = set()  # hard refs so tasks aren't GC'd
@@ -198,6 +188,7 @@ class SequenceBatcher:
                 self.model,
             )
         seq.last_seen = now
+        self._next_reap = min(self._next_reap, now + self._idle_s)
         if request.sequence_end:  # a later START with this id opens a new sequence
             seq.closing = True
             del self._sequences[key]
@@ -257,13 +248,20 @@ class SequenceBatcher:
             nxt = self._backlog.popleft()
             nxt.lane, nxt.slot = lane, slot
             lane.slots[slot] = nxt
+            # its idle time counts from when it can run, not from its wait in the backlog
+            nxt.last_seen = time.monotonic()
+            self._next_reap = min(self._next_reap, nxt.last_seen + self._idle_s)
             self._wake.set()
 
     # ---- scheduling --------------------------------------------------------------------
 
     def _reap(self, now: float) -> float:
         """Release sequences idle longer than max_sequence_idle; return when to look
-        again. A released sequence's queued requests still run; later ones need START."""
+        again. A released sequence's queued requests still run; later ones need START.
+        Requests only push idle deadlines later, so until the earliest one found last
+        time nothing can be due."""
+        if now < self._next_reap:
+            return self._next_reap
         next_check = math.inf
         for key, seq in list(self._sequences.items()):
             if seq.lane is None:
@@ -276,6 +274,7 @@ class SequenceBatcher:
                 self._release_if_done(seq)
             else:
                 next_check = min(next_check, idle_until)
+        self._next_reap = next_check
         return next_check
 
     def _pick(self, lane: _Lane, now: float) -> tuple[list[_Queued | None], float | None]:
