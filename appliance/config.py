@@ -391,8 +391,11 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
             )
     steps = _ensemble(f)
     seq = f.sub("sequence_batching")
-    if "sequence_batching" in f.data and db is not None:
-        raise f.fail("sequence_batching", "a model has one scheduler: not also dynamic_batching")
+    if "sequence_batching" in f.data and ("dynamic_batching" in f.data or steps):
+        raise f.fail(
+            "sequence_batching",
+            "a model has one scheduler: not also dynamic_batching or ensemble_scheduling",
+        )
     if steps and not (max_batch is not None and f.data.get("input") and f.data.get("output")):
         raise f.fail(
             "ensemble_scheduling",
