@@ -6,10 +6,11 @@ first flagged ``sequence_start``, the last ``sequence_end``. On START it gets a
 than ``max_sequence_idle_microseconds``; sequences without a free slot wait in a
 backlog, oldest first. A lane runs one batch at a time, a batch holds at most one
 request per sequence, and a sequence's requests queue in arrival order, so the
-model sees them in order on one instance. Which ready requests form a batch is
-the strategy's choice (:mod:`appliance.sequence_strategy`); what the model is fed
-besides the request's inputs (controls, implicit state) is
-:mod:`appliance.sequence_feed`'s. docs/sequence-batching.md has the user's view.
+model sees them in order on one instance. This module queues, dispatches and
+executes; the slot bookkeeping is :mod:`appliance.sequence_slots`, which ready
+requests form a batch :mod:`appliance.sequence_strategy`, and what the model is
+fed besides the request's inputs (controls, implicit state)
+:mod:`appliance.sequence_feed`. docs/sequence-batching.md has the user's view.
 
 Concurrency contract: everything runs on the event loop except the model call,
 which runs on the lane's instance thread. Each request's future is resolved once,
@@ -24,59 +25,19 @@ import contextlib
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Hashable
-from dataclasses import dataclass, field
-
-import numpy as np
 
 from appliance.batcher import BatchPolicy, BatchResult, run_batch
 from appliance.config import ModelConfig
 from appliance.errors import ApplianceError, FailureReason, internal, invalid, unavailable
-from appliance.instances import InstanceGroup, ModelInstance
+from appliance.instances import InstanceGroup
 from appliance.request import InferenceRequest
 from appliance.sequence_feed import Feed
+from appliance.sequence_slots import Lane, Queued, Sequence, SlotTable
 from appliance.sequence_strategy import plan_direct, plan_oldest
 from appliance.stats import ModelStats
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, eq=False)
-class _Queued:
-    """One request of a sequence waiting for its turn (also what ``decide`` reads)."""
-
-    request: InferenceRequest
-    outputs: tuple[str, ...]
-    signature: Hashable
-    sequence: _Sequence
-    arrival: float  # time.monotonic()
-    future: asyncio.Future[BatchResult] = field(repr=False)
-    enqueued_ns: int = 0
-    rows: int = 1
-
-
-@dataclass(slots=True, eq=False)
-class _Sequence:
-    """One correlation id's run; ``closing`` once END was queued or it idled out."""
-
-    key: int | str
-    queue: deque[_Queued] = field(default_factory=deque)
-    lane: _Lane | None = None
-    slot: int = -1
-    state: dict[str, np.ndarray] | None = None  # None: not started on the model yet
-    last_seen: float = 0.0
-    closing: bool = False
-    running: bool = False
-
-
-@dataclass(slots=True, eq=False)
-class _Lane:
-    """One instance and its sequence slots; ``busy`` while a batch runs on it."""
-
-    instance: ModelInstance
-    slots: list[_Sequence | None]
-    busy: bool = False
 
 
 class SequenceBatcher:
@@ -108,18 +69,16 @@ class SequenceBatcher:
         slots = max(1, config.batch_size)
         if sb.strategy == "oldest" and sb.max_candidate_sequences > 0:
             slots = sb.max_candidate_sequences
-        self._lanes = [_Lane(i, [None] * slots) for i in instances.instances]
+        self._slots = SlotTable(
+            config.name, instances.instances, slots, sb.max_sequence_idle_us / 1e6
+        )
         self._policy = BatchPolicy(
             max_batch_size=config.batch_size,
             preferred_batch_sizes=sb.preferred_batch_size,
             max_queue_delay_s=sb.max_queue_delay_us / 1e6,
             dynamic=self._batched,
         )
-        self._idle_s = sb.max_sequence_idle_us / 1e6
-        self._sequences: dict[int | str, _Sequence] = {}  # correlation id -> open sequence
-        self._backlog: deque[_Sequence] = deque()
         self._queued = 0
-        self._next_reap = 0.0  # no sequence idles out before this (monotonic)
         self._accepting = True
         self._wake = asyncio.Event()
         self._running: set[asyncio.Task[None]] = set()  # hard refs so tasks aren't GC'd
@@ -135,7 +94,7 @@ class SequenceBatcher:
     @property
     def active_sequences(self) -> int:
         """Sequences holding a slot or waiting in the backlog (not yet released)."""
-        return sum(s is not None for lane in self._lanes for s in lane.slots) + len(self._backlog)
+        return self._slots.active
 
     # ---- accepting requests ------------------------------------------------------------
 
@@ -164,7 +123,7 @@ class SequenceBatcher:
                 "to requirements of sequence batcher"
             )
         self._feed.check_id(key)
-        seq = self._sequences.get(key)
+        seq = self._slots.get(key)
         if seq is None and not request.sequence_start:
             raise invalid(
                 f"inference request for sequence {key} to model '{self.model}' must "
@@ -178,8 +137,7 @@ class SequenceBatcher:
             )
         now = time.monotonic()
         if seq is None:
-            seq = self._sequences[key] = _Sequence(key)
-            self._place(seq)
+            seq = self._slots.open(key)
         elif request.sequence_start:
             log.warning(
                 "sequence %s for model '%s' has a conflict. The previous sequence did not "
@@ -187,12 +145,10 @@ class SequenceBatcher:
                 key,
                 self.model,
             )
-        seq.last_seen = now
-        self._next_reap = min(self._next_reap, now + self._idle_s)
+        self._slots.touch(seq, now)
         if request.sequence_end:  # a later START with this id opens a new sequence
-            seq.closing = True
-            del self._sequences[key]
-        item = _Queued(
+            self._slots.close(seq)
+        item = Queued(
             request,
             outputs,
             signature,
@@ -210,7 +166,7 @@ class SequenceBatcher:
             try:
                 seq.queue.remove(item)  # still queued: nobody will resolve it now
                 self._count(-1)
-                self._release_if_done(seq)
+                self._release(seq)
             except ValueError:
                 pass  # already executing; its batch task will skip the done future
             raise
@@ -219,65 +175,11 @@ class SequenceBatcher:
         self._queued += delta
         self._stats.pending = self._queued
 
-    def _place(self, seq: _Sequence) -> None:
-        """Give ``seq`` a free slot (the lane with the most free slots), else backlog it."""
-        best: _Lane | None = None
-        for lane in self._lanes:
-            free = lane.slots.count(None)
-            if free and (best is None or free > best.slots.count(None)):
-                best = lane
-        if best is None:
-            self._backlog.append(seq)
-            return
-        seq.lane, seq.slot = best, best.slots.index(None)
-        best.slots[seq.slot] = seq
+    def _release(self, seq: Sequence) -> None:
+        if self._slots.release_if_done(seq):
+            self._wake.set()  # a backlogged sequence got the slot
 
-    def _release_if_done(self, seq: _Sequence) -> None:
-        """Free the slot of a closing sequence once nothing of it is queued or running,
-        and hand it to the oldest backlogged sequence."""
-        if not seq.closing or seq.queue or seq.running:
-            return
-        if seq.lane is None:
-            with contextlib.suppress(ValueError):
-                self._backlog.remove(seq)
-            return
-        lane, slot = seq.lane, seq.slot
-        lane.slots[slot] = None
-        seq.lane, seq.state = None, None
-        if self._backlog:
-            nxt = self._backlog.popleft()
-            nxt.lane, nxt.slot = lane, slot
-            lane.slots[slot] = nxt
-            # its idle time counts from when it can run, not from its wait in the backlog
-            nxt.last_seen = time.monotonic()
-            self._next_reap = min(self._next_reap, nxt.last_seen + self._idle_s)
-            self._wake.set()
-
-    # ---- scheduling --------------------------------------------------------------------
-
-    def _reap(self, now: float) -> float:
-        """Release sequences idle longer than max_sequence_idle; return when to look
-        again. A released sequence's queued requests still run; later ones need START.
-        Requests only push idle deadlines later, so until the earliest one found last
-        time nothing can be due."""
-        if now < self._next_reap:
-            return self._next_reap
-        next_check = math.inf
-        for key, seq in list(self._sequences.items()):
-            if seq.lane is None:
-                continue  # backlogged: its idle time counts once it has a slot
-            idle_until = seq.last_seen + self._idle_s
-            if idle_until <= now:
-                log.info("model '%s': sequence %s idled out; its slot is released", self.model, key)
-                del self._sequences[key]
-                seq.closing = True
-                self._release_if_done(seq)
-            else:
-                next_check = min(next_check, idle_until)
-        self._next_reap = next_check
-        return next_check
-
-    def _pick(self, lane: _Lane, now: float) -> tuple[list[_Queued | None], float | None]:
+    def _pick(self, lane: Lane, now: float) -> tuple[list[Queued | None], float | None]:
         """The batch for an idle lane (None rows are direct-strategy fillers), or how
         long to wait before it may change."""
         heads = [(i, s.queue[0]) for i, s in enumerate(lane.slots) if s is not None and s.queue]
@@ -301,10 +203,10 @@ class SequenceBatcher:
         while True:
             self._wake.clear()
             now = time.monotonic()
-            wait_until = self._reap(now)
-            if not self._accepting and not self._queued and not self._running:
-                return
-            for lane in self._lanes:
+            wait_until = self._slots.reap(now)
+            if not self._accepting and not self._queued:
+                return  # stop() waits for the batches still running
+            for lane in self._slots.lanes:
                 if lane.busy:
                     continue
                 batch, wait_s = self._pick(lane, now if self._accepting else math.inf)
@@ -317,7 +219,7 @@ class SequenceBatcher:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
-    def _dispatch(self, lane: _Lane, batch: list[_Queued | None]) -> None:
+    def _dispatch(self, lane: Lane, batch: list[Queued | None]) -> None:
         for q in batch:
             if q is not None:
                 q.sequence.queue.popleft()
@@ -328,7 +230,7 @@ class SequenceBatcher:
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def _execute(self, lane: _Lane, batch: list[_Queued | None]) -> None:
+    async def _execute(self, lane: Lane, batch: list[Queued | None]) -> None:
         start_ns = time.perf_counter_ns()
         real = [q for q in batch if q is not None]
         template = real[0]
@@ -366,7 +268,7 @@ class SequenceBatcher:
             lane.busy = False
             for q in real:
                 q.sequence.running = False
-                self._release_if_done(q.sequence)
+                self._release(q.sequence)
             self._wake.set()
         if error is not None:
             return
@@ -396,9 +298,7 @@ class SequenceBatcher:
         self._fail_queued(internal(f"model '{self.model}' scheduler failed"))
 
     def _fail_queued(self, error: ApplianceError) -> None:
-        for seq in {*self._sequences.values(), *self._backlog} | {
-            s for lane in self._lanes for s in lane.slots if s is not None
-        }:
+        for seq in self._slots.all():
             for q in seq.queue:
                 if not q.future.done():
                     q.future.set_exception(error)
@@ -410,7 +310,12 @@ class SequenceBatcher:
         then fail whatever is left with UNAVAILABLE and cancel the scheduler."""
         self._accepting = False
         self._wake.set()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
         await asyncio.wait({self._scheduler}, timeout=timeout_s)
+        # only the scheduler dispatches, so once it has returned the running set is final
+        if self._running:
+            await asyncio.wait(set(self._running), timeout=max(0.0, end - loop.time()))
         self._fail_queued(
             unavailable(
                 f"model '{self.model}' was unloaded before the request ran",

@@ -21,6 +21,8 @@ import tritonclient.http as httpclient
 from sequence_models import write_batching_repository, write_counter, write_sequence_repository
 from tritonclient.utils import InferenceServerException
 
+from appliance import InProcessServer
+
 START_ERROR = "must specify the START flag on the first request of the sequence"
 
 
@@ -299,3 +301,18 @@ def test_the_documented_example_runs(
     )
     exec(example.replace("localhost:8000", srv.url), {})  # our own docs
     assert capsys.readouterr().out.split() == ["3", "7", "12"]
+
+
+def test_in_process_api_takes_the_sequence_arguments(sequence_repo: Path) -> None:
+    with InProcessServer(sequence_repo) as server:
+        outs = [
+            server.infer_blocking(
+                "accumulator_oldest",
+                {"INPUT": np.array([[v]], np.int32)},
+                sequence_id="cam-1",
+                sequence_start=i == 0,
+                sequence_end=i == 2,
+            )["OUTPUT"][0, 0]
+            for i, v in enumerate([1, 2, 3])
+        ]
+    assert outs == [101, 103, 106]
