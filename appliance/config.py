@@ -402,13 +402,28 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
             "an ensemble has no engine to complete its config from: "
             "declare max_batch_size, input and output",
         )
+    inputs = tuple(_tensor(t) for t in f.entries("input"))
+    outputs = tuple(_tensor(t) for t in f.entries("output"))
+    sequence = (
+        _sequence_batching(seq)
+        if seq is not None
+        else (SequenceBatching() if "sequence_batching" in f.data else None)
+    )
+    fed = set(implicit_inputs(sequence)) & {t.name for t in inputs}
+    fed |= set(implicit_outputs(sequence)) & {t.name for t in outputs}
+    if fed:
+        raise f.fail(
+            "sequence_batching",
+            f"{sorted(fed)} are fed and kept by the sequence batcher (control or state "
+            "tensors): leave them out of input and output",
+        )
     return ModelConfig(
         name=name,
         backend=f.text("backend"),
         platform=f.text("platform"),
         max_batch_size=max_batch,
-        inputs=tuple(_tensor(t) for t in f.entries("input")),
-        outputs=tuple(_tensor(t) for t in f.entries("output")),
+        inputs=inputs,
+        outputs=outputs,
         dynamic_batching=dynamic,
         instance_group=tuple(groups) or (InstanceGroup(),),
         version_policy=_version_policy(vp) if vp is not None else VersionPolicy(),
@@ -417,11 +432,7 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
         model_warmup=warmup,
         memory_limit=_memory_limit(parameters, source),
         ensemble_steps=steps,
-        sequence_batching=(
-            _sequence_batching(seq)
-            if seq is not None
-            else (SequenceBatching() if "sequence_batching" in f.data else None)
-        ),
+        sequence_batching=sequence,
         source=source,
     )
 

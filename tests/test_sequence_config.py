@@ -108,6 +108,20 @@ def test_oldest_strategy_from_yaml() -> None:
             {},
             "more than once",
         ),
+        (
+            {
+                "control_input": [
+                    {
+                        "name": "a",
+                        "control": [
+                            {"kind": "CONTROL_SEQUENCE_READY", "bool_false_true": [False, True]}
+                        ],
+                    }
+                ]
+            },
+            {"input": [{"name": "a", "data_type": "TYPE_BOOL", "dims": [1]}]},
+            "leave them out of input and output",
+        ),
     ],
 )
 def test_bad_sequence_batching_names_the_field(
