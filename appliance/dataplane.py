@@ -28,6 +28,7 @@ EXTENSIONS = [
     "statistics",
     "binary_tensor_data",
     "parameters",
+    "sequence",
 ]
 
 

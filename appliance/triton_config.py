@@ -113,6 +113,8 @@ def to_triton_json(config: ModelConfig) -> dict[str, Any]:
         }
     if config.model_warmup:
         out["model_warmup"] = [_warmup_json(w) for w in config.model_warmup]
+    if config.sequence_batching is not None:
+        out["sequence_batching"] = config.sequence_batching.json()
     if config.dynamic_batching is not None:
         db = config.dynamic_batching
         out["dynamic_batching"] = {

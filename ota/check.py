@@ -15,7 +15,7 @@ from tuf.api import exceptions as tuf_errors
 from tuf.api.metadata import Metadata, TargetFile, Targets
 from tuf.ngclient import Updater
 
-from appliance import __version__
+from appliance.version import __version__
 from ota import OtaError, bundle, install
 from ota.config import OtaConfig
 from ota.manifest import version_tuple

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from appliance.config import ConfigError, Fields
-from appliance.server_config import MqttConfig, load_server_config, parse_size
+from appliance.fields import ConfigError, Fields, parse_size
+from appliance.server_config import MqttConfig, load_server_config
 from ota import OtaError
 from ota.rollout import CHANNELS, check_name
 

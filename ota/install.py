@@ -19,7 +19,8 @@ import yaml
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
-from appliance.config import CONFIG_FILES, load_model_config, parse_model_config
+from appliance.config import parse_model_config
+from appliance.config_reader import CONFIG_FILES, load_model_config
 from appliance.errors import ApplianceError
 from appliance.repository import version_dirs
 from appliance.triton_config import pbtxt_to_dict, to_triton_json
