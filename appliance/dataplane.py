@@ -4,6 +4,10 @@ HTTP, gRPC, MQTT and the in-process API all turn their wire format into an
 :class:`InferenceRequest` and call :meth:`DataPlane.infer`; metadata, config,
 statistics and repository control live here too, so no adapter holds logic of
 its own. Everything raises :class:`ApplianceError`, never a protocol status.
+
+Every model name and version that arrives is checked here first
+(:mod:`appliance.names`: INVALID_ARG for a name that is not one path component or
+a version that is not a number), so no adapter can route around the rule.
 """
 
 from __future__ import annotations
@@ -13,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from appliance import __version__
-from appliance.errors import invalid, unavailable
+from appliance import __version__, names
+from appliance.errors import ApplianceError, Code, invalid, unavailable
 from appliance.lifecycle import ModelLifeCycle
+from appliance.limits import InputGate
 from appliance.model import State
 from appliance.request import InferenceRequest, InferenceResponse
 from appliance.shared_memory import SharedMemoryRegistry
@@ -45,6 +50,11 @@ def classify(arr: np.ndarray, k: int, batched: bool) -> np.ndarray:
     return out if batched else out[0]
 
 
+def _checked(name: str, version: str) -> tuple[str, str]:
+    """(name, version) once both are well formed; INVALID_ARG otherwise."""
+    return names.check_model_name(name), names.check_version(version)
+
+
 class DataPlane:
     def __init__(self, lifecycle: ModelLifeCycle, shared_memory: SharedMemoryRegistry) -> None:
         self.lifecycle = lifecycle
@@ -62,25 +72,46 @@ class DataPlane:
         return {"name": "appliance", "version": __version__, "extensions": extensions}
 
     def model_ready(self, name: str, version: str = "") -> bool:
+        """False for an unknown or unready model; INVALID_ARG for a malformed name."""
         try:
-            return self.lifecycle.get(name, version).state == State.READY
-        except Exception:
-            return False
+            return not self.model_unready_reason(name, version)
+        except ApplianceError as exc:
+            if exc.code is Code.NOT_FOUND:
+                return False
+            raise
+
+    def model_unready_reason(self, name: str, version: str = "") -> str:
+        """Why the model is not ready ("" when it is); NOT_FOUND for an unknown model."""
+        _checked(name, version)
+        try:
+            mv = self.lifecycle.get(name, version)
+        except ApplianceError as exc:
+            if exc.code is Code.NOT_FOUND:
+                raise
+            return exc.message
+        return "" if mv.state == State.READY else f"model '{name}' is {mv.state.value}"
 
     def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
-        mv = self.lifecycle.get(name, version)
+        mv = self.lifecycle.get(*_checked(name, version))
         versions = [str(v) for v in sorted(self.lifecycle.entry(name).versions)]
         return mv.metadata(versions)
 
     def model_config(self, name: str, version: str = "") -> dict[str, Any]:
-        return to_triton_json(self.lifecycle.get(name, version).config)
+        return to_triton_json(self.lifecycle.get(*_checked(name, version)).config)
+
+    def input_gate(self, name: str, version: str = "") -> InputGate:
+        """The checks a codec runs on each input declaration of a request to this
+        model, before decoding it (:mod:`appliance.limits`). NOT_FOUND/UNAVAILABLE
+        for a model that cannot serve: the request is refused before it is read."""
+        config = self.lifecycle.get(*_checked(name, version)).config
+        return InputGate(config, self.lifecycle.server.max_request_elements)
 
     # ---- inference ---------------------------------------------------------------------
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         if not self.accepting:
             raise unavailable("the server is shutting down")
-        mv = self.lifecycle.get(request.model_name, request.model_version)
+        mv = self.lifecycle.get(*_checked(request.model_name, request.model_version))
         response = await mv.infer(request)
         for name, k in request.classification.items():
             response.outputs[name] = classify(response.outputs[name], k, mv.config.batch_size > 0)
@@ -90,6 +121,7 @@ class DataPlane:
 
     def statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
         if name:
+            _checked(name, version)
             if version:
                 versions = [self.lifecycle.get(name, version)]
             else:
@@ -121,6 +153,7 @@ class DataPlane:
         """Triton's repository load. Parameters: ``config`` (Triton's JSON model config,
         used instead of the repository's config file for this load) and ``in_place``
         (swap without room for two copies; the model is briefly unavailable)."""
+        names.check_model_name(name)
         self._check_control("load")
         params = dict(parameters or {})
         override = None
@@ -146,6 +179,7 @@ class DataPlane:
             raise invalid(f"failed to load model '{name}': {entry.reason}")
 
     async def unload_model(self, name: str) -> None:
+        names.check_model_name(name)
         self._check_control("unload")
         await self.lifecycle.unload(name)
 

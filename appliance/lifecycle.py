@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance import repository
+from appliance import names, repository
 from appliance.config import ConfigError, ModelConfig, load_model_config, parse_model_config
 from appliance.ensemble import EnsembleVersion
 from appliance.errors import ApplianceError, invalid, not_found, unavailable
@@ -110,7 +110,10 @@ class ModelLifeCycle:
 
     def _is_ensemble(self, name: str) -> bool:
         try:
-            return load_model_config(self.repository / name).platform == "ensemble"
+            model_dir = names.model_dir(
+                self.repository, name, self.server.allow_symlinked_models
+            )
+            return load_model_config(model_dir).platform == "ensemble"
         except ApplianceError:
             return False  # reported when it loads
 
@@ -128,10 +131,13 @@ class ModelLifeCycle:
 
         Never raises for a bad model or a refused load: the failure is logged and
         recorded as the model's reason, and whatever served before keeps serving.
-        Raises NOT_FOUND when the repository has no such model folder.
+        Raises INVALID_ARG for a name that is not a model name (:mod:`appliance.names`)
+        and NOT_FOUND when the repository has no such model folder; a folder that
+        links outside the repository is a failed load.
         """
+        names.check_model_name(name)
         model_dir = self.repository / name
-        if name.startswith(".") or not model_dir.is_dir():
+        if not model_dir.is_dir():
             raise not_found(f"model '{name}' is not in the model repository")
         async with self._locks.setdefault(name, asyncio.Lock()):
             entry = self._models.setdefault(name, ModelEntry(name))
@@ -146,7 +152,9 @@ class ModelLifeCycle:
         self, entry: ModelEntry, model_dir: Path, override: dict[str, Any] | None, in_place: bool
     ) -> None:
         name = entry.name
+        allow = self.server.allow_symlinked_models
         try:
+            names.confine(self.repository, model_dir, allow, f"the folder of model '{name}'")
             if override is not None:
                 config = parse_model_config(override, name, "load request parameter 'config'")
             else:
@@ -156,6 +164,10 @@ class ModelLifeCycle:
                 raise not_found(
                     f"model '{name}' has no version folder that its version policy serves "
                     f"in {model_dir}"
+                )
+            for v in wanted:
+                names.confine(
+                    self.repository, model_dir / str(v), allow, f"model '{name}' version {v}"
                 )
         except ApplianceError as exc:
             self._failed(entry, str(exc))
@@ -359,8 +371,7 @@ class ModelLifeCycle:
                     f"{': ' + entry.reason if entry.reason else ''})"
                 )
             return mv
-        if not version.isdigit():
-            raise not_found(f"model '{name}' has no version '{version}'")
+        names.check_version(version)
         mv = entry.versions.get(int(version))
         if mv is None:
             if int(version) in entry.failed:

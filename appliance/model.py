@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 import backends
-from appliance import datatypes, memory, warmup
+from appliance import datatypes, limits, memory, names, warmup
 from appliance.batcher import BatchPolicy, DynamicBatcher
 from appliance.config import ConfigError, ModelConfig, TensorConfig, complete
 from appliance.config import InstanceGroup as GroupConfig
@@ -42,8 +42,12 @@ class State(enum.Enum):
     UNAVAILABLE = "UNAVAILABLE"
 
 
-def resolve_backend(config: ModelConfig, version_dir: Path) -> tuple[str, Path]:
-    """Which backend serves this version and from which file."""
+def resolve_backend(
+    config: ModelConfig, version_dir: Path, allow_links: bool = False
+) -> tuple[str, Path]:
+    """Which backend serves this version and from which file: a file of the version
+    folder that, links followed, lies inside the repository (the folder's
+    grandparent) unless ``allow_links``."""
     name = config.backend or backends.PLATFORMS.get(config.platform, "")
     if config.platform and not name:
         raise ConfigError(
@@ -75,7 +79,8 @@ def resolve_backend(config: ModelConfig, version_dir: Path) -> tuple[str, Path]:
         raise invalid(
             f"model '{config.name}' version {version_dir.name}: model file {path} does not exist"
         )
-    return name, path
+    what = f"model '{config.name}' version {version_dir.name}: model file {path.name!r}"
+    return name, names.confine(version_dir.parent.parent, path, allow_links, what)
 
 
 def declared_tensors(
@@ -169,7 +174,7 @@ class ModelVersion:
         is in use and what was needed. Warm-up failures fail the load the same way.
         """
         budget = budget or memory.MemoryBudget(None)
-        backend, path = resolve_backend(config, version_dir)
+        backend, path = resolve_backend(config, version_dir, server.allow_symlinked_models)
         requested = config.instance_count
         # each instance's share of the cores, unless the config pins it
         pinned = config.parameters.get("intra_op_thread_count", "0")
@@ -228,7 +233,9 @@ class ModelVersion:
                     # capped by the engine's own limit (a TensorRT optimization profile)
                     backends.auto_max_batch_size(first, server.default_max_batch_size),
                 )
-                samples = warmup.samples(completed, version_dir.parent)
+                samples = warmup.samples(
+                    completed, version_dir.parent, server.allow_symlinked_models
+                )
                 outputs = [t.name for t in completed.outputs]
                 first_cost, working = await _warm(made[0], samples, outputs, config.name)
                 if not admission.fits(first_cost.total):
@@ -298,26 +305,9 @@ class ModelVersion:
 
     def _check_input(self, name: str, arr: np.ndarray, spec: TensorConfig) -> int:
         """Validate one input; return its batch size (0 when the model doesn't batch)."""
-        where = f"input '{name}' of model '{self.config.name}'"
-        got = datatypes.from_numpy_dtype(arr.dtype)
-        if got != spec.datatype:
-            raise invalid(f"{where}: expected datatype {spec.datatype}, got {got}")
-        batched = self.config.batch_size > 0
-        expected = ([-1] if batched else []) + list(spec.dims)
-        shape = list(arr.shape)
-        if len(shape) != len(expected) or any(
-            e not in (-1, s) for e, s in zip(expected, shape, strict=True)
-        ):
-            raise invalid(f"{where}: expected shape {expected}, got {shape}")
-        if not batched:
-            return 0
-        rows = int(shape[0])
-        if not 1 <= rows <= self.config.batch_size:
-            raise invalid(
-                f"{where}: batch size {rows} is outside 1..{self.config.batch_size} "
-                f"(max_batch_size)"
-            )
-        return rows
+        return limits.check_input(
+            self.config, name, datatypes.from_numpy_dtype(arr.dtype), arr.shape
+        )
 
     def _prepare(self, request: InferenceRequest) -> tuple[tuple[str, ...], int, Any, float | None]:
         for name in request.inputs:
