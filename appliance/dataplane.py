@@ -103,8 +103,12 @@ class DataPlane:
         """The checks a codec runs on each input declaration of a request to this
         model, before decoding it (:mod:`appliance.limits`). NOT_FOUND/UNAVAILABLE
         for a model that cannot serve: the request is refused before it is read."""
-        config = self.lifecycle.get(*_checked(name, version)).config
-        return InputGate(config, self.lifecycle.server.max_request_elements)
+        mv = self.lifecycle.get(*_checked(name, version))
+
+        def refused(exc: ApplianceError) -> None:
+            mv.stats.record_failure(exc.reason, 0)
+
+        return InputGate(mv.config, self.lifecycle.server.max_request_elements, refused)
 
     # ---- inference ---------------------------------------------------------------------
 

@@ -20,12 +20,12 @@ the in-process API meets the same rules.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from appliance.config import ModelConfig, TensorConfig
 from appliance.datatypes import MAX_RANK, bounded_count
-from appliance.errors import invalid
+from appliance.errors import ApplianceError, invalid
 
 __all__ = ["MAX_RANK", "InputGate", "bounded_count", "check_input"]
 
@@ -77,10 +77,21 @@ class InputGate:
 
     config: ModelConfig | None
     max_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS
+    # told of each refusal (the model counts it as a failed request, as if it had
+    # refused the decoded request itself)
+    refused: Callable[[ApplianceError], None] | None = None
     elements: int = 0
     object_elements: int = 0
 
     def __call__(self, name: str, datatype: str, shape: Sequence[int]) -> None:
+        try:
+            self._check(name, datatype, shape)
+        except ApplianceError as exc:
+            if self.refused is not None:
+                self.refused(exc)
+            raise
+
+    def _check(self, name: str, datatype: str, shape: Sequence[int]) -> None:
         count = bounded_count(shape, self.max_elements, f"input '{name}'")
         if self.config is not None:
             check_input(self.config, name, datatype, shape)
