@@ -208,7 +208,9 @@ class Fields:
         value = self.text(key)
         problem = names.name_problem(value) if value else ""
         if problem:
-            raise self.fail(key, f"expected a {what} (one path component), got {value!r}: {problem}")
+            raise self.fail(
+                key, f"expected a {what} (one path component), got {value!r}: {problem}"
+            )
         return value
 
     def flag(self, key: str, default: bool) -> bool:

@@ -68,8 +68,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     except (ConnectionResetError, web_protocol.RequestPayloadError) as exc:
         # the client went away or broke off its body: its event, not a server error
-        log.debug("client %s: %s %s: %s", request.remote, request.method, request.path, exc)
-        raise
+        # (re-raised, aiohttp would log it as an error with a traceback)
+        log.debug("client %s left: %s %s: %s", request.remote, request.method, request.path, exc)
+        return _error(400, f"the request body was cut off: {exc}")
     except ApplianceError as exc:
         return _error(STATUS[exc.code], exc.message)
     except web.HTTPRequestEntityTooLarge as exc:

@@ -27,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http import HttpVersion11
+from aiohttp.typedefs import Middleware
 
 from appliance.http_codec import error_body
 from appliance.server_config import ServerConfig
@@ -34,7 +35,7 @@ from appliance.server_config import ServerConfig
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+
 # aiohttp's own lingering default: longer gives a slow client nothing
 _MAX_LINGER_S = 10.0
 
@@ -48,7 +49,9 @@ def runner_options(config: ServerConfig) -> dict[str, Any]:
 
 
 def _refusal(status: int, message: str) -> web.Response:
-    response = web.Response(body=error_body(message), status=status, content_type="application/json")
+    response = web.Response(
+        body=error_body(message), status=status, content_type="application/json"
+    )
     response.force_close()  # the rest of this connection's bytes are not worth reading
     return response
 
@@ -96,7 +99,7 @@ def body_limits(limit: int, body_timeout_s: float) -> Middleware:
             try:
                 await asyncio.wait_for(request.read(), body_timeout_s)
             except asyncio.TimeoutError:
-                log.debug("request body of %s not complete in %.1fs", request.remote, body_timeout_s)
+                log.debug("body from %s not complete in %.1fs", request.remote, body_timeout_s)
                 return _refusal(
                     408,
                     f"the request body did not arrive within {body_timeout_s:g}s "

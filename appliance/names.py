@@ -10,7 +10,7 @@ one place:
   invisible format characters; not starting with a dot (``.``, ``..`` and hidden
   staging folders included); no leading or trailing white space; and no character
   whose Unicode compatibility form (NFKC) would bring any of these back (a
-  fullwidth solidus ``／`` or a two-dot leader ``‥``).
+  fullwidth solidus U+FF0F or a two-dot leader U+2025).
 - A **file name** a config names (``default_model_filename``, a warm-up
   ``input_data_file``, ``label_filename``) follows the same rule: it names a file
   in its folder, never a path.
