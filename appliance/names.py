@@ -10,7 +10,8 @@ one place:
   invisible format characters; not starting with a dot (``.``, ``..`` and hidden
   staging folders included); no leading or trailing white space; and no character
   whose Unicode compatibility form (NFKC) would bring any of these back (a
-  fullwidth solidus U+FF0F or a two-dot leader U+2025).
+  fullwidth solidus U+FF0F or a two-dot leader U+2025), nor a slash look-alike
+  such as the division slash U+2215.
 - A **file name** a config names (``default_model_filename``, a warm-up
   ``input_data_file``, ``label_filename``) follows the same rule: it names a file
   in its folder, never a path.
@@ -34,6 +35,8 @@ MAX_VERSION = 2**63 - 1
 # control, format (zero-width, bidi overrides), surrogate, private-use, unassigned;
 # line and paragraph separators
 _BAD_CATEGORIES = {"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"}
+# slashes that NFKC leaves alone but a reader of a log or a listing takes for one
+_LOOKALIKE_SEPARATORS = set("\u2044\u2215\u2216\u29f5\u29f8\u29f9")
 
 
 def name_problem(name: object) -> str:
@@ -51,6 +54,8 @@ def name_problem(name: object) -> str:
             return "it starts with a dot"
         if ".." in form:
             return "it contains '..'"
+    if _LOOKALIKE_SEPARATORS & set(name):
+        return "it contains a character that looks like a path separator"
     if any(unicodedata.category(c) in _BAD_CATEGORIES for c in name):
         return "it contains a control or invisible character"
     if name != name.strip():
