@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from appliance.server_config import load_server_config
+
 SAFETY_S = 20.0  # a bound on waiting for the server, never a pass/fail on time
 
 
@@ -239,3 +241,18 @@ def test_model_ready_answers_carry_the_usual_json_error(
     assert status == 404 and json.loads(body)["error"]
     status, _, body = _get(f"http://{srv.url}/v2/models/simple/ready")
     assert status == 200 and body == b""
+
+
+def test_the_documented_settings_are_the_defaults(tmp_path: Path) -> None:
+    """The YAML block of docs/security.md (pasted in the README) loads, and says the
+    defaults."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "security.md").read_text()
+    block = doc.split("```yaml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "appliance.yaml"
+    path.write_text(block)
+    documented = load_server_config(path, {})
+    defaults = load_server_config(None, {})
+    for key in ("max_request_size", "max_request_elements", "http_header_timeout_s",
+                "http_body_timeout_s", "allow_symlinked_models"):
+        assert getattr(documented, key) == getattr(defaults, key), key
+        assert key in block
