@@ -110,7 +110,7 @@ def _model(request: web.Request) -> tuple[str, str]:
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
-    body = await request.read()
+    body = http_limits.body(request)
     if not body:
         return {}
     try:
@@ -156,8 +156,8 @@ async def model_stats(request: web.Request) -> web.Response:
 async def infer(request: web.Request) -> web.Response:
     dataplane = request.app[DATAPLANE]
     model, version = _model(request)
-    gate = dataplane.input_gate(model, version)  # an unknown model: refused unread
-    body = await request.read()
+    gate = dataplane.input_gate(model, version)  # checked before any tensor is decoded
+    body = http_limits.body(request)
     header_length = http_codec.parse_header_length(
         request.headers.get(http_codec.HEADER_LENGTH), len(body)
     )

@@ -126,7 +126,7 @@ class PreparedRequest:
 
 
 def decode_request(
-    body: bytes,
+    body: bytes | bytearray,
     header_length: int | None,
     model: str,
     version: str,
@@ -138,7 +138,7 @@ def decode_request(
 
 
 def prepare_request(
-    body: bytes,
+    body: bytes | bytearray,
     header_length: int | None,
     model: str,
     version: str,
