@@ -20,7 +20,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import tritonclient.http as httpclient
 
 from appliance.server_config import load_server_config
 
@@ -256,3 +258,17 @@ def test_the_documented_settings_are_the_defaults(tmp_path: Path) -> None:
                 "http_body_timeout_s", "allow_symlinked_models"):
         assert getattr(documented, key) == getattr(defaults, key), key
         assert key in block
+
+
+def test_tritonclient_keeps_working_across_idle_closes(run_appliance: Any) -> None:
+    """tritonclient's pooled keep-alive connection is closed by the server while idle;
+    the next call reconnects (it retries a connection closed by the peer)."""
+    srv = run_appliance(http_header_timeout_s=0.2)
+    client = httpclient.InferenceServerClient(srv.url)
+    inputs = [httpclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+    for i in inputs:
+        i.set_data_from_numpy(np.ones((1, 16), np.int32))
+    for _ in range(3):
+        result = client.infer("simple", inputs)
+        assert result.as_numpy("OUTPUT0").tolist() == [[2] * 16]
+        time.sleep(0.5)  # idle past the timeout: the server closes the connection

@@ -271,6 +271,7 @@ def test_grpc_refuses_every_bad_name(run_appliance: Any, tmp_path: Path) -> None
             "metadata": lambda n: stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=n)),
             "ready": lambda n: stub.ModelReady(service_pb2.ModelReadyRequest(name=n)),
             "config": lambda n: stub.ModelConfig(service_pb2.ModelConfigRequest(name=n)),
+            "stats": lambda n: stub.ModelStatistics(service_pb2.ModelStatisticsRequest(name=n)),
             "infer": lambda n: stub.ModelInfer(service_pb2.ModelInferRequest(model_name=n)),
         }
         for name in bad:
