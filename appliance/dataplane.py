@@ -12,6 +12,7 @@ a version that is not a number), so no adapter can route around the rule.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -48,6 +49,13 @@ def classify(arr: np.ndarray, k: int, batched: bool) -> np.ndarray:
     for r in range(rows.shape[0]):
         out[r] = [f"{rows[r, i]:f}:{i}".encode() for i in top[r]]
     return out if batched else out[0]
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # a worker thread
+        return None
 
 
 def _checked(name: str, version: str) -> tuple[str, str]:
@@ -104,9 +112,14 @@ class DataPlane:
         model, before decoding it (:mod:`appliance.limits`). NOT_FOUND/UNAVAILABLE
         for a model that cannot serve: the request is refused before it is read."""
         mv = self.lifecycle.get(*_checked(name, version))
+        loop = asyncio.get_running_loop()
 
         def refused(exc: ApplianceError) -> None:
-            mv.stats.record_failure(exc.reason, 0)
+            # a big body is decoded on a worker thread: statistics change on the loop only
+            if _running_loop() is loop:
+                mv.stats.record_failure(exc.reason, 0)
+            else:
+                loop.call_soon_threadsafe(mv.stats.record_failure, exc.reason, 0)
 
         return InputGate(mv.config, self.lifecycle.server.max_request_elements, refused)
 
