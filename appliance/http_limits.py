@@ -7,8 +7,8 @@
 - A request header must be complete within ``http_header_timeout_s`` of the
   connection opening or of the previous response; an idle keep-alive connection
   is closed after the same time. This is aiohttp's keep-alive timer, which (since
-  aiohttp 3.10) runs from the connection's start and closes a connection still
-  waiting for a complete request when it fires.
+  aiohttp 3.14.4, hence the requirement) runs from the connection's start and closes
+  a connection still waiting for a complete request when it fires.
 - A request body must be complete within ``http_body_timeout_s``; a slower one is
   answered 408 and the connection closed. aiohttp then reads what the client still
   sends for at most the same time ("lingering", so the client sees the answer)
