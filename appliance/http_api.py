@@ -42,7 +42,7 @@ _OFFLOAD_BYTES = 256 * 1024
 # copying outputs into shared memory is a plain memcpy (~10 GB/s): worth a thread hop
 # only for big tensors
 _OFFLOAD_COPY_BYTES = 4 * 1024 * 1024
-# BYTES elements decoded on the event loop at most: each becomes a Python object
+# BYTES elements decoded or encoded on the event loop at most: each is a Python object
 _LOOP_OBJECTS = 4096
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -175,13 +175,19 @@ async def infer(request: web.Request) -> web.Response:
             decoded = prepared.build()
     inference, fmt = decoded
     response = await dataplane.infer(inference)
-    text_bytes = copy_bytes = 0
+    text_bytes = copy_bytes = objects = 0
     for name, arr in response.outputs.items():
         if name in fmt.shared_memory:
             copy_bytes += arr.nbytes
         elif not fmt.is_binary(name):
             text_bytes += arr.nbytes
-    if text_bytes > _OFFLOAD_BYTES or copy_bytes > _OFFLOAD_COPY_BYTES:
+        if arr.dtype.kind in "OUS":  # BYTES: serialized element by element
+            objects += arr.size
+    if (
+        text_bytes > _OFFLOAD_BYTES
+        or copy_bytes > _OFFLOAD_COPY_BYTES
+        or objects > _LOOP_OBJECTS
+    ):
         out, length = await asyncio.to_thread(http_codec.encode_response, response, fmt, shm)
     else:
         out, length = http_codec.encode_response(response, fmt, shm)
