@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import hmac
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from appliance.server_config import ServerConfig
@@ -76,6 +77,18 @@ class AccessPolicy:
             host=config.host,
         )
 
+    def check_all(self, scope: Scope, authorizations: Sequence[str]) -> Denial | None:
+        """:meth:`check` for every ``Authorization`` value a call carried: more than
+        one is refused (which one counts would be a guess a proxy and we could make
+        differently)."""
+        if len(authorizations) > 1 and scope is not Scope.PUBLIC:
+            return Denial(
+                False,
+                f"the call carries {len(authorizations)} Authorization headers; send exactly "
+                f"one: 'Authorization: Bearer <token>'",
+            )
+        return self.check(scope, authorizations[0] if authorizations else None)
+
     def check(self, scope: Scope, authorization: str | None) -> Denial | None:
         """None when the call may proceed, else why not."""
         if scope is Scope.PUBLIC:
@@ -104,7 +117,11 @@ class AccessPolicy:
 
 
 def _same(given: str | None, expected: str) -> bool:
-    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+    # surrogatepass: header bytes that are not UTF-8 arrive as lone surrogates, and
+    # such a token is simply wrong, never an error
+    return given is not None and hmac.compare_digest(
+        given.encode("utf-8", "surrogatepass"), expected.encode("utf-8", "surrogatepass")
+    )
 
 
 def _needs(kind: str) -> Denial:

@@ -187,6 +187,7 @@ def _tensor(f: Fields) -> TensorConfig:
     except ValueError:
         expected = ", ".join(datatypes.to_config_type(d) for d in datatypes.DATATYPES)
         raise f.fail("data_type", f"expected one of {expected}, got {raw_type!r}") from None
+    f.file_name("label_filename")  # ignored, but never a path
     for key in _UNSUPPORTED_TENSOR:
         if key in f.data:
             log.warning("%s: %s: '%s' is not supported and is ignored", f.source, f.path, key)
@@ -351,7 +352,7 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
         dynamic_batching=dynamic,
         instance_group=tuple(groups) or (InstanceGroup(),),
         version_policy=_version_policy(vp) if vp is not None else VersionPolicy(),
-        default_model_filename=f.text("default_model_filename"),
+        default_model_filename=f.file_name("default_model_filename"),
         parameters=parameters,
         model_warmup=warmup,
         memory_limit=_memory_limit(parameters, source),
@@ -525,7 +526,7 @@ def _ensemble(f: Fields) -> tuple[EnsembleStep, ...]:
     steps = []
     for s in scheduling.entries("step"):
         s.check_keys({"model_name", "model_version", "input_map", "output_map"})
-        model = s.text("model_name")
+        model = s.file_name("model_name", "model name")
         if not model:
             raise s.fail("model_name", "expected the name of the model this step runs")
         steps.append(
@@ -575,7 +576,7 @@ def _warmup(f: Fields) -> WarmupSample:
         data = {"zero_data": "zero", "random_data": "random", "input_data_file": "file"}[given[0]]
         if data != "file" and i.data[given[0]] is not True:
             raise i.fail(given[0], f"expected true, got {i.data[given[0]]!r}")
-        file = i.text("input_data_file") if data == "file" else ""
+        file = i.file_name("input_data_file") if data == "file" else ""
         parsed.append(WarmupInput(str(key), datatype, i.ints("dims", 0), data, file))
     return WarmupSample(
         name,

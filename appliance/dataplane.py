@@ -4,17 +4,24 @@ HTTP, gRPC, MQTT and the in-process API all turn their wire format into an
 :class:`InferenceRequest` and call :meth:`DataPlane.infer`; metadata, config,
 statistics and repository control live here too, so no adapter holds logic of
 its own. Everything raises :class:`ApplianceError`, never a protocol status.
+
+Every model name and version that arrives is checked here first
+(:mod:`appliance.names`: INVALID_ARG for a name that is not one path component or
+a version that is not a number), so no adapter can route around the rule.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 import numpy as np
 
-from appliance.errors import invalid, unavailable
+from appliance import names
+from appliance.errors import ApplianceError, Code, invalid, unavailable
 from appliance.lifecycle import ModelLifeCycle
+from appliance.limits import InputGate
 from appliance.model import State
 from appliance.request import InferenceRequest, InferenceResponse
 from appliance.shared_memory import SharedMemoryRegistry
@@ -46,6 +53,18 @@ def classify(arr: np.ndarray, k: int, batched: bool) -> np.ndarray:
     return out if batched else out[0]
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # a worker thread
+        return None
+
+
+def _checked(name: str, version: str) -> tuple[str, str]:
+    """(name, version) once both are well formed; INVALID_ARG otherwise."""
+    return names.check_model_name(name), names.check_version(version)
+
+
 class DataPlane:
     def __init__(self, lifecycle: ModelLifeCycle, shared_memory: SharedMemoryRegistry) -> None:
         self.lifecycle = lifecycle
@@ -63,25 +82,55 @@ class DataPlane:
         return {"name": "appliance", "version": __version__, "extensions": extensions}
 
     def model_ready(self, name: str, version: str = "") -> bool:
+        """False for an unknown or unready model; INVALID_ARG for a malformed name."""
         try:
-            return self.lifecycle.get(name, version).state == State.READY
-        except Exception:
-            return False
+            return not self.model_unready_reason(name, version)
+        except ApplianceError as exc:
+            if exc.code is Code.NOT_FOUND:
+                return False
+            raise
+
+    def model_unready_reason(self, name: str, version: str = "") -> str:
+        """Why the model is not ready ("" when it is); NOT_FOUND for an unknown model."""
+        _checked(name, version)
+        try:
+            mv = self.lifecycle.get(name, version)
+        except ApplianceError as exc:
+            if exc.code is Code.NOT_FOUND:
+                raise
+            return exc.message
+        return "" if mv.state == State.READY else f"model '{name}' is {mv.state.value}"
 
     def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
-        mv = self.lifecycle.get(name, version)
+        mv = self.lifecycle.get(*_checked(name, version))
         versions = [str(v) for v in sorted(self.lifecycle.entry(name).versions)]
         return mv.metadata(versions)
 
     def model_config(self, name: str, version: str = "") -> dict[str, Any]:
-        return to_triton_json(self.lifecycle.get(name, version).config)
+        return to_triton_json(self.lifecycle.get(*_checked(name, version)).config)
+
+    def input_gate(self, name: str, version: str = "") -> InputGate:
+        """The checks a codec runs on each input declaration of a request to this
+        model, before decoding it (:mod:`appliance.limits`). NOT_FOUND/UNAVAILABLE
+        for a model that cannot serve: the request is refused before it is read."""
+        mv = self.lifecycle.get(*_checked(name, version))
+        loop = asyncio.get_running_loop()
+
+        def refused(exc: ApplianceError) -> None:
+            # a big body is decoded on a worker thread: statistics change on the loop only
+            if _running_loop() is loop:
+                mv.stats.record_failure(exc.reason, 0)
+            else:
+                loop.call_soon_threadsafe(mv.stats.record_failure, exc.reason, 0)
+
+        return InputGate(mv.config, self.lifecycle.server.max_request_elements, refused)
 
     # ---- inference ---------------------------------------------------------------------
 
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         if not self.accepting:
             raise unavailable("the server is shutting down")
-        mv = self.lifecycle.get(request.model_name, request.model_version)
+        mv = self.lifecycle.get(*_checked(request.model_name, request.model_version))
         response = await mv.infer(request)
         for name, k in request.classification.items():
             response.outputs[name] = classify(response.outputs[name], k, mv.config.batch_size > 0)
@@ -91,6 +140,7 @@ class DataPlane:
 
     def statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
         if name:
+            _checked(name, version)
             if version:
                 versions = [self.lifecycle.get(name, version)]
             else:
@@ -124,6 +174,7 @@ class DataPlane:
         (swap without room for two copies; the model is briefly unavailable) and
         ``default_version`` (the version unversioned requests go to, while the others
         are reachable by explicit version; absent: the newest)."""
+        names.check_model_name(name)
         self._check_control("load")
         params = dict(parameters or {})
         override = None
@@ -156,6 +207,7 @@ class DataPlane:
             raise invalid(f"failed to load model '{name}': {entry.reason}")
 
     async def unload_model(self, name: str) -> None:
+        names.check_model_name(name)
         self._check_control("unload")
         await self.lifecycle.unload(name)
 

@@ -99,12 +99,40 @@ def byte_size(datatype: str, shape: Sequence[int]) -> int | None:
     return element_count(shape) * to_numpy_dtype(datatype).itemsize
 
 
+MAX_RANK = 64  # numpy refuses more dimensions
+# the most elements a tensor may declare whatever the configuration: numpy holds
+# 2**40 elements of every datatype without its byte size overflowing
+ELEMENT_CEILING = 2**40
+# elements one request may declare unless max_request_elements says otherwise
+DEFAULT_MAX_REQUEST_ELEMENTS = 2**24  # 64 MiB of FP32
+
+
+def bounded_count(shape: Sequence[int], bound: int, where: str) -> int:
+    """The element count of ``shape``; INVALID_ARG once its dimensions, zero-size
+    ones skipped, multiply past ``bound`` (so ``[0, 2**62]`` is refused, as numpy
+    would refuse it). Overflow-safe: stops multiplying once past the bound."""
+    if len(shape) > MAX_RANK:
+        raise invalid(f"{where}: shape has {len(shape)} dimensions, at most {MAX_RANK} allowed")
+    product = 1
+    for d in shape:
+        if d:
+            product *= d
+            if product > bound:
+                shown = str(list(shape))
+                shown = shown if len(shown) <= 80 else shown[:76] + "...]"
+                raise invalid(f"{where}: shape {shown} declares more than {bound} elements")
+    return 0 if 0 in shape else product
+
+
 def check_shape(shape: Any, where: str) -> list[int]:
-    """Validate a wire shape: a list of non-negative ints."""
+    """Validate a wire shape: a list of at most MAX_RANK non-negative ints whose
+    product stays within ELEMENT_CEILING."""
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
-        raise invalid(f"{where}: 'shape' must be a list of non-negative integers, got {shape!r}")
+        shown = repr(shape) if len(repr(shape)) <= 80 else repr(shape)[:77] + "..."
+        raise invalid(f"{where}: 'shape' must be a list of non-negative integers, got {shown}")
+    bounded_count(shape, ELEMENT_CEILING, where)  # rank and size
     return shape
 
 

@@ -12,6 +12,7 @@ import os
 import re
 from typing import Any
 
+from appliance import names
 from appliance.errors import ApplianceError, Code
 
 
@@ -57,6 +58,17 @@ class Fields:
         value = self.data.get(key, default)
         if not isinstance(value, str):
             raise self.fail(key, f"expected a string, got {value!r}")
+        return value
+
+    def file_name(self, key: str, what: str = "file name") -> str:
+        """A name the config gives a file or model: one path component
+        (:mod:`appliance.names`), or "" when absent."""
+        value = self.text(key)
+        problem = names.name_problem(value) if value else ""
+        if problem:
+            raise self.fail(
+                key, f"expected a {what} (one path component), got {value!r}: {problem}"
+            )
         return value
 
     def flag(self, key: str, default: bool) -> bool:

@@ -148,12 +148,14 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[
 
     async def _infer(self, request: Any) -> Any:
         shm = self.dp.shared_memory
+        # the model's limits, checked on every declaration before any data is decoded
+        gate = self.dp.input_gate(request.model_name, request.model_version)
         # estimated from the declared shapes: ByteSize() walks the whole message and each
         # read of a raw_input_contents entry copies it (~1.4 ms per 6 MB frame)
         if _declared_bytes(request) > _OFFLOAD_BYTES:
-            decoded = await asyncio.to_thread(grpc_codec.decode_request, request, shm)
+            decoded = await asyncio.to_thread(grpc_codec.decode_request, request, shm, gate)
         else:
-            decoded = grpc_codec.decode_request(request, shm)
+            decoded = grpc_codec.decode_request(request, shm, gate)
         inference, shm_outputs = decoded
         response: InferenceResponse = await self.dp.infer(inference)
         if sum(a.nbytes for a in response.outputs.values()) > _OFFLOAD_BYTES:
@@ -306,8 +308,8 @@ class _AccessInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             scope = Scope.PUBLIC
         else:
             scope = Scope.ADMIN if method in _ADMIN_RPCS else Scope.INFERENCE
-        metadata = dict(details.invocation_metadata or ())
-        denial = self._policy.check(scope, metadata.get("authorization"))
+        tokens = [v for k, v in details.invocation_metadata or () if k == "authorization"]
+        denial = self._policy.check_all(scope, tokens)
         handler = await continuation(details)
         if denial is None or handler is None:
             return handler

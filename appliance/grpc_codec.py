@@ -11,6 +11,7 @@ Raw inputs become zero-copy views of the message bytes; outputs go back as
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -106,12 +107,15 @@ def _from_contents(contents: Any, datatype: str, shape: list[int], name: str) ->
 
 
 def decode_request(
-    msg: Any, shm: SharedMemoryRegistry
+    msg: Any,
+    shm: SharedMemoryRegistry,
+    gate: Callable[[str, str, list[int]], None] | None = None,
 ) -> tuple[InferenceRequest, dict[str, SharedMemoryRef]]:
     """``ModelInferRequest`` -> (request, outputs to write into shared memory).
 
-    Every malformed part is an INVALID_ARG naming the tensor. Shared-memory windows
-    are bounds-checked here, before the request is queued.
+    Every malformed part is an INVALID_ARG naming the tensor. ``gate`` (the model's
+    limits) sees every input's name, datatype and shape before any data is decoded.
+    Shared-memory windows are bounds-checked here, before the request is queued.
     """
     if not msg.inputs:
         raise invalid("the request must have at least one input")
@@ -126,6 +130,12 @@ def decode_request(
             f"the request has {len(raw)} raw_input_contents but {len(takes_raw)} input(s) "
             f"take raw data {takes_raw}: there must be exactly one per input, in order"
         )
+    for tensor in msg.inputs:  # every declaration first: refuse before decoding anything
+        where = f"input '{tensor.name}'"
+        datatypes.to_numpy_dtype(tensor.datatype)  # unknown datatype -> INVALID_ARG
+        shape = datatypes.check_shape(list(tensor.shape), where)
+        if gate is not None:
+            gate(tensor.name, tensor.datatype, shape)
     inputs: dict[str, np.ndarray] = {}
     next_raw = 0
     for tensor in msg.inputs:

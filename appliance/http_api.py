@@ -4,6 +4,9 @@ Routes decode the wire into data-plane calls and map :class:`ApplianceError`
 codes to HTTP statuses as Triton does; every error body is ``{"error": msg}``.
 Access (bearer tokens, :mod:`appliance.access`) is checked by a middleware before
 any route runs: 401 without a valid token, 403 where admin calls are disabled.
+Body sizes and read timeouts are :mod:`appliance.http_limits`; an inference body
+is checked against the model (:meth:`DataPlane.input_gate`) before any tensor in
+it is decoded.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import web, web_protocol
 
-from appliance import http_codec
+from appliance import http_codec, http_limits
 from appliance.access import AccessPolicy, Scope
 from appliance.dataplane import DataPlane
 from appliance.errors import ApplianceError, Code, invalid
@@ -39,6 +42,8 @@ _OFFLOAD_BYTES = 256 * 1024
 # copying outputs into shared memory is a plain memcpy (~10 GB/s): worth a thread hop
 # only for big tensors
 _OFFLOAD_COPY_BYTES = 4 * 1024 * 1024
+# BYTES elements decoded or encoded on the event loop at most: each is a Python object
+_LOOP_OBJECTS = 4096
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -61,6 +66,11 @@ def _error(status: int, message: str) -> web.Response:
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
+    except (ConnectionResetError, web_protocol.RequestPayloadError) as exc:
+        # the client went away or broke off its body: its event, not a server error
+        # (re-raised, aiohttp would log it as an error with a traceback)
+        log.debug("client %s left: %s %s: %s", request.remote, request.method, request.path, exc)
+        return _error(400, f"the request body was cut off: {exc}")
     except ApplianceError as exc:
         return _error(STATUS[exc.code], exc.message)
     except web.HTTPRequestEntityTooLarge as exc:
@@ -72,7 +82,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _error(exc.status, f"{exc.reason}: {request.method} {request.path}")
+        response = _error(exc.status, f"{exc.reason}: {request.method} {request.path}")
+        if "Allow" in exc.headers:  # a 405 says which methods the route takes
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
     except Exception as exc:  # a bug: answer 500 and keep serving
         log.exception("unhandled error on %s %s", request.method, request.path)
         return _error(500, f"internal error: {exc}")
@@ -82,7 +95,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 async def _access(request: web.Request, handler: Handler) -> web.StreamResponse:
     route = request.match_info.route.handler
     scope = _ADMIN_ROUTES.get(route) or _PUBLIC_ROUTES.get(route) or Scope.INFERENCE
-    denial = request.app[ACCESS].check(scope, request.headers.get("Authorization"))
+    denial = request.app[ACCESS].check_all(scope, request.headers.getall("Authorization", []))
     if denial is None:
         return await handler(request)
     if denial.forbidden:
@@ -97,7 +110,7 @@ def _model(request: web.Request) -> tuple[str, str]:
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
-    body = await request.read()
+    body = http_limits.body(request)
     if not body:
         return {}
     try:
@@ -122,7 +135,9 @@ async def server_metadata(request: web.Request) -> web.Response:
 
 
 async def model_ready(request: web.Request) -> web.Response:
-    return web.Response(status=200 if request.app[DATAPLANE].model_ready(*_model(request)) else 400)
+    # unknown model: 404 with the usual error; known but not ready: 400, as Triton
+    reason = request.app[DATAPLANE].model_unready_reason(*_model(request))
+    return _error(400, reason) if reason else web.Response(status=200)
 
 
 async def model_metadata(request: web.Request) -> web.Response:
@@ -141,7 +156,8 @@ async def model_stats(request: web.Request) -> web.Response:
 async def infer(request: web.Request) -> web.Response:
     dataplane = request.app[DATAPLANE]
     model, version = _model(request)
-    body = await request.read()
+    gate = dataplane.input_gate(model, version)  # checked before any tensor is decoded
+    body = http_limits.body(request)
     header_length = http_codec.parse_header_length(
         request.headers.get(http_codec.HEADER_LENGTH), len(body)
     )
@@ -149,19 +165,29 @@ async def infer(request: web.Request) -> web.Response:
     shm = dataplane.shared_memory
     if json_bytes > _OFFLOAD_BYTES:
         decoded = await asyncio.to_thread(
-            http_codec.decode_request, body, header_length, model, version, shm
+            http_codec.decode_request, body, header_length, model, version, shm, gate
         )
     else:
-        decoded = http_codec.decode_request(body, header_length, model, version, shm)
+        prepared = http_codec.prepare_request(body, header_length, model, version, shm, gate)
+        if prepared.object_elements > _LOOP_OBJECTS:
+            decoded = await asyncio.to_thread(prepared.build)
+        else:
+            decoded = prepared.build()
     inference, fmt = decoded
     response = await dataplane.infer(inference)
-    text_bytes = copy_bytes = 0
+    text_bytes = copy_bytes = objects = 0
     for name, arr in response.outputs.items():
         if name in fmt.shared_memory:
             copy_bytes += arr.nbytes
         elif not fmt.is_binary(name):
             text_bytes += arr.nbytes
-    if text_bytes > _OFFLOAD_BYTES or copy_bytes > _OFFLOAD_COPY_BYTES:
+        if arr.dtype.kind in "OUS":  # BYTES: serialized element by element
+            objects += arr.size
+    if (
+        text_bytes > _OFFLOAD_BYTES
+        or copy_bytes > _OFFLOAD_COPY_BYTES
+        or objects > _LOOP_OBJECTS
+    ):
         out, length = await asyncio.to_thread(http_codec.encode_response, response, fmt, shm)
     else:
         out, length = http_codec.encode_response(response, fmt, shm)
@@ -235,14 +261,26 @@ _PUBLIC_ROUTES: dict[Any, Scope] = {h: Scope.PUBLIC for h in (live, ready, serve
 
 
 def create_app(
-    dataplane: DataPlane, max_request_size: int, access: AccessPolicy | None = None
+    dataplane: DataPlane,
+    max_request_size: int,
+    access: AccessPolicy | None = None,
+    body_timeout_s: float = 60.0,
 ) -> web.Application:
-    app = web.Application(client_max_size=max_request_size, middlewares=[_errors, _access])
+    limits = http_limits.body_limits(max_request_size, body_timeout_s)
+    app = web.Application(
+        client_max_size=max_request_size, middlewares=[_errors, _access, limits]
+    )
     app[DATAPLANE] = dataplane
     app[MAX_REQUEST_SIZE] = max_request_size
     app[ACCESS] = access or AccessPolicy()
     r = app.router
+    expect = http_limits.expect_handler(max_request_size)
+
+    def post(path: str, handler: Handler) -> None:
+        r.add_post(path, handler, expect_handler=expect)
+
     r.add_get("/v2", server_metadata)
+    r.add_get("/v2/", server_metadata)  # the KServe spec's spelling
     r.add_get("/v2/health/live", live)
     r.add_get("/v2/health/ready", ready)
     r.add_get("/v2/models/stats", model_stats)  # before /v2/models/{model}
@@ -251,14 +289,14 @@ def create_app(
         r.add_get(base + "/ready", model_ready)
         r.add_get(base + "/config", model_config)
         r.add_get(base + "/stats", model_stats)
-        r.add_post(base + "/infer", infer)
-    r.add_post("/v2/repository/index", repository_index)
-    r.add_post("/v2/repository/models/{model}/load", repository_load)
-    r.add_post("/v2/repository/models/{model}/unload", repository_unload)
+        post(base + "/infer", infer)
+    post("/v2/repository/index", repository_index)
+    post("/v2/repository/models/{model}/load", repository_load)
+    post("/v2/repository/models/{model}/unload", repository_unload)
     shm = "/v2/systemsharedmemory"
     r.add_get(shm + "/status", shm_status)
     r.add_get(shm + "/region/{region}/status", shm_status)
-    r.add_post(shm + "/region/{region}/register", shm_register)
-    r.add_post(shm + "/unregister", shm_unregister)
-    r.add_post(shm + "/region/{region}/unregister", shm_unregister)
+    post(shm + "/region/{region}/register", shm_register)
+    post(shm + "/unregister", shm_unregister)
+    post(shm + "/region/{region}/unregister", shm_unregister)
     return app

@@ -14,6 +14,7 @@ region parameters instead of data.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,14 +85,69 @@ def parse_header_length(value: str | None, body_length: int) -> int | None:
     return length
 
 
+Gate = Callable[[str, str, list[int]], None]
+
+
+@dataclass(slots=True)
+class _Input:
+    """One input whose declaration passed, its data not decoded yet: ``source`` is
+    the binary slice or shared-memory window (bytes-like), or the JSON ``data``."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    source: Any
+    is_json: bool
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A request whose every part was validated (JSON, names, datatypes, shapes,
+    sizes, parameters and the model's :class:`~appliance.limits.InputGate`) and
+    whose tensor data is not decoded yet. ``object_elements``: the BYTES elements
+    :meth:`build` will turn into Python objects, one each (an adapter builds a
+    request with many of them off the event loop)."""
+
+    inputs: list[_Input]
+    request: InferenceRequest
+    fmt: OutputFormat
+    object_elements: int = 0
+
+    def build(self) -> tuple[InferenceRequest, OutputFormat]:
+        """Decode the tensors: zero-copy views for fixed-size binary and shared-memory
+        data; INVALID_ARG for data that does not match its declaration."""
+        for i in self.inputs:
+            if i.is_json:
+                arr = datatypes.from_json_data(i.source, i.datatype, i.shape, i.name)
+            else:
+                arr = datatypes.from_raw(i.source, i.datatype, i.shape, i.name)
+            self.request.inputs[i.name] = arr
+        return self.request, self.fmt
+
+
 def decode_request(
-    body: bytes,
+    body: bytes | bytearray,
     header_length: int | None,
     model: str,
     version: str,
     shared_memory: SharedMemoryRegistry | None = None,
+    gate: Gate | None = None,
 ) -> tuple[InferenceRequest, OutputFormat]:
-    """Body -> request. Every malformed part is an INVALID_ARG naming what is wrong.
+    """Body -> request: :func:`prepare_request`, then :meth:`PreparedRequest.build`."""
+    return prepare_request(body, header_length, model, version, shared_memory, gate).build()
+
+
+def prepare_request(
+    body: bytes | bytearray,
+    header_length: int | None,
+    model: str,
+    version: str,
+    shared_memory: SharedMemoryRegistry | None = None,
+    gate: Gate | None = None,
+) -> PreparedRequest:
+    """Validate every part of a body, decoding no tensor yet. Every malformed part
+    is an INVALID_ARG naming what is wrong; ``gate`` (the model's limits) sees each
+    input's name, datatype and shape before any of its data is looked at.
 
     Without ``shared_memory`` (or with a disabled registry) tensors that reference
     shared memory are refused. Shared-memory inputs are read-only views of their
@@ -110,7 +166,9 @@ def decode_request(
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise invalid("the request must have a non-empty 'inputs' list")
-    inputs = {}
+    inputs: list[_Input] = []
+    seen: set[str] = set()
+    objects = 0
     offset = 0
     for i, raw in enumerate(raw_inputs):
         if not isinstance(raw, dict):
@@ -119,23 +177,26 @@ def decode_request(
         if not isinstance(name, str) or not name:
             raise invalid(f"inputs[{i}] needs a 'name' string")
         where = f"input '{name}'"
-        if name in inputs:
+        if name in seen:
             raise invalid(f"{where} appears twice")
+        seen.add(name)
         datatype = raw.get("datatype")
         if not isinstance(datatype, str):
             raise invalid(f"{where} needs a 'datatype' string")
         datatypes.to_numpy_dtype(datatype)  # unknown datatype -> INVALID_ARG
         shape = datatypes.check_shape(raw.get("shape"), where)
+        if gate is not None:
+            gate(name, datatype, shape)
         params = _params(raw, where)
         shm = _shm_ref(params, where)
         size = params.get("binary_data_size")
+        source: Any
         if shm is not None:
             if shared_memory is None:
                 raise invalid(f"{where}: shared-memory inputs are not enabled on this server")
             if "data" in raw or size is not None:
                 raise invalid(f"{where} has shared-memory parameters and also carries data")
-            window = shared_memory.view(shm.region, shm.offset, shm.byte_size, where)
-            inputs[name] = datatypes.from_raw(window, datatype, shape, name)
+            source = shared_memory.view(shm.region, shm.offset, shm.byte_size, where)
         elif size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise invalid(f"{where}: 'binary_data_size' must be a non-negative integer")
@@ -146,12 +207,16 @@ def decode_request(
                     f"{where}: binary_data_size {size} runs past the end of the body "
                     f"({len(binary) - offset} binary bytes left): the body is truncated"
                 )
-            inputs[name] = datatypes.from_raw(binary[offset : offset + size], datatype, shape, name)
+            source = binary[offset : offset + size]
             offset += size
         elif "data" in raw:
-            inputs[name] = datatypes.from_json_data(raw["data"], datatype, shape, name)
+            source = raw["data"]
         else:
             raise invalid(f"{where} has neither 'data' nor 'parameters.binary_data_size'")
+        is_json = shm is None and size is None
+        if datatype == "BYTES" and not is_json:
+            objects += datatypes.element_count(shape)
+        inputs.append(_Input(name, datatype, shape, source, is_json))
     if offset != len(binary):
         raise invalid(
             f"{len(binary) - offset} bytes of binary data follow the last input; "
@@ -196,7 +261,7 @@ def decode_request(
     sequence = check_sequence_id(req_params.get("sequence_id", 0))
     request = InferenceRequest(
         model_name=model,
-        inputs=inputs,
+        inputs={},
         model_version=version,
         outputs=tuple(outputs),
         id=request_id,
@@ -206,7 +271,7 @@ def decode_request(
         sequence_start=_flag(req_params, "sequence_start", "request"),
         sequence_end=_flag(req_params, "sequence_end", "request"),
     )
-    return request, fmt
+    return PreparedRequest(inputs, request, fmt, objects)
 
 
 def encode_response(

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance import loader, repository
+from appliance import loader, names, repository
 from appliance.config import ModelConfig, parse_model_config
 from appliance.config_reader import load_model_config
 from appliance.errors import ApplianceError, invalid, not_found, unavailable
@@ -116,7 +116,8 @@ class ModelLifeCycle:
 
     def _loads_late(self, name: str) -> bool:
         try:
-            return loader.loads_after_others(load_model_config(self.repository / name))
+            model_dir = names.model_dir(self.repository, name, self.server.allow_symlinked_models)
+            return loader.loads_after_others(load_model_config(model_dir))
         except ApplianceError:
             return False  # reported when it loads
 
@@ -140,10 +141,13 @@ class ModelLifeCycle:
 
         Never raises for a bad model or a refused load: the failure is logged and
         recorded as the model's reason, and whatever served before keeps serving.
-        Raises NOT_FOUND when the repository has no such model folder.
+        Raises INVALID_ARG for a name that is not a model name (:mod:`appliance.names`)
+        and NOT_FOUND when the repository has no such model folder; a folder that
+        links outside the repository is a failed load.
         """
+        names.check_model_name(name)
         model_dir = self.repository / name
-        if name.startswith(".") or not model_dir.is_dir():
+        if not model_dir.is_dir():
             raise not_found(f"model '{name}' is not in the model repository")
         async with self._locks.setdefault(name, asyncio.Lock()):
             entry = self._models.setdefault(name, ModelEntry(name))
@@ -163,7 +167,9 @@ class ModelLifeCycle:
         default_version: int,
     ) -> None:
         name = entry.name
+        allow = self.server.allow_symlinked_models
         try:
+            names.confine(self.repository, model_dir, allow, f"the folder of model '{name}'")
             if override is not None:
                 config = parse_model_config(override, name, "load request parameter 'config'")
             else:
@@ -173,6 +179,10 @@ class ModelLifeCycle:
                 raise not_found(
                     f"model '{name}' has no version folder that its version policy serves "
                     f"in {model_dir}"
+                )
+            for v in wanted:
+                names.confine(
+                    self.repository, model_dir / str(v), allow, f"model '{name}' version {v}"
                 )
         except ApplianceError as exc:
             self._failed(entry, str(exc))
@@ -376,8 +386,7 @@ class ModelLifeCycle:
                     f"{': ' + entry.reason if entry.reason else ''})"
                 )
             return mv
-        if not version.isdigit():
-            raise not_found(f"model '{name}' has no version '{version}'")
+        names.check_version(version)
         mv = entry.versions.get(int(version))
         if mv is None:
             if int(version) in entry.failed:

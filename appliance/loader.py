@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import backends
-from appliance import memory, warmup
+from appliance import memory, names, warmup
 from appliance.config import InstanceGroup as GroupConfig
 from appliance.config import ModelConfig, TensorConfig, complete
 from appliance.ensemble import EnsembleVersion, Resolver
@@ -60,8 +60,12 @@ async def load(
     return await load_model_version(config, version_dir, server, budget, required_instances)
 
 
-def resolve_backend(config: ModelConfig, version_dir: Path) -> tuple[str, Path]:
-    """Which backend serves this version and from which file."""
+def resolve_backend(
+    config: ModelConfig, version_dir: Path, allow_links: bool = False
+) -> tuple[str, Path]:
+    """Which backend serves this version and from which file: a file of the version
+    folder that, links followed, lies inside the repository (the folder's
+    grandparent) unless ``allow_links``."""
     name = config.backend or backends.PLATFORMS.get(config.platform, "")
     if config.platform and not name:
         raise ConfigError(
@@ -93,7 +97,8 @@ def resolve_backend(config: ModelConfig, version_dir: Path) -> tuple[str, Path]:
         raise invalid(
             f"model '{config.name}' version {version_dir.name}: model file {path} does not exist"
         )
-    return name, path
+    what = f"model '{config.name}' version {version_dir.name}: model file {path.name!r}"
+    return name, names.confine(version_dir.parent.parent, path, allow_links, what)
 
 
 def declared_tensors(
@@ -185,7 +190,7 @@ async def load_model_version(
     ``required_instances``, see :func:`appliance.instances.start_within_budget`),
     each warmed up, and the config completed from the engine."""
     budget = budget or memory.MemoryBudget(None)
-    backend, path = resolve_backend(config, version_dir)
+    backend, path = resolve_backend(config, version_dir, server.allow_symlinked_models)
     threads = thread_share(config)
     version = int(version_dir.name)
     share_group = f"{config.name}:{version_dir.name}:{next(_LOADS)}"
@@ -198,7 +203,7 @@ async def load_model_version(
         completed = load_initial_states(completed, version_dir.parent)
         samples = [
             _with_sequence_inputs(s, completed)
-            for s in warmup.samples(completed, version_dir.parent)
+            for s in warmup.samples(completed, version_dir.parent, server.allow_symlinked_models)
         ]
         outputs = [t.name for t in completed.outputs]
 

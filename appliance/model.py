@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from appliance import datatypes, memory, scheduler
+from appliance import datatypes, limits, memory, scheduler
 from appliance.config import ModelConfig, TensorConfig
 from appliance.errors import invalid
 from appliance.instances import InstanceGroup
@@ -112,26 +112,10 @@ class ModelVersion:
 
 
 def check_input(config: ModelConfig, name: str, arr: np.ndarray, spec: TensorConfig) -> int:
-    """Validate one input; return its batch size (0 when the model doesn't batch)."""
-    where = f"input '{name}' of model '{config.name}'"
-    got = datatypes.from_numpy_dtype(arr.dtype)
-    if got != spec.datatype:
-        raise invalid(f"{where}: expected datatype {spec.datatype}, got {got}")
-    batched = config.batch_size > 0
-    expected = ([-1] if batched else []) + list(spec.dims)
-    shape = list(arr.shape)
-    if len(shape) != len(expected) or any(
-        e not in (-1, s) for e, s in zip(expected, shape, strict=True)
-    ):
-        raise invalid(f"{where}: expected shape {expected}, got {shape}")
-    if not batched:
-        return 0
-    rows = int(shape[0])
-    if not 1 <= rows <= config.batch_size:
-        raise invalid(
-            f"{where}: batch size {rows} is outside 1..{config.batch_size} (max_batch_size)"
-        )
-    return rows
+    """Validate one decoded input (the rules of :func:`appliance.limits.check_input`,
+    which the codecs already ran on its declaration); return its batch size (0 when
+    the model doesn't batch)."""
+    return limits.check_input(config, name, datatypes.from_numpy_dtype(arr.dtype), arr.shape)
 
 
 def check_request(

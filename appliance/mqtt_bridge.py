@@ -406,12 +406,16 @@ class MqttBridge:
         if payload_form(msg) == "raw":
             metadata = self.dataplane.model_metadata(topic.model, topic.version)
             request, fmt = raw_request(msg.payload, topic, metadata)
-        elif len(msg.payload) > _OFFLOAD_BYTES or self.config.file_directory is not None:
-            request, fmt = await asyncio.to_thread(
-                decode, msg, topic, shm, self.config.file_directory, self.max_request_size
-            )
         else:
-            request, fmt = decode(msg, topic, shm, None, self.max_request_size)
+            # the model's limits, checked on every declaration before any data is decoded
+            gate = self.dataplane.input_gate(topic.model, topic.version)
+            files, limit = self.config.file_directory, self.max_request_size
+            if len(msg.payload) > _OFFLOAD_BYTES or files is not None:
+                request, fmt = await asyncio.to_thread(
+                    decode, msg, topic, shm, files, limit, gate
+                )
+            else:
+                request, fmt = decode(msg, topic, shm, None, limit, gate)
         if key is None and request.id:  # no correlation data: the request id identifies it
             key = ("id", msg.topic, msg.response_topic, request.id)
             if self._dedup.seen(key):

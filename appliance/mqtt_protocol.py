@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from appliance import http_codec
+from appliance import http_codec, names
 from appliance.errors import ApplianceError, Code, invalid
 from appliance.request import InferenceRequest
 from appliance.shared_memory import SharedMemoryRegistry
@@ -101,9 +101,11 @@ class Topics:
             raise invalid(
                 f"topic {topic!r}: expected .../infer/<model> or .../infer/<model>/<version>"
             )
-        if self.models and parts[0] not in self.models:
-            raise invalid(f"model '{parts[0]}' is not served over MQTT on this device")
-        return RequestTopic(parts[0], parts[1] if len(parts) == 2 else "", shared)
+        model = names.check_model_name(parts[0])
+        version = names.check_version(parts[1] if len(parts) == 2 else "")
+        if self.models and model not in self.models:
+            raise invalid(f"model '{model}' is not served over MQTT on this device")
+        return RequestTopic(model, version, shared)
 
 
 # ---- an inbound message ---------------------------------------------------------------
@@ -279,15 +281,17 @@ def decode(
     shared_memory: SharedMemoryRegistry,
     file_root: Path | None,
     limit: int,
+    gate: http_codec.Gate | None = None,
 ) -> tuple[InferenceRequest, http_codec.OutputFormat]:
-    """A JSON or binary-extension payload -> request (may block on file reads)."""
+    """A JSON or binary-extension payload -> request (may block on file reads);
+    ``gate``: the model's limits (see :func:`http_codec.prepare_request`)."""
     payload = message.payload
     header_length = http_codec.parse_header_length(
         message.user_property(HEADER_LENGTH), len(payload)
     )
     payload, header_length = inline_files(payload, header_length, file_root, limit)
     return http_codec.decode_request(
-        payload, header_length, topic.model, topic.version, shared_memory
+        payload, header_length, topic.model, topic.version, shared_memory, gate
     )
 
 

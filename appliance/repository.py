@@ -17,6 +17,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from appliance import names
 from appliance.errors import invalid
 
 # folders inside a model folder that are not versions
@@ -27,7 +28,9 @@ Fingerprint = tuple[tuple[str, int, int], ...]
 
 
 def model_names(repository: Path) -> list[str]:
-    return sorted(p.name for p in repository.iterdir() if p.is_dir() and not p.name.startswith("."))
+    """The model folders: those whose name is a valid model name (see
+    :mod:`appliance.names`; hidden and oddly named folders are not models)."""
+    return sorted(p.name for p in repository.iterdir() if p.is_dir() and names.is_name(p.name))
 
 
 def version_dirs(model_dir: Path) -> list[int]:
@@ -36,13 +39,14 @@ def version_dirs(model_dir: Path) -> list[int]:
     for p in sorted(model_dir.iterdir()):
         if not p.is_dir() or p.name.startswith(".") or p.name in NOT_VERSIONS:
             continue
-        if not p.name.isdigit() or int(p.name) < 1:
+        version = names.version_folder(p.name)
+        if version is None:
             raise invalid(
                 f"model '{model_dir.name}': version folder '{p.name}' is not a version number "
                 f"(version folders are named 1, 2, ...; stage unfinished ones under a name "
                 f"starting with '.')"
             )
-        versions.append(int(p.name))
+        versions.append(version)
     return sorted(versions)
 
 

@@ -18,11 +18,11 @@ import ssl
 import time
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from appliance import http_api, metrics
+from appliance import http_api, http_limits, metrics
 from appliance.access import AccessPolicy, is_loopback
 from appliance.dataplane import DataPlane
 from appliance.fields import ConfigError
@@ -88,8 +88,11 @@ class Server:
         port: int,
         shutdown_timeout: float,
         ssl_context: ssl.SSLContext | None = None,
+        **handler_options: Any,
     ) -> tuple[web.AppRunner, int]:
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
+        runner = web.AppRunner(
+            app, access_log=None, shutdown_timeout=shutdown_timeout, **handler_options
+        )
         await runner.setup()
         # bind the socket ourselves so port 0 (tests) reports the port actually bound
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
@@ -112,9 +115,18 @@ class Server:
         started = time.perf_counter()
         tls = self._tls()
         if self.config.http_port >= 0:
-            app = http_api.create_app(self.dataplane, self.config.max_request_size, self.access)
+            app = http_api.create_app(
+                self.dataplane,
+                self.config.max_request_size,
+                self.access,
+                self.config.http_body_timeout_s,
+            )
             self._http, self.http_port = await self._site(
-                app, self.config.http_port, self.config.drain_timeout_s, tls
+                app,
+                self.config.http_port,
+                self.config.drain_timeout_s,
+                tls,
+                **http_limits.runner_options(self.config),
             )
         if self.config.metrics_port >= 0:
             mapp = web.Application()

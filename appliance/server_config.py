@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from appliance.datatypes import DEFAULT_MAX_REQUEST_ELEMENTS
 from appliance.fields import ConfigError, Fields, parse_limit, parse_size
 
 
@@ -45,6 +46,11 @@ class ServerConfig:
     require_admin_token: bool = False  # admin needs the token on loopback too
     tls_cert: Path | None = None  # HTTPS on the HTTP endpoint: certificate and key
     tls_key: Path | None = None
+    # what one request may hold and how long a peer may take: see _limits() below
+    allow_symlinked_models: bool = False  # model folders/files may link outside the repo
+    max_request_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS  # elements one request declares
+    http_header_timeout_s: float = 30.0  # a complete request header, or idle keep-alive
+    http_body_timeout_s: float = 60.0  # a complete request body
 
 
 def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerConfig:
@@ -101,6 +107,7 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         event_loop=_choice(f, "event_loop", "auto", ("auto", "asyncio", "uvloop")),
         mqtt=_mqtt(f, path, broker),
         **_control(f, path),
+        **_limits(f),
     )
 
 
@@ -305,4 +312,18 @@ def _control(f: Fields, path: Path | None) -> dict[str, Any]:
         "require_admin_token": require,
         "tls_cert": cert,
         "tls_key": key,
+    }
+
+
+# ---- request limits and trust in the repository (limits.py, names.py, http_api.py) ----
+
+
+def _limits(f: Fields) -> dict[str, Any]:
+    return {
+        "allow_symlinked_models": f.flag("allow_symlinked_models", False),
+        "max_request_elements": f.integer(
+            "max_request_elements", DEFAULT_MAX_REQUEST_ELEMENTS, minimum=1
+        ),
+        "http_header_timeout_s": _seconds(f, "http_header_timeout_s", 30.0, 0.01),
+        "http_body_timeout_s": _seconds(f, "http_body_timeout_s", 60.0, 0.01),
     }

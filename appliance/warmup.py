@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from appliance import datatypes
+from appliance import datatypes, names
 from appliance.config import ModelConfig, WarmupInput
-from appliance.errors import invalid
+from appliance.errors import ApplianceError, invalid
 from appliance.fields import ConfigError
 from backends.base import Backend
 
@@ -37,12 +37,14 @@ class Sample:
     required: bool
 
 
-def _one_row(spec: WarmupInput, model_dir: Path, where: str, source: str) -> np.ndarray:
+def _one_row(
+    spec: WarmupInput, model_dir: Path, where: str, source: str, allow_links: bool
+) -> np.ndarray:
     """One batch row of a declared warm-up input."""
     shape = spec.dims
     if spec.datatype == "BYTES":
         if spec.data == "file":
-            raw = _read(model_dir, spec.file, where, source)
+            raw = _read(model_dir, spec.file, where, source, allow_links)
             return datatypes.deserialize_bytes(raw, shape, spec.name)
         # zero and random data of a string tensor: empty strings, as for zero_data
         return np.full(shape, b"", dtype=object)
@@ -56,7 +58,7 @@ def _one_row(spec: WarmupInput, model_dir: Path, where: str, source: str) -> np.
         if dtype.kind in "iu":
             return rng.integers(0, 100, shape).astype(dtype)
         return rng.random(shape).astype(dtype)
-    raw = _read(model_dir, spec.file, where, source)
+    raw = _read(model_dir, spec.file, where, source, allow_links)
     expected = datatypes.byte_size(spec.datatype, shape)
     if len(raw) != expected:
         raise ConfigError(
@@ -68,16 +70,23 @@ def _one_row(spec: WarmupInput, model_dir: Path, where: str, source: str) -> np.
     return np.frombuffer(raw, dtype).reshape(shape)
 
 
-def _read(model_dir: Path, name: str, where: str, source: str) -> bytes:
+def _read(model_dir: Path, name: str, where: str, source: str, allow_links: bool) -> bytes:
+    """The bytes of ``warmup/<name>``: one file name (checked when the config was
+    parsed) whose file, links followed, lies inside the repository."""
     path = model_dir / "warmup" / name
+    try:
+        names.confine(model_dir.parent, path, allow_links, f"input_data_file {name!r}")
+    except ApplianceError as exc:
+        raise ConfigError(source, where, exc.message) from None
     try:
         return path.read_bytes()
     except OSError as exc:
         raise ConfigError(source, where, f"cannot read {path}: {exc.strerror}") from None
 
 
-def samples(config: ModelConfig, model_dir: Path) -> list[Sample]:
-    """The warm-up samples of a completed config, checked against its inputs."""
+def samples(config: ModelConfig, model_dir: Path, allow_links: bool = False) -> list[Sample]:
+    """The warm-up samples of a completed config, checked against its inputs; data
+    files are read from ``model_dir/warmup`` (see :func:`_read`)."""
     if not config.model_warmup:
         return [probe(config)]
     out = []
@@ -117,7 +126,7 @@ def samples(config: ModelConfig, model_dir: Path) -> list[Sample]:
                     where,
                     f"dims {list(spec.dims)} do not fit the input's dims {list(tensor.dims)}",
                 )
-            row = _one_row(spec, model_dir, where, config.source)
+            row = _one_row(spec, model_dir, where, config.source, allow_links)
             inputs[spec.name] = np.stack([row] * w.batch_size) if batched else row
         out.append(Sample(w.name, inputs, w.count, required=True))
     return out

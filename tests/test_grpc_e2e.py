@@ -339,9 +339,11 @@ def test_inference_errors_keep_the_server_serving(stub: Any) -> None:
     negative.raw_input_contents.extend([a_raw, a_raw])
     negative.parameters["timeout"].int64_param = -5
     cases.append((negative, ("'timeout' must be a non-negative integer",)))
+    # declarations are checked against the model before any data is decoded (the
+    # INT8 range check itself: tests/test_security_requests.py)
     int8 = _raw_request(("INPUT0", "INT8", [2]), model="simple")
     int8.inputs[0].contents.int_contents.extend([1, 300])
-    cases.append((int8, ("outside the INT8 range",)))
+    cases.append((int8, ("expected datatype INT32, got INT8",)))
     for request, words in cases:
         _rpc_fails(lambda r=request: raw.ModelInfer(r), grpc.StatusCode.INVALID_ARGUMENT, *words)
         _assert_simple_ok(client)

@@ -43,6 +43,14 @@ def _rows(client: httpclient.InferenceServerClient, name: str) -> list[tuple[Any
     ]
 
 
+def _unknown(client: httpclient.InferenceServerClient, model: str) -> bool:
+    try:
+        client.get_model_metadata(model)
+    except InferenceServerException as exc:
+        return "unknown model" in str(exc)
+    return False
+
+
 def _until(condition: Any, timeout: float = 30.0) -> None:
     end = time.monotonic() + timeout
     while not condition():
@@ -126,7 +134,9 @@ def test_poll_mode_follows_the_repository(run_appliance, tmp_path: Path) -> None
     _until(lambda: _rows(client, "added") == [("1", "READY")])
     assert _serves(client, "added") == "1"
     shutil.rmtree(added)
+    # not ready at once; unknown once its copy has drained and unloaded
     _until(lambda: not client.is_model_ready("added"))
+    _until(lambda: _unknown(client, "added"))
     assert _rows(client, "added") == []
     with pytest.raises(InferenceServerException, match="unknown model 'added'"):
         _serves(client, "added")
