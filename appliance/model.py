@@ -30,6 +30,7 @@ from appliance.request import InferenceRequest, InferenceResponse
 from appliance.server_config import ServerConfig
 from appliance.stats import ModelStats
 from appliance.triton_config import to_triton_json
+from backends import process_host
 from backends.base import BackendOptions, TensorSpec, memory_usage
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class ModelVersion:
     ) -> None:
         self.config = config
         self.version = version
-        self.state = State.READY
+        self._state = State.READY
         self.memory = usage
         self.requested_instances = requested_instances or config.instance_count
         self.stats = ModelStats(config.name, str(version))
@@ -149,6 +150,18 @@ class ModelVersion:
         self.batcher = DynamicBatcher(
             f"{config.name}:{version}", instances, policy, size, self.stats
         )
+
+    @property
+    def state(self) -> State:
+        """READY turns UNAVAILABLE while an instance has given up (a worker process in
+        a crash loop, see backends/process_host.py) until the model is loaded again."""
+        if self._state is State.READY and not self._instances.healthy:
+            return State.UNAVAILABLE
+        return self._state
+
+    @state.setter
+    def state(self, value: State) -> None:
+        self._state = value
 
     @classmethod
     async def load(
@@ -187,7 +200,8 @@ class ModelVersion:
         config_json = json.dumps(to_triton_json(config))
 
         def factory(index: int) -> backends.Backend:
-            return backends.create(
+            # in this process, or in a worker process (parameters: {execution: process})
+            return process_host.create(
                 backend,
                 BackendOptions(
                     model_path=path,
