@@ -290,14 +290,14 @@ class ProcessBackend:
             raise _as_error(reply, "")
         return reply
 
-    def _discard(self, graceful: bool = False) -> int | None:
-        """End the worker (killing it unless ``graceful`` and it exits by itself),
-        reap it and close its channels; returns its exit status."""
+    def _discard(self, wait_s: float = 2.0) -> int | None:
+        """End the worker: give it ``wait_s`` seconds to exit by itself (0: kill it at
+        once), then reap it and close its channels; returns its exit status."""
         worker, self._worker, self._starting = self._worker, None, False
         if worker is None:
             return None
         try:
-            worker.proc.wait(timeout=10 if graceful else 2)
+            worker.proc.wait(timeout=wait_s) if wait_s else worker.proc.kill()
         except subprocess.TimeoutExpired:
             worker.proc.kill()
         returncode = worker.proc.wait()  # reaped: never a zombie
@@ -378,7 +378,7 @@ class ProcessBackend:
         except (_Died, OSError):
             raise self._died() from None
         except _TimedOut:
-            self._discard()
+            self._discard(wait_s=0)
             raise self._lost(
                 f"execute did not finish within {timeout:g}s; its process was killed",
                 Code.UNAVAILABLE,
@@ -423,4 +423,4 @@ class ProcessBackend:
                 graceful = self._recv(time.monotonic() + 10).get("ok") is True
             except (_Died, _TimedOut, _Garbled, OSError):
                 pass
-        self._discard(graceful)
+        self._discard(wait_s=10 if graceful else 0)
