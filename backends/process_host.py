@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import mmap
 import os
 import signal
@@ -58,6 +59,8 @@ from backends.process_ipc import (
     send_frame,
     write_tensors,
 )
+
+log = logging.getLogger(__name__)
 
 MODES = ("in_process", "process")
 POLL_S = 0.5  # how often a waiting call checks that its worker still runs
@@ -325,7 +328,9 @@ class ProcessBackend:
                     self._spawn()  # at once: the next batch only waits for it to be ready
                 except OSError:
                     self._worker = None
-        return ApplianceError(code, f"{self._where}: {why}{then}", FailureReason.BACKEND)
+        error = ApplianceError(code, f"{self._where}: {why}{then}", FailureReason.BACKEND)
+        log.warning("%s", error.message)
+        return error
 
     def _died(self) -> ApplianceError:
         returncode = self._discard()

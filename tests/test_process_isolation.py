@@ -122,9 +122,10 @@ def repo(tmp_path: Path) -> Path:
     _python_model(root, "echo_in", ECHO_PY, _echo_config("in_process"))
     _python_model(root, "echo_proc", ECHO_PY, _echo_config("process"))
     modelgen.write_model(root, "simple", modelgen.simple_add_sub())
-    # ONNX Runtime in a worker process: any backend can be isolated
-    modelgen.write_model(
-        root, "simple_proc", modelgen.simple_add_sub(), "parameters: {execution: process}\n"
+    # ONNX Runtime in a worker process (any backend can be isolated), set in Triton's pbtxt
+    folder = modelgen.write_model(root, "simple_proc", modelgen.simple_add_sub())
+    (folder / "config.pbtxt").write_text(
+        'parameters { key: "execution" value { string_value: "process" } }\n'
     )
     return root
 
@@ -272,6 +273,7 @@ def test_results_equal_in_process_results_for_every_datatype(run_appliance, repo
     np.testing.assert_array_equal(result.as_numpy("OUT_FP32"), data)
     assert result.as_numpy("OUT_INT8").shape == (1, 0)
     # ONNX Runtime hosted in a worker process answers as it does in the server
+    assert all(_pids(srv, "simple_proc"))
     simple = [httpclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
     for i, tensor in enumerate(simple):
         tensor.set_data_from_numpy(np.arange(16, dtype=np.int32)[None] * (i + 1))
