@@ -338,6 +338,11 @@ class ProcessBackend:
         return self._lost(f"model instance process died: {how}")
 
     def _ensure_started(self) -> None:
+        worker = self._worker
+        if worker is not None and not self._starting and worker.proc.poll() is not None:
+            # it died while idle (an OOM kill, say): nothing was in flight, so this
+            # batch is served by its successor when the backoff allows
+            self._died()
         if not self.healthy:
             raise unavailable(
                 f"{self._where}: its process failed {self._failures} times in a row; "

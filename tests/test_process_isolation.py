@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -339,3 +343,71 @@ def test_execution_settings_are_validated(run_appliance, tmp_path: Path) -> None
             urllib.request.urlopen(request, timeout=60)
         assert failed.value.code == 400
         assert f"parameters.{key}" in failed.value.read().decode()
+
+
+def _state(pid: int) -> str:
+    """The process state letter ('' when gone): 'Z' is a zombie nobody reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _wait_until(check: Any, seconds: float = 20.0) -> bool:
+    """Poll ``check`` (bounded); a liveness wait, not a timing assertion."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return bool(check())
+
+
+def test_a_worker_killed_while_idle_is_replaced_before_the_next_request(
+    run_appliance, repo: Path
+) -> None:
+    srv = run_appliance(repo)
+    client = httpclient.InferenceServerClient(srv.url)
+    (pid,) = _pids(srv, "crashy")
+    os.kill(pid, signal.SIGKILL)  # as the OOM killer would
+    assert _wait_until(lambda: _state(pid) in ("Z", ""))
+    # nothing was in flight: this request is served by the successor
+    result = _crashy(client, 4)
+    np.testing.assert_array_equal(result.as_numpy("OUT"), [8, 10])
+    assert int(result.as_numpy("WHERE")[1]) != pid and _gone(pid)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def test_workers_exit_when_the_server_is_killed(repo: Path) -> None:
+    ports = ["--http-port", "0", "--grpc-port", "-1", "--metrics-port", "-1"]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "appliance", "serve", "--model-repository", str(repo), *ports],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stderr is not None
+        for line in server.stderr:  # bounded by the server's own start-up
+            if "ready in" in line:
+                break
+        workers = _children(server.pid)
+        # crashy, fragile, echo_proc, simple_proc: one worker each
+        assert len(workers) == 4, workers
+    finally:
+        server.kill()
+        server.wait()
+    assert _wait_until(lambda: all(_state(p) in ("Z", "") for p in workers)), [
+        (p, _state(p)) for p in workers
+    ]
