@@ -48,15 +48,18 @@ import numpy as np
 import backends
 from appliance.config import ConfigError
 from appliance.errors import ApplianceError, Code, FailureReason, internal, unavailable
-from backends.base import Backend, BackendOptions, MemoryUsage, TensorSpec
+from backends.base import Backend, BackendOptions, MemoryUsage
 from backends.parameters import Parameters
 from backends.process_ipc import (
     ChannelClosed,
     Segment,
     create_segment_fd,
+    error_from_frame,
+    options_to_wire,
     read_tensors,
     recv_frame,
     send_frame,
+    specs_from_wire,
     write_tensors,
 )
 
@@ -154,23 +157,6 @@ def _how_it_ended(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
-def _as_error(reply: dict[str, Any], prefix: str) -> ApplianceError:
-    """The error a worker reported, as the server's own (codes checked, not trusted)."""
-    codes = {c.value: c for c in Code}
-    reasons = {r.value: r for r in FailureReason}
-    return ApplianceError(
-        codes.get(str(reply.get("code")), Code.INTERNAL),
-        prefix + str(reply.get("message", "no message"))[:4096],
-        reasons.get(str(reply.get("reason")), FailureReason.BACKEND),
-    )
-
-
-def _spec_tuple(raw: Any) -> list[TensorSpec]:
-    if not isinstance(raw, list):
-        raise _Garbled("tensor specs must be a list")
-    return [TensorSpec(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in raw]
-
-
 class ProcessBackend:
     """One model instance whose backend runs in a worker process; see the module doc."""
 
@@ -195,22 +181,7 @@ class ProcessBackend:
             "op": "init",
             "backend": backend,
             "root": str(self._root),
-            "options": {
-                "model_path": str(options.model_path),
-                "instance_index": options.instance_index,
-                "instance_count": options.instance_count,
-                "kind": options.kind,
-                "threads": options.threads,
-                "parameters": {
-                    k: v for k, v in options.parameters.items() if k not in _HOST_KEYS
-                },
-                "max_batch_size": options.max_batch_size,
-                "share_group": options.share_group,
-                "inputs": [[s.name, s.datatype, list(s.shape)] for s in options.inputs],
-                "outputs": [[s.name, s.datatype, list(s.shape)] for s in options.outputs],
-                "model_config": options.model_config,
-                "config_source": options.config_source,
-            },
+            "options": options_to_wire(options, drop=_HOST_KEYS),
         }
         self._worker: _Worker | None = None
         self._starting = False  # init sent, its answer not read yet
@@ -227,9 +198,9 @@ class ProcessBackend:
             self._discard()
             raise
         try:
-            self.inputs = _spec_tuple(reply.get("inputs"))
-            self.outputs = _spec_tuple(reply.get("outputs"))
-        except (_Garbled, TypeError, ValueError) as exc:
+            self.inputs = specs_from_wire(reply.get("inputs"))
+            self.outputs = specs_from_wire(reply.get("outputs"))
+        except ValueError as exc:
             self._discard()
             raise internal(f"{self._where}: the worker sent bad tensor specs: {exc}") from None
         limit = reply.get("max_batch_size")
@@ -290,7 +261,7 @@ class ProcessBackend:
         self._starting = False
         if reply.get("ok") is not True:
             self._discard()
-            raise _as_error(reply, "")
+            raise error_from_frame(reply)
         return reply
 
     def _discard(self, wait_s: float = 2.0) -> int | None:
@@ -398,7 +369,7 @@ class ProcessBackend:
             raise self._lost(f"model instance process sent a malformed answer: {exc}") from None
         if reply.get("ok") is not True:
             self._failures = 0  # it answered: the process is sound
-            raise _as_error(reply, "")
+            raise error_from_frame(reply)
         try:
             # the file can only grow (sealed against shrinking): map what is really there
             segment.remap(os.fstat(segment.fd).st_size)

@@ -27,13 +27,16 @@ import os
 import socket
 import struct
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from appliance import datatypes
-from appliance.errors import ApplianceError, internal
+from appliance.errors import ApplianceError, Code, FailureReason, internal
+from backends.base import BackendOptions, TensorSpec
 
 ALIGN = 64  # every tensor starts on a cache line
 MAX_FRAME = 16 * 2**20  # control frames carry metadata only
@@ -234,6 +237,42 @@ def read_tensors(segment: Segment, raw: Any, copy: bool) -> dict[str, np.ndarray
     return out
 
 
+# ---- what else crosses: backend options, tensor specs, errors ------------------------
+
+
+def specs_to_wire(specs: Iterable[TensorSpec]) -> list[Any]:
+    return [[s.name, s.datatype, list(s.shape)] for s in specs]
+
+
+def specs_from_wire(raw: Any) -> list[TensorSpec]:
+    """Tensor specs from the other side; ``ValueError`` when malformed."""
+    if not isinstance(raw, list) or not all(isinstance(s, list) and len(s) == 3 for s in raw):
+        raise ValueError(f"bad tensor specs {raw!r}"[:200])
+    try:
+        return [TensorSpec(str(n), str(d), tuple(int(x) for x in shape)) for n, d, shape in raw]
+    except TypeError:
+        raise ValueError(f"bad tensor specs {raw!r}"[:200]) from None
+
+
+def options_to_wire(options: BackendOptions, drop: Collection[str]) -> dict[str, Any]:
+    """``options`` as JSON values, without the parameters named in ``drop``."""
+    out = {f.name: getattr(options, f.name) for f in fields(options)}
+    out["model_path"] = str(options.model_path)
+    out["parameters"] = {k: v for k, v in options.parameters.items() if k not in drop}
+    out["inputs"] = specs_to_wire(options.inputs)
+    out["outputs"] = specs_to_wire(options.outputs)
+    return out
+
+
+def options_from_wire(raw: dict[str, Any]) -> BackendOptions:
+    """The worker's side of :func:`options_to_wire` (the server is trusted)."""
+    values = dict(raw)
+    values["model_path"] = Path(raw["model_path"])
+    values["inputs"] = tuple(specs_from_wire(raw["inputs"]))
+    values["outputs"] = tuple(specs_from_wire(raw["outputs"]))
+    return BackendOptions(**values)
+
+
 def error_frame(exc: BaseException) -> dict[str, Any]:
     """How the worker reports an exception: code, failure reason and message."""
     error = exc if isinstance(exc, ApplianceError) else internal(f"{type(exc).__name__}: {exc}")
@@ -243,3 +282,14 @@ def error_frame(exc: BaseException) -> dict[str, Any]:
         "reason": error.reason.value,
         "message": error.message,
     }
+
+
+def error_from_frame(reply: dict[str, Any]) -> ApplianceError:
+    """The error a worker reported, as the server's own (codes checked, not trusted)."""
+    codes = {c.value: c for c in Code}
+    reasons = {r.value: r for r in FailureReason}
+    return ApplianceError(
+        codes.get(str(reply.get("code")), Code.INTERNAL),
+        str(reply.get("message", "no message"))[:4096],
+        reasons.get(str(reply.get("reason")), FailureReason.BACKEND),
+    )

@@ -30,14 +30,16 @@ from typing import Any
 
 import backends
 from appliance.errors import invalid
-from backends.base import Backend, BackendOptions, TensorSpec, batch_limit
+from backends.base import Backend, BackendOptions, batch_limit
 from backends.process_ipc import (
     ChannelClosed,
     Segment,
     error_frame,
+    options_from_wire,
     read_tensors,
     recv_frame,
     send_frame,
+    specs_to_wire,
     write_tensors,
 )
 
@@ -50,36 +52,13 @@ def _orphan_watch(parent: int) -> None:
             os._exit(3)
 
 
-def _specs(raw: Any) -> tuple[TensorSpec, ...]:
-    return tuple(TensorSpec(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in raw)
-
-
-def _spec_list(specs: list[TensorSpec]) -> list[Any]:
-    return [[s.name, s.datatype, list(s.shape)] for s in specs]
-
-
 def _options(message: dict[str, Any]) -> tuple[str, BackendOptions]:
     """The backend name and options of an ``init`` frame, confined to its model folder."""
     root = Path(message["root"]).resolve()
-    o = message["options"]
-    model_path = Path(o["model_path"])
+    model_path = Path(message["options"]["model_path"])
     if not model_path.resolve().is_relative_to(root):
         raise invalid(f"model file {model_path} is outside the model folder {root}")
-    options = BackendOptions(
-        model_path=model_path,
-        instance_index=int(o["instance_index"]),
-        instance_count=int(o["instance_count"]),
-        kind=str(o["kind"]),
-        threads=int(o["threads"]),
-        parameters={str(k): str(v) for k, v in o["parameters"].items()},
-        max_batch_size=o["max_batch_size"],
-        share_group=str(o["share_group"]),
-        inputs=_specs(o["inputs"]),
-        outputs=_specs(o["outputs"]),
-        model_config=str(o["model_config"]),
-        config_source=str(o["config_source"]),
-    )
-    return str(message["backend"]), options
+    return str(message["backend"]), options_from_wire(message["options"])
 
 
 def _serve(sock: socket.socket, segment: Segment, backend: Backend) -> None:
@@ -133,8 +112,8 @@ def main(argv: list[str]) -> int:
         {
             "ok": True,
             "pid": os.getpid(),
-            "inputs": _spec_list(backend.inputs),
-            "outputs": _spec_list(backend.outputs),
+            "inputs": specs_to_wire(backend.inputs),
+            "outputs": specs_to_wire(backend.outputs),
             "max_batch_size": batch_limit(backend),
         },
     )
