@@ -191,8 +191,11 @@ class ProcessBackend:
         self._spawn()
         try:
             reply = self._await_start()
-        except (_Died, _TimedOut, _Garbled) as exc:
-            self._discard()
+        except _Died:
+            how = _how_it_ended(self._discard(wait_s=10) or 0)
+            raise internal(f"{self._where}: the worker process died while loading: {how}") from None
+        except (_TimedOut, _Garbled) as exc:
+            self._discard(wait_s=0)
             raise internal(f"{self._where}: the worker process failed to start: {exc}") from None
         except BaseException:
             self._discard()
@@ -201,7 +204,7 @@ class ProcessBackend:
             self.inputs = specs_from_wire(reply.get("inputs"))
             self.outputs = specs_from_wire(reply.get("outputs"))
         except ValueError as exc:
-            self._discard()
+            self._discard(wait_s=0)
             raise internal(f"{self._where}: the worker sent bad tensor specs: {exc}") from None
         limit = reply.get("max_batch_size")
         self.max_batch_size = limit if isinstance(limit, int) and limit > 0 else 0
@@ -246,7 +249,7 @@ class ProcessBackend:
             if worker.proc.poll() is not None:
                 raise _Died
             if deadline is not None and time.monotonic() > deadline:
-                raise _TimedOut
+                raise _TimedOut("no answer in time")
 
         try:
             return recv_frame(worker.sock, idle)
@@ -304,7 +307,9 @@ class ProcessBackend:
         return error
 
     def _died(self) -> ApplianceError:
-        returncode = self._discard()
+        # its socket closed: it is exiting, which a loaded device may take seconds to
+        # finish; killing it sooner would report SIGKILL instead of what killed it
+        returncode = self._discard(wait_s=10)
         how = _how_it_ended(returncode) if returncode is not None else "unknown"
         return self._lost(f"model instance process died: {how}")
 
@@ -338,7 +343,7 @@ class ProcessBackend:
             except _Died:
                 raise self._died() from None
             except (_TimedOut, _Garbled) as exc:
-                self._discard()
+                self._discard(wait_s=0)
                 raise self._lost(f"model instance process failed to restart: {exc}") from None
             except ApplianceError as exc:
                 raise self._lost(f"model instance process failed to restart: {exc}") from None
@@ -365,7 +370,7 @@ class ProcessBackend:
                 Code.UNAVAILABLE,
             ) from None
         except _Garbled as exc:
-            self._discard()
+            self._discard(wait_s=0)
             raise self._lost(f"model instance process sent a malformed answer: {exc}") from None
         if reply.get("ok") is not True:
             self._failures = 0  # it answered: the process is sound
@@ -375,7 +380,7 @@ class ProcessBackend:
             segment.remap(os.fstat(segment.fd).st_size)
             result = read_tensors(segment, reply.get("outputs"), copy=True)
         except (ValueError, ApplianceError) as exc:
-            self._discard()
+            self._discard(wait_s=0)
             raise self._lost(f"model instance process sent malformed outputs: {exc}") from None
         if segment.size > KEEP_SEGMENT and segment.map is not None:
             # hand a large request's pages back; the mapping (and its size) stays

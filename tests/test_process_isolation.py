@@ -334,15 +334,21 @@ def test_execution_settings_are_validated(run_appliance, tmp_path: Path) -> None
         params = {"execution": "process", key: value}
         config = json.dumps({"parameters": params})
         modelgen.write_model(repo, f"bad{i}", modelgen.simple_add_sub(), config)
+    # a model whose initialize crashes its worker: the load fails, saying how
+    init_crash = "import ctypes\n\nclass TritonPythonModel:\n    def initialize(self, args):\n"
+    init_crash += "        ctypes.string_at(0)\n"
+    _python_model(repo, "init_crash", init_crash, CRASHY_CONFIG.format(failures=5, backoff=1))
     srv = run_appliance(repo, load_model=[])
-    for i, key in enumerate(bad):
+    expected = {f"bad{i}": f"parameters.{key}" for i, key in enumerate(bad)}
+    expected["init_crash"] = "the worker process died while loading: signal 11 (SIGSEGV)"
+    for model, message in expected.items():
         request = urllib.request.Request(
-            f"http://{srv.url}/v2/repository/models/bad{i}/load", data=b"{}", method="POST"
+            f"http://{srv.url}/v2/repository/models/{model}/load", data=b"{}", method="POST"
         )
         with pytest.raises(urllib.error.HTTPError) as failed:
             urllib.request.urlopen(request, timeout=60)
         assert failed.value.code == 400
-        assert f"parameters.{key}" in failed.value.read().decode()
+        assert message in failed.value.read().decode()
 
 
 def _state(pid: int) -> str:
