@@ -34,6 +34,7 @@ import json
 import logging
 import mmap
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -155,6 +156,18 @@ def _how_it_ended(returncode: int) -> str:
         except ValueError:
             return f"signal {-returncode}"
     return f"exit code {returncode}"
+
+
+def _gone(worker: _Worker) -> bool:
+    """The idle worker has exited, or is exiting: its end of the socket is closed
+    (the kernel closes a dying process's files before it can be waited for)."""
+    if worker.proc.poll() is not None:
+        return True
+    try:
+        readable, _, _ = select.select([worker.sock], [], [], 0)
+        return bool(readable) and worker.sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 class ProcessBackend:
@@ -315,7 +328,7 @@ class ProcessBackend:
 
     def _ensure_started(self) -> None:
         worker = self._worker
-        if worker is not None and not self._starting and worker.proc.poll() is not None:
+        if worker is not None and not self._starting and _gone(worker):
             # it died while idle (an OOM kill, say): nothing was in flight, so this
             # batch is served by its successor when the backoff allows
             self._died()

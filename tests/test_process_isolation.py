@@ -67,8 +67,7 @@ parameters:
   execution: process
   process_max_failures: "{failures}"
   process_restart_backoff_s: "{backoff}"
-  execute_timeout_s: "2"
-input:
+{timeout}input:
   - {{name: IN, data_type: TYPE_FP32, dims: [-1]}}
 output:
   - {{name: OUT, data_type: TYPE_FP32, dims: [-1]}}
@@ -111,6 +110,11 @@ def _echo_config(execution: str) -> str:
     return json.dumps(config)  # JSON is YAML
 
 
+def _crashy_config(failures: int, backoff: float, timeout_s: float = 0) -> str:
+    timeout = f'  execute_timeout_s: "{timeout_s}"\n' if timeout_s else ""
+    return CRASHY_CONFIG.format(failures=failures, backoff=backoff, timeout=timeout)
+
+
 def _python_model(repo: Path, name: str, source: str, config: str) -> None:
     (repo / name / "1").mkdir(parents=True)
     (repo / name / "1" / "model.py").write_text(textwrap.dedent(source))
@@ -120,9 +124,10 @@ def _python_model(repo: Path, name: str, source: str, config: str) -> None:
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
     root = tmp_path / "repo"
-    _python_model(root, "crashy", CRASHY_PY, CRASHY_CONFIG.format(failures=5, backoff=0.5))
-    # two consecutive failures give up; a long backoff keeps the window deterministic
-    _python_model(root, "fragile", CRASHY_PY, CRASHY_CONFIG.format(failures=3, backoff=300))
+    _python_model(root, "crashy", CRASHY_PY, _crashy_config(5, 0.5))
+    # three consecutive failures give up; a long backoff keeps the window deterministic
+    _python_model(root, "fragile", CRASHY_PY, _crashy_config(3, 300))
+    _python_model(root, "sleepy", CRASHY_PY, _crashy_config(5, 0.5, timeout_s=3))
     _python_model(root, "echo_in", ECHO_PY, _echo_config("in_process"))
     _python_model(root, "echo_proc", ECHO_PY, _echo_config("process"))
     modelgen.write_model(root, "simple", modelgen.simple_add_sub())
@@ -192,15 +197,15 @@ def test_grpc_reports_a_crash_as_internal(run_appliance, repo: Path) -> None:
 
 
 def test_a_hang_is_ended_by_killing_the_process(run_appliance, repo: Path) -> None:
-    srv = run_appliance(repo, load_model=["crashy"])
+    srv = run_appliance(repo, load_model=["sleepy"])
     client = httpclient.InferenceServerClient(srv.url, network_timeout=60)
-    (pid,) = _pids(srv, "crashy")
+    (pid,) = _pids(srv, "sleepy")
     with pytest.raises(InferenceServerException) as failed:
-        _crashy(client, 3)
+        _crashy(client, 3, "sleepy")
     assert failed.value.status() == "503"
-    assert "did not finish within 2s; its process was killed" in str(failed.value)
+    assert "did not finish within 3s; its process was killed" in str(failed.value)
     assert _gone(pid)
-    np.testing.assert_array_equal(_crashy(client, 4).as_numpy("OUT"), [8, 10])
+    np.testing.assert_array_equal(_crashy(client, 4, "sleepy").as_numpy("OUT"), [8, 10])
 
 
 def test_a_crash_loop_backs_off_then_gives_up(run_appliance, repo: Path) -> None:
@@ -337,7 +342,7 @@ def test_execution_settings_are_validated(run_appliance, tmp_path: Path) -> None
     # a model whose initialize crashes its worker: the load fails, saying how
     init_crash = "import ctypes\n\nclass TritonPythonModel:\n    def initialize(self, args):\n"
     init_crash += "        ctypes.string_at(0)\n"
-    _python_model(repo, "init_crash", init_crash, CRASHY_CONFIG.format(failures=5, backoff=1))
+    _python_model(repo, "init_crash", init_crash, _crashy_config(5, 1))
     srv = run_appliance(repo, load_model=[])
     expected = {f"bad{i}": f"parameters.{key}" for i, key in enumerate(bad)}
     expected["init_crash"] = "the worker process died while loading: signal 11 (SIGSEGV)"
