@@ -28,7 +28,6 @@ import socket
 import struct
 import tempfile
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -254,9 +253,23 @@ def specs_from_wire(raw: Any) -> list[TensorSpec]:
         raise ValueError(f"bad tensor specs {raw!r}"[:200]) from None
 
 
+# the BackendOptions a worker receives: plain values only (a field holding an object of
+# the server, such as a callback, never crosses; the worker gets its default)
+_OPTION_FIELDS = (
+    "instance_index",
+    "instance_count",
+    "kind",
+    "threads",
+    "max_batch_size",
+    "share_group",
+    "model_config",
+    "config_source",
+)
+
+
 def options_to_wire(options: BackendOptions, drop: Collection[str]) -> dict[str, Any]:
     """``options`` as JSON values, without the parameters named in ``drop``."""
-    out = {f.name: getattr(options, f.name) for f in fields(options)}
+    out: dict[str, Any] = {name: getattr(options, name) for name in _OPTION_FIELDS}
     out["model_path"] = str(options.model_path)
     out["parameters"] = {k: v for k, v in options.parameters.items() if k not in drop}
     out["inputs"] = specs_to_wire(options.inputs)
@@ -266,11 +279,13 @@ def options_to_wire(options: BackendOptions, drop: Collection[str]) -> dict[str,
 
 def options_from_wire(raw: dict[str, Any]) -> BackendOptions:
     """The worker's side of :func:`options_to_wire` (the server is trusted)."""
-    values = dict(raw)
-    values["model_path"] = Path(raw["model_path"])
-    values["inputs"] = tuple(specs_from_wire(raw["inputs"]))
-    values["outputs"] = tuple(specs_from_wire(raw["outputs"]))
-    return BackendOptions(**values)
+    return BackendOptions(
+        model_path=Path(raw["model_path"]),
+        parameters=dict(raw["parameters"]),
+        inputs=tuple(specs_from_wire(raw["inputs"])),
+        outputs=tuple(specs_from_wire(raw["outputs"])),
+        **{name: raw[name] for name in _OPTION_FIELDS},
+    )
 
 
 def error_frame(exc: BaseException) -> dict[str, Any]:
