@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Awaitable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -27,6 +27,7 @@ import numpy as np
 
 from appliance.errors import ApplianceError, FailureReason, internal, unavailable
 from appliance.instances import InstanceGroup, ModelInstance
+from appliance.request import InferenceRequest
 from appliance.stats import ModelStats
 from backends.base import Backend
 
@@ -274,6 +275,18 @@ class DynamicBatcher:
             except ValueError:
                 pass  # already executing; its batch task will skip the done future
             raise
+
+    def enqueue(
+        self,
+        request: InferenceRequest,
+        outputs: tuple[str, ...],
+        rows: int,
+        signature: Hashable,
+        timeout_s: float | None,
+    ) -> Awaitable[BatchResult]:
+        """The :class:`appliance.scheduler.Scheduler` entry: :meth:`submit` of
+        ``request``'s inputs (no extra coroutine frame on the hot path)."""
+        return self.submit(request.inputs, outputs, rows, signature, timeout_s)
 
     def _expire(self, now: float) -> None:
         if now < self._next_deadline:

@@ -18,10 +18,11 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from appliance import __version__
 from appliance.errors import ApplianceError, Code
 from appliance.server import Server
 from appliance.server_config import load_server_config
+from appliance.version import __version__
+from ota import cli as ota_cli
 
 
 def _setup_logging(level: str) -> None:
@@ -119,11 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--mqtt-broker", metavar="HOST:PORT", help="serve requests over MQTT from this broker"
     )
+    ota_cli.register(sub)  # fleet, bundle, ota: see ota/cli.py
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("fleet", "bundle", "ota"):
+        return ota_cli.run(args)
     try:
         config = load_server_config(
             args.config,

@@ -13,26 +13,25 @@ auto-complete does.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from appliance import datatypes
-from appliance.errors import ApplianceError, Code
-from backends.base import TensorSpec
+from appliance.datatypes import TensorSpec
+from appliance.fields import ConfigError, Fields, parse_limit
+from appliance.sequence_config import (
+    CORRID,
+    CORRID_TYPES,
+    KINDS,
+    START,
+    Control,
+    ImplicitState,
+    SequenceBatching,
+    implicit_inputs,
+    implicit_outputs,
+)
 
 log = logging.getLogger(__name__)
-
-
-class ConfigError(ApplianceError):
-    """A config file is invalid; the message names file, field and expectation."""
-
-    def __init__(self, source: str, path: str, message: str) -> None:
-        where = f"{source}: {path}: " if path else f"{source}: "
-        super().__init__(Code.INVALID_ARG, where + message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +122,7 @@ class ModelConfig:
     model_warmup: tuple[WarmupSample, ...] = ()
     memory_limit: int | None = None  # parameters.memory_limit: one copy's cap, bytes
     ensemble_steps: tuple[EnsembleStep, ...] = ()  # platform "ensemble" only
+    sequence_batching: SequenceBatching | None = None  # stateful models
     source: str = "<auto-complete>"
 
     @property
@@ -136,7 +136,6 @@ class ModelConfig:
 
 # Triton fields accepted but not acted on yet: warned about, never silently dropped.
 _UNSUPPORTED = {
-    "sequence_batching",
     "optimization",
     "response_cache",
     "model_transaction_policy",
@@ -163,71 +162,8 @@ _MODEL_FIELDS = {
     "parameters",
     "model_warmup",
     "ensemble_scheduling",
+    "sequence_batching",
 } | _UNSUPPORTED
-
-
-_INT = re.compile(r"-?\d+")
-
-
-class Fields:
-    """Typed reads of one mapping, with errors naming the file and field path."""
-
-    def __init__(self, source: str, data: Any, path: str = "") -> None:
-        if not isinstance(data, dict):
-            raise ConfigError(source, path, f"expected a mapping, got {type(data).__name__}")
-        self.source, self.data, self.path = source, data, path
-
-    def at(self, key: str) -> str:
-        return f"{self.path}.{key}" if self.path else key
-
-    def fail(self, key: str, message: str) -> ConfigError:
-        return ConfigError(self.source, self.at(key), message)
-
-    def check_keys(self, allowed: set[str]) -> None:
-        for key in self.data:
-            if key not in allowed:
-                raise self.fail(str(key), f"unknown field, expected one of {sorted(allowed)}")
-
-    def integer(self, key: str, default: int, minimum: int = 0) -> int:
-        value = self.data.get(key, default)
-        if isinstance(value, str) and _INT.fullmatch(value):
-            value = int(value)  # protobuf JSON writes int64 as strings
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise self.fail(key, f"expected an integer >= {minimum}, got {value!r}")
-        return value
-
-    def text(self, key: str, default: str = "") -> str:
-        value = self.data.get(key, default)
-        if not isinstance(value, str):
-            raise self.fail(key, f"expected a string, got {value!r}")
-        return value
-
-    def flag(self, key: str, default: bool) -> bool:
-        value = self.data.get(key, default)
-        if not isinstance(value, bool):
-            raise self.fail(key, f"expected true or false, got {value!r}")
-        return value
-
-    def ints(self, key: str, minimum: int) -> tuple[int, ...]:
-        value = self.data.get(key, [])
-        if isinstance(value, list):  # protobuf JSON writes int64 as strings
-            value = [int(v) if isinstance(v, str) and _INT.fullmatch(v) else v for v in value]
-        if not isinstance(value, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value
-        ):
-            raise self.fail(key, f"expected a list of integers >= {minimum}, got {value!r}")
-        return tuple(value)
-
-    def entries(self, key: str) -> list[Fields]:
-        value = self.data.get(key, [])
-        if not isinstance(value, list):
-            raise self.fail(key, f"expected a list, got {type(value).__name__}")
-        return [Fields(self.source, v, f"{self.at(key)}[{i}]") for i, v in enumerate(value)]
-
-    def sub(self, key: str) -> Fields | None:
-        if key not in self.data or self.data[key] is None:
-            return None
-        return Fields(self.source, self.data[key], self.at(key))
 
 
 # Triton tensor fields accepted but not acted on yet (warned about, like model fields).
@@ -378,19 +314,40 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
                 + ("" if max_batch else " (a model that does not batch warms up one sample)"),
             )
     steps = _ensemble(f)
+    seq = f.sub("sequence_batching")
+    if "sequence_batching" in f.data and ("dynamic_batching" in f.data or steps):
+        raise f.fail(
+            "sequence_batching",
+            "a model has one scheduler: not also dynamic_batching or ensemble_scheduling",
+        )
     if steps and not (max_batch is not None and f.data.get("input") and f.data.get("output")):
         raise f.fail(
             "ensemble_scheduling",
             "an ensemble has no engine to complete its config from: "
             "declare max_batch_size, input and output",
         )
+    inputs = tuple(_tensor(t) for t in f.entries("input"))
+    outputs = tuple(_tensor(t) for t in f.entries("output"))
+    sequence = (
+        _sequence_batching(seq)
+        if seq is not None
+        else (SequenceBatching() if "sequence_batching" in f.data else None)
+    )
+    fed = set(implicit_inputs(sequence)) & {t.name for t in inputs}
+    fed |= set(implicit_outputs(sequence)) & {t.name for t in outputs}
+    if fed:
+        raise f.fail(
+            "sequence_batching",
+            f"{sorted(fed)} are fed and kept by the sequence batcher (control or state "
+            "tensors): leave them out of input and output",
+        )
     return ModelConfig(
         name=name,
         backend=f.text("backend"),
         platform=f.text("platform"),
         max_batch_size=max_batch,
-        inputs=tuple(_tensor(t) for t in f.entries("input")),
-        outputs=tuple(_tensor(t) for t in f.entries("output")),
+        inputs=inputs,
+        outputs=outputs,
         dynamic_batching=dynamic,
         instance_group=tuple(groups) or (InstanceGroup(),),
         version_policy=_version_policy(vp) if vp is not None else VersionPolicy(),
@@ -399,7 +356,147 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
         model_warmup=warmup,
         memory_limit=_memory_limit(parameters, source),
         ensemble_steps=steps,
+        sequence_batching=sequence,
         source=source,
+    )
+
+
+def _control(f: Fields) -> Control:
+    f.check_keys({"name", "control"})
+    name = f.text("name")
+    controls = f.entries("control")
+    if not name or len(controls) != 1:
+        raise ConfigError(f.source, f.path, "expected a tensor 'name' and one 'control'")
+    c = controls[0]
+    c.check_keys({"kind", "int32_false_true", "fp32_false_true", "bool_false_true", "data_type"})
+    kind = c.text("kind", START)  # protobuf leaves out its default (the first) kind
+    if kind not in KINDS:
+        raise c.fail("kind", f"expected one of {list(KINDS)}, got {kind!r}")
+    if kind == CORRID:
+        raw = c.text("data_type")
+        datatype = datatypes.from_config_type(raw) if raw.startswith("TYPE_") else ""
+        if datatype not in CORRID_TYPES:
+            raise c.fail(
+                "data_type",
+                "expected TYPE_UINT64, TYPE_INT64, TYPE_UINT32, TYPE_INT32 or TYPE_STRING, "
+                f"got {raw!r}",
+            )
+        return Control(name, kind, datatype)
+    given = [k for k in ("int32_false_true", "fp32_false_true", "bool_false_true") if k in c.data]
+    values = c.data.get(given[0]) if len(given) == 1 else None
+    if not isinstance(values, list) or len(values) != 2:
+        raise ConfigError(
+            c.source,
+            c.path,
+            f"{kind} needs exactly one of int32_false_true, fp32_false_true, "
+            "bool_false_true with two values (false, true)",
+        )
+    datatype = {"int32_false_true": "INT32", "fp32_false_true": "FP32"}.get(given[0], "BOOL")
+    kinds = {"INT32": (int,), "FP32": (int, float), "BOOL": (bool,)}[datatype]
+    typed = all(
+        isinstance(v, kinds) and (datatype == "BOOL") == isinstance(v, bool) for v in values
+    )
+    if not typed:
+        raise c.fail(given[0], f"expected two {datatype} values, got {values!r}")
+    if datatype == "FP32":
+        values = [float(v) for v in values]
+    return Control(name, kind, datatype, (values[0], values[1]))
+
+
+def _state(f: Fields) -> ImplicitState:
+    f.check_keys(
+        {"input_name", "output_name", "data_type", "dims", "initial_state"}
+        | {"use_same_buffer_for_input_output", "use_growable_memory"}
+    )
+    names = (f.text("input_name"), f.text("output_name"))
+    if not all(names):
+        raise ConfigError(f.source, f.path, "a state needs 'input_name' and 'output_name'")
+    raw = f.text("data_type")
+    try:
+        datatype = datatypes.from_config_type(raw)
+    except ValueError:
+        raise f.fail("data_type", f"expected a TYPE_* data type, got {raw!r}") from None
+    dims = f.ints("dims", -1)
+    if isinstance(f.data.get("initial_state"), dict):  # YAML may write the one entry bare
+        entries = [Fields(f.source, f.data["initial_state"], f.at("initial_state"))]
+    else:
+        entries = f.entries("initial_state")
+    if len(entries) > 1:
+        raise f.fail("initial_state", f"must hold one entry or none, got {len(entries)}")
+    if not entries:
+        return ImplicitState(names[0], names[1], datatype, dims)
+    i = entries[0]
+    i.check_keys({"data_type", "dims", "zero_data", "data_file", "name"})
+    if i.text("data_type", raw) != raw:
+        raise i.fail("data_type", "does not match the state data type")
+    if not i.text("name"):
+        raise i.fail("name", "must be set when using initial_state")
+    initial_dims = i.ints("dims", 0)
+    if len(initial_dims) != len(dims) or any(
+        d != -1 and d != n for d, n in zip(dims, initial_dims, strict=True)
+    ):
+        raise i.fail("dims", f"{list(initial_dims)} do not match the state dims {list(dims)}")
+    if ("zero_data" in i.data) == ("data_file" in i.data):
+        raise ConfigError(i.source, i.path, "expected one of zero_data or data_file")
+    data_file = i.text("data_file") if "data_file" in i.data else ""
+    if "data_file" in i.data and not data_file:
+        raise i.fail("data_file", "expected a file name")
+    return ImplicitState(
+        names[0], names[1], datatype, dims, initial_dims, i.text("name"), data_file
+    )
+
+
+def _sequence_batching(f: Fields) -> SequenceBatching:
+    f.check_keys(
+        {"max_sequence_idle_microseconds", "control_input", "direct", "oldest", "state"}
+        | {"iterative_sequence"}
+    )
+    if f.data.get("iterative_sequence"):
+        raise f.fail("iterative_sequence", "iterative sequences are not supported")
+    if "direct" in f.data and "oldest" in f.data:
+        raise ConfigError(f.source, f.path, "expected one strategy: direct or oldest, not both")
+    controls = tuple(_control(c) for c in f.entries("control_input"))
+    kinds = [c.kind for c in controls]
+    names = [c.name for c in controls]
+    if len(set(kinds)) != len(kinds) or len(set(names)) != len(names):
+        raise f.fail("control_input", "each control kind and tensor name may appear only once")
+    states = tuple(_state(s) for s in f.entries("state"))
+    state_inputs = [s.input_name for s in states]
+    if len(set(state_inputs)) != len(state_inputs):
+        raise f.fail("state", "a state input name is specified more than once")
+    idle = f.integer("max_sequence_idle_microseconds", 0) or 1_000_000  # Triton's default
+    oldest = f.sub("oldest")
+    if "oldest" in f.data:
+        o = oldest or Fields(f.source, {}, f.at("oldest"))
+        o.check_keys(
+            {"max_candidate_sequences", "preferred_batch_size", "max_queue_delay_microseconds"}
+            | {"preserve_ordering"}
+        )
+        return SequenceBatching(
+            "oldest",
+            max_candidate_sequences=o.integer("max_candidate_sequences", 0),
+            preferred_batch_size=o.ints("preferred_batch_size", 1),
+            max_queue_delay_us=o.integer("max_queue_delay_microseconds", 0),
+            max_sequence_idle_us=idle,
+            controls=controls,
+            states=states,
+        )
+    d = f.sub("direct") or Fields(f.source, {}, f.at("direct"))
+    d.check_keys({"max_queue_delay_microseconds", "minimum_slot_utilization"})
+    utilization = d.data.get("minimum_slot_utilization", 0.0)
+    if (
+        not isinstance(utilization, (int, float))
+        or isinstance(utilization, bool)
+        or not (0 <= utilization <= 1)
+    ):
+        raise d.fail("minimum_slot_utilization", f"expected a number in 0..1, got {utilization!r}")
+    return SequenceBatching(
+        "direct",
+        max_queue_delay_us=d.integer("max_queue_delay_microseconds", 0),
+        minimum_slot_utilization=float(utilization),
+        max_sequence_idle_us=idle,
+        controls=controls,
+        states=states,
     )
 
 
@@ -447,8 +544,6 @@ def _ensemble(f: Fields) -> tuple[EnsembleStep, ...]:
 def _memory_limit(parameters: dict[str, str], source: str) -> int | None:
     if "memory_limit" not in parameters:
         return None
-    from appliance.memory import parse_limit  # here: memory imports this module
-
     return parse_limit(parameters["memory_limit"], source, "parameters.memory_limit")
 
 
@@ -489,41 +584,6 @@ def _warmup(f: Fields) -> WarmupSample:
         tuple(parsed),
         max(1, f.integer("count", 1)),
     )
-
-
-CONFIG_FILES = ("config.yaml", "config.yml", "config.pbtxt")
-
-
-def load_model_config(model_dir: Path) -> ModelConfig:
-    """Read ``model_dir/config.yaml`` (or .yml) or Triton's ``config.pbtxt``; no file
-    means everything is auto-completed. Two config files are an error: which one
-    counts would be a guess."""
-    found = [model_dir / n for n in CONFIG_FILES if (model_dir / n).is_file()]
-    if len(found) > 1:
-        raise ConfigError(
-            str(model_dir),
-            "",
-            f"found {' and '.join(p.name for p in found)}: keep exactly one config file",
-        )
-    if not found:
-        return ModelConfig(name=model_dir.name, source=str(model_dir))
-    path = found[0]
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(str(path), "", f"not UTF-8 text: {exc}") from None
-    except OSError as exc:
-        raise ConfigError(str(path), "", f"cannot read: {exc.strerror}") from None
-    if path.suffix == ".pbtxt":
-        from appliance.triton_config import pbtxt_to_dict  # protobuf: only when needed
-
-        data = pbtxt_to_dict(text, str(path))
-    else:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(str(path), "", f"not valid YAML: {exc}") from None
-    return parse_model_config(data, model_dir.name, str(path))
 
 
 def _check_against(
@@ -573,6 +633,10 @@ def complete(
     dynamic = config.dynamic_batching
     if dynamic is None and config.max_batch_size is None and batched:
         dynamic = DynamicBatching()  # Triton enables dynamic batching when it picks a batch size
+
+    # control and state tensors are fed and kept by the sequence batcher
+    inputs = [s for s in inputs if s.name not in implicit_inputs(config.sequence_batching)]
+    outputs = [s for s in outputs if s.name not in implicit_outputs(config.sequence_batching)]
 
     def fill(
         declared: tuple[TensorConfig, ...], specs: list[TensorSpec], kind: str

@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from appliance import __version__
 from appliance.errors import invalid, unavailable
 from appliance.lifecycle import ModelLifeCycle
 from appliance.model import State
 from appliance.request import InferenceRequest, InferenceResponse
 from appliance.shared_memory import SharedMemoryRegistry
 from appliance.triton_config import json_to_dict, to_triton_json
+from appliance.version import __version__
 
 EXTENSIONS = [
     "classification",
@@ -28,6 +28,7 @@ EXTENSIONS = [
     "statistics",
     "binary_tensor_data",
     "parameters",
+    "sequence",
 ]
 
 
@@ -120,7 +121,9 @@ class DataPlane:
     async def load_model(self, name: str, parameters: dict[str, Any] | None = None) -> None:
         """Triton's repository load. Parameters: ``config`` (Triton's JSON model config,
         used instead of the repository's config file for this load) and ``in_place``
-        (swap without room for two copies; the model is briefly unavailable)."""
+        (swap without room for two copies; the model is briefly unavailable) and
+        ``default_version`` (the version unversioned requests go to, while the others
+        are reachable by explicit version; absent: the newest)."""
         self._check_control("load")
         params = dict(parameters or {})
         override = None
@@ -136,12 +139,19 @@ class DataPlane:
             in_place = in_place.lower() == "true"
         if not isinstance(in_place, bool):
             raise invalid(f"load parameter 'in_place' must be true or false, got {in_place!r}")
+        default = params.pop("default_version", 0)
+        if isinstance(default, str) and default.isdigit():
+            default = int(default)
+        if not isinstance(default, int) or isinstance(default, bool) or default < 0:
+            raise invalid(
+                f"load parameter 'default_version' must be a version number, got {default!r}"
+            )
         if params:
             raise invalid(
-                f"unsupported load parameter(s) {sorted(params)}: this server takes 'config' "
-                "and 'in_place' (model files come from the model repository)"
+                f"unsupported load parameter(s) {sorted(params)}: this server takes 'config', "
+                "'in_place' and 'default_version' (model files come from the model repository)"
             )
-        entry = await self.lifecycle.load(name, override, in_place)
+        entry = await self.lifecycle.load(name, override, in_place, default)
         if entry.state != State.READY or entry.reason:  # a failed reload keeps the old copy
             raise invalid(f"failed to load model '{name}': {entry.reason}")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -222,3 +223,12 @@ def to_json_data(arr: np.ndarray) -> Any:
     if arr.dtype == np.float16:  # orjson serializes float32, not float16
         arr = arr.astype(np.float32)
     return np.ascontiguousarray(arr).ravel()
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A model input or output as the engine declares it; -1 marks a dynamic dim."""
+
+    name: str
+    datatype: str  # KServe name: FP32, INT64, BYTES, ...
+    shape: tuple[int, ...]

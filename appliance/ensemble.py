@@ -24,18 +24,22 @@ import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from appliance.config import ConfigError, EnsembleStep, ModelConfig, TensorConfig
-from appliance.errors import ApplianceError, FailureReason
-from appliance.instances import InstanceGroup
-from appliance.model import ModelVersion
+from appliance import memory
+from appliance.config import EnsembleStep, ModelConfig, TensorConfig
+from appliance.errors import ApplianceError, FailureReason, unavailable
+from appliance.fields import ConfigError
+from appliance.model import check_request
 from appliance.request import InferenceRequest, InferenceResponse
+from appliance.servable import Servable, State, failures_counted, tensor_metadata
 from appliance.server_config import ServerConfig
+from appliance.stats import ModelStats
 
 # (model name, version or "") -> the version serving it; raises NOT_FOUND/UNAVAILABLE
-Resolver = Callable[[str, str], ModelVersion]
+Resolver = Callable[[str, str], Servable]
 
 
 def _version(step: EnsembleStep) -> str:
@@ -151,35 +155,50 @@ def order(config: ModelConfig) -> list[list[int]]:
     return waves
 
 
-class EnsembleVersion(ModelVersion):
-    """A servable ensemble: the ModelVersion interface, no instances of its own.
+class EnsembleVersion:
+    """A servable ensemble (see :class:`appliance.servable.Servable`): no instances
+    and no queue of its own; each step queues in its own model's scheduler.
 
-    Its batcher stays empty (steps batch in their own models); statistics count
-    whole ensemble requests, each step's model counts its own.
+    Statistics count whole ensemble requests, each step's model counts its own.
+    Unloading waits for the requests in flight (up to the timeout); the step
+    models they use keep serving them.
     """
 
     def __init__(self, config: ModelConfig, version: int, server: ServerConfig, resolve: Resolver):
-        super().__init__(config, version, InstanceGroup([]), server.default_max_queue_size)
+        self.config = config
+        self.version = version
+        self.state = State.READY
+        self.memory = memory.NOTHING
+        self.stats = ModelStats(config.name, str(version))
         self._resolve = resolve
+        self._in_flight: set[asyncio.Task[dict[str, np.ndarray]]] = set()
 
     @classmethod
-    async def load_ensemble(
+    def load_ensemble(
         cls, config: ModelConfig, version_dir: Path, server: ServerConfig, resolve: Resolver
     ) -> EnsembleVersion:
         validate(config, resolve)
         return cls(config, int(version_dir.name), server, resolve)
 
+    @property
+    def ready(self) -> bool:
+        return self.state == State.READY
+
+    def metadata(self, versions: list[str]) -> dict[str, Any]:
+        return tensor_metadata(self.config, versions)
+
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         start = time.perf_counter_ns()
-        try:
-            outputs, _, _, _ = self._prepare(request)
-            tensors = await self._run(dict(request.inputs))
-        except ApplianceError as exc:
-            self.stats.record_failure(exc.reason, time.perf_counter_ns() - start)
-            raise
-        except asyncio.CancelledError:
-            self.stats.record_failure(FailureReason.CANCELED, time.perf_counter_ns() - start)
-            raise
+        with failures_counted(self.stats, start):
+            if self.state != State.READY:
+                raise unavailable(
+                    f"model '{self.config.name}' is unloading", FailureReason.REJECTED
+                )
+            outputs, _, _ = check_request(self.config, request)
+            task = asyncio.ensure_future(self._run(dict(request.inputs), request))
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+            tensors = await task
         total = time.perf_counter_ns() - start
         self.stats.record_success(total, 0, 0, total, 0)
         rows = max((int(a.shape[0]) for a in request.inputs.values() if a.ndim), default=1)
@@ -188,7 +207,18 @@ class EnsembleVersion(ModelVersion):
             self.config.name, str(self.version), {n: tensors[n] for n in outputs}, request.id
         )
 
-    async def _run(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def unload(self, timeout_s: float) -> None:
+        """Stop taking requests and let those in flight finish (up to ``timeout_s``)."""
+        self.state = State.UNLOADING
+        try:
+            if self._in_flight:
+                await asyncio.wait(set(self._in_flight), timeout=timeout_s)
+        finally:
+            self.state = State.UNAVAILABLE
+
+    async def _run(
+        self, tensors: dict[str, np.ndarray], outer: InferenceRequest
+    ) -> dict[str, np.ndarray]:
         steps = self.config.ensemble_steps
         left = set(range(len(steps)))
         running: dict[asyncio.Task[InferenceResponse], int] = {}
@@ -205,6 +235,10 @@ class EnsembleVersion(ModelVersion):
                         step.model_name,
                         {m: tensors[t] for m, t in step.input_map.items()},
                         outputs=tuple(step.output_map),
+                        # a stateful step sees the ensemble request's sequence (Triton's)
+                        sequence_id=outer.sequence_id,
+                        sequence_start=outer.sequence_start,
+                        sequence_end=outer.sequence_end,
                     )
                     running[asyncio.ensure_future(model.infer(request))] = i
                 done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)

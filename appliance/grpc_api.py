@@ -22,9 +22,9 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from appliance import datatypes, grpc_codec
 from appliance.access import AccessPolicy, Scope
-from appliance.config import ConfigError
 from appliance.dataplane import DataPlane
 from appliance.errors import ApplianceError, Code
+from appliance.fields import ConfigError
 from appliance.request import InferenceResponse
 from appliance.tls import TlsFiles
 

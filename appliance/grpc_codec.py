@@ -18,7 +18,7 @@ from tritonclient.grpc import service_pb2
 
 from appliance import datatypes
 from appliance.errors import invalid
-from appliance.request import InferenceRequest, InferenceResponse
+from appliance.request import InferenceRequest, InferenceResponse, check_sequence_id
 from appliance.shared_memory import SharedMemoryRef, SharedMemoryRegistry
 
 # KServe datatype -> the InferTensorContents field that carries it and that field's
@@ -180,6 +180,12 @@ def decode_request(
     timeout = param(msg.parameters, "timeout", "int64_param", "request")
     if timeout is not None and timeout < 0:
         raise invalid("request parameter 'timeout' must be a non-negative integer (microseconds)")
+    sequence: object = 0
+    if "sequence_id" in msg.parameters:  # tritonclient sends int64, others uint64 or string
+        kind = msg.parameters["sequence_id"].WhichOneof("parameter_choice")
+        if kind not in ("int64_param", "uint64_param", "string_param"):
+            raise invalid("request parameter 'sequence_id' must be an integer or a string")
+        sequence = getattr(msg.parameters["sequence_id"], kind)
     request = InferenceRequest(
         model_name=msg.model_name,
         inputs=inputs,
@@ -188,6 +194,9 @@ def decode_request(
         id=msg.id,
         timeout_us=int(timeout) if timeout else None,
         classification=classification,
+        sequence_id=check_sequence_id(sequence),
+        sequence_start=bool(param(msg.parameters, "sequence_start", "bool_param", "request")),
+        sequence_end=bool(param(msg.parameters, "sequence_end", "bool_param", "request")),
     )
     return request, shm_outputs
 

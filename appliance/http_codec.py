@@ -21,7 +21,7 @@ import orjson
 
 from appliance import datatypes
 from appliance.errors import internal, invalid
-from appliance.request import InferenceRequest, InferenceResponse
+from appliance.request import InferenceRequest, InferenceResponse, check_sequence_id
 from appliance.shared_memory import SharedMemoryRef, SharedMemoryRegistry
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -193,6 +193,7 @@ def decode_request(
     request_id = doc.get("id", "")
     if not isinstance(request_id, str):
         raise invalid("'id' must be a string")
+    sequence = check_sequence_id(req_params.get("sequence_id", 0))
     request = InferenceRequest(
         model_name=model,
         inputs=inputs,
@@ -201,6 +202,9 @@ def decode_request(
         id=request_id,
         timeout_us=timeout or None,
         classification=classification,
+        sequence_id=sequence,
+        sequence_start=_flag(req_params, "sequence_start", "request"),
+        sequence_end=_flag(req_params, "sequence_end", "request"),
     )
     return request, fmt
 

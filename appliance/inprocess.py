@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from appliance.errors import ApplianceError, Code
-from appliance.request import InferenceRequest
+from appliance.request import InferenceRequest, check_sequence_id
 from appliance.server import Server
 from appliance.server_config import load_server_config
 
@@ -77,14 +77,21 @@ class InProcessServer:
         version: str = "",
         outputs: tuple[str, ...] = (),
         timeout_us: int | None = None,
+        sequence_id: int | str = 0,
+        sequence_start: bool = False,
+        sequence_end: bool = False,
     ) -> dict[str, np.ndarray]:
-        """Run one request through the model's batcher; returns its outputs by name."""
+        """Run one request through the model's scheduler; returns its outputs by name.
+        ``sequence_*``: Triton's sequence parameters for stateful models."""
         request = InferenceRequest(
             model_name=model,
             inputs=dict(inputs),
             model_version=version,
             outputs=outputs,
             timeout_us=timeout_us,
+            sequence_id=check_sequence_id(sequence_id),
+            sequence_start=sequence_start,
+            sequence_end=sequence_end,
         )
         response = await self.server.dataplane.infer(request)
         return response.outputs
@@ -155,8 +162,20 @@ class InProcessServer:
         version: str = "",
         outputs: tuple[str, ...] = (),
         timeout_us: int | None = None,
+        sequence_id: int | str = 0,
+        sequence_start: bool = False,
+        sequence_end: bool = False,
     ) -> dict[str, np.ndarray]:
         """:meth:`infer` for threaded code; many threads may call it at once (they batch)."""
         return self._call(
-            self.infer(model, inputs, version=version, outputs=outputs, timeout_us=timeout_us)
+            self.infer(
+                model,
+                inputs,
+                version=version,
+                outputs=outputs,
+                timeout_us=timeout_us,
+                sequence_id=sequence_id,
+                sequence_start=sequence_start,
+                sequence_end=sequence_end,
+            )
         )

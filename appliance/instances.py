@@ -3,6 +3,8 @@
 An instance is created, used and closed on its own single-thread executor, so a
 backend never sees two threads and engines with thread-affine state (CUDA
 contexts) are safe. The event loop only hands work over and awaits the result.
+How many instances a copy gets is decided here too, one by one within the
+memory budget (:func:`start_within_budget`).
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import asyncio
 import logging
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from appliance import memory
@@ -134,3 +137,80 @@ class InstanceGroup:
         for r in results:
             if isinstance(r, BaseException):
                 log.warning("closing an instance failed: %s", r)
+
+
+# Warm an instance up: (its whole measured cost, the part its warm-up added).
+Warm = Callable[[ModelInstance], Awaitable[tuple[memory.Usage, memory.Usage]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The instances a copy got and what they cost: ``held`` in all, charged to
+    the budget under ``owner``; ``first`` the first instance, ``each_further``
+    what one more instance costs (as measured)."""
+
+    group: InstanceGroup
+    held: memory.Usage
+    owner: object
+    first: memory.Usage
+    each_further: memory.Usage
+
+
+async def start_within_budget(
+    admission: memory.Admission,
+    model: str,
+    factory: Callable[[int], Backend],
+    requested: int,
+    required: int,
+    guess: Callable[[], int],
+    prepare: Callable[[ModelInstance], Awaitable[Warm]],
+) -> Admitted:
+    """Start up to ``requested`` instances, one by one, each measured while it is
+    built and warmed up, admitted while it fits ``admission``.
+
+    ``guess()`` estimates the first instance before it is built (a known cost, or
+    the model file's size); ``prepare(first)`` runs once the first instance
+    exists (the loader completes the config from it) and returns how to warm
+    every instance. Fewer than ``required`` instances (one, or during a hot swap
+    what the old copy had) is a refusal: everything made is closed, the charge
+    released, and :class:`appliance.memory.BudgetRefused` raised naming the
+    budget, what is in use and what was needed. Warm-up failures fail the same
+    way.
+    """
+    budget = admission.budget
+    made: list[ModelInstance] = []
+    try:
+        async with budget.measuring():
+            estimate = guess()
+            if not admission.fits(estimate):
+                raise memory.BudgetRefused(admission.refusal("one instance (estimated)", estimate))
+            made.append(await ModelInstance.start(model, 0, factory))
+            warm = await prepare(made[0])
+            first_cost, working = await warm(made[0])
+            if not admission.fits(first_cost.total):
+                raise memory.BudgetRefused(admission.refusal("one instance", first_cost.total))
+            admission.add(first_cost)
+            # what one more instance needs at least: its working memory (weights may
+            # be shared); once one was measured, what that one really cost
+            extra = working
+            while len(made) < requested and admission.fits(extra.total):
+                made.append(await ModelInstance.start(model, len(made), factory))
+                cost, _ = await warm(made[-1])
+                cost = cost.at_least(working)
+                if not admission.fits(cost.total):
+                    await made.pop().close()
+                    break
+                admission.add(cost)
+                extra = cost
+        if len(made) < required:
+            raise memory.BudgetRefused(
+                admission.refusal(
+                    f"{required} instance(s) (as many as the copy it replaces)",
+                    admission.held.total + extra.total * (required - len(made)),
+                )
+            )
+    except BaseException:
+        budget.release(admission.owner)
+        await InstanceGroup(made).close()
+        raise
+    return Admitted(InstanceGroup(made), admission.held, admission.owner, first_cost, extra)

@@ -29,13 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance import repository
-from appliance.config import ConfigError, ModelConfig, load_model_config, parse_model_config
-from appliance.ensemble import EnsembleVersion
+from appliance import loader, repository
+from appliance.config import ModelConfig, parse_model_config
+from appliance.config_reader import load_model_config
 from appliance.errors import ApplianceError, invalid, not_found, unavailable
+from appliance.fields import ConfigError
 from appliance.memory import BudgetRefused, MemoryBudget, fmt
-from appliance.model import ModelVersion, State
+from appliance.servable import Servable, State
 from appliance.server_config import ServerConfig
+from appliance.stats import LatencyWindow
 
 log = logging.getLogger(__name__)
 
@@ -51,21 +53,25 @@ class ModelEntry:
     """Everything known about one model name."""
 
     name: str
-    versions: dict[int, ModelVersion] = field(default_factory=dict)  # the routing table
+    versions: dict[int, Servable] = field(default_factory=dict)  # the routing table
     failed: dict[int, str] = field(default_factory=dict)  # version -> reason
     loading: set[int] = field(default_factory=set)  # versions being built right now
-    retiring: list[ModelVersion] = field(default_factory=list)  # old copies draining
+    retiring: list[Servable] = field(default_factory=list)  # old copies draining
     state: State = State.UNAVAILABLE
     reason: str = ""
     busy: str = ""  # "loading" or "unloading" while an operation holds the model
     unloaded: bool = False  # unloaded on request: not counted by server readiness
+    # the version unversioned requests go to (0: the newest); set by a load's
+    # ``default_version`` so a candidate can be loaded and tested by version while
+    # the old one keeps the default traffic (the OTA agent's self-test)
+    default: int = 0
 
-    def newest(self) -> ModelVersion | None:
+    def newest(self) -> Servable | None:
         return self.versions[max(self.versions)] if self.versions else None
 
 
 class ModelLifeCycle:
-    """Owns every ModelVersion and the memory budget; all methods run on the event loop."""
+    """Owns every servable version and the memory budget; all methods run on the event loop."""
 
     def __init__(self, repository_dir: Path, server: ServerConfig) -> None:
         self.repository = repository_dir
@@ -98,7 +104,7 @@ class ModelLifeCycle:
         if poll:  # before loading: a change made while loading is seen by the first poll
             baseline = await asyncio.to_thread(repository.snapshot, self.repository)
         # ensembles last: their validation needs the step models loaded
-        names.sort(key=self._is_ensemble)
+        names.sort(key=self._loads_late)
         for name in names:
             await self.load(name)
         self._started = True
@@ -108,23 +114,29 @@ class ModelLifeCycle:
                 self._poll_forever(), name="repository-poll"
             )
 
-    def _is_ensemble(self, name: str) -> bool:
+    def _loads_late(self, name: str) -> bool:
         try:
-            return load_model_config(self.repository / name).platform == "ensemble"
+            return loader.loads_after_others(load_model_config(self.repository / name))
         except ApplianceError:
             return False  # reported when it loads
 
     async def load_all(self) -> None:
         """Load every model in the repository (ensembles last)."""
-        for name in sorted(self.names(), key=self._is_ensemble):
+        for name in sorted(self.names(), key=self._loads_late):
             await self.load(name)
         self._started = True
 
     async def load(
-        self, name: str, override: dict[str, Any] | None = None, in_place: bool = False
+        self,
+        name: str,
+        override: dict[str, Any] | None = None,
+        in_place: bool = False,
+        default_version: int = 0,
     ) -> ModelEntry:
         """(Re)load ``name``: see the module docstring. ``override`` is a config mapping
         used instead of the repository's config file (the load request's ``config``).
+        ``default_version``: the loaded version that takes unversioned requests from
+        the flip on (0, or a version that did not load: the newest).
 
         Never raises for a bad model or a refused load: the failure is logged and
         recorded as the model's reason, and whatever served before keeps serving.
@@ -137,13 +149,18 @@ class ModelLifeCycle:
             entry = self._models.setdefault(name, ModelEntry(name))
             entry.busy, entry.unloaded = "loading", False
             try:
-                await self._load(entry, model_dir, override, in_place)
+                await self._load(entry, model_dir, override, in_place, default_version)
             finally:
                 entry.busy, entry.loading = "", set()
             return entry
 
     async def _load(
-        self, entry: ModelEntry, model_dir: Path, override: dict[str, Any] | None, in_place: bool
+        self,
+        entry: ModelEntry,
+        model_dir: Path,
+        override: dict[str, Any] | None,
+        in_place: bool,
+        default_version: int,
     ) -> None:
         name = entry.name
         try:
@@ -183,12 +200,14 @@ class ModelLifeCycle:
             restored, _ = await self._build_each(model_dir, old)
             new = restored
         if in_place:
-            keep: dict[int, ModelVersion] = {}  # already unloaded by _take_down
+            keep: dict[int, Servable] = {}  # already unloaded by _take_down
         elif not new:
             keep = old  # nothing new loaded: everything stays as it was
         else:
             keep = {v: mv for v, mv in old.items() if v in failed}
         routing = {**keep, **new}
+        if new:  # a load that changed nothing keeps the routing it had
+            entry.default = default_version if default_version in routing else 0
         entry.versions = routing  # the flip: the next request goes to the new copy
         entry.failed = {v: r for v, r in failed.items() if v not in routing}
         entry.state = State.READY if routing else State.UNAVAILABLE
@@ -200,23 +219,21 @@ class ModelLifeCycle:
 
     async def _build(
         self, config: ModelConfig, model_dir: Path, wanted: list[int], required: dict[int, int]
-    ) -> tuple[dict[int, ModelVersion], dict[int, str]]:
-        new: dict[int, ModelVersion] = {}
+    ) -> tuple[dict[int, Servable], dict[int, str]]:
+        new: dict[int, Servable] = {}
         failed: dict[int, str] = {}
         for version in wanted:
             try:
-                if config.platform == "ensemble":
-                    new[version] = await EnsembleVersion.load_ensemble(
-                        config, model_dir / str(version), self.server, self.get
-                    )
-                    continue
-                new[version] = await ModelVersion.load(
+                new[version] = await loader.load(
                     config,
                     model_dir / str(version),
                     self.server,
                     self.budget,
                     required.get(version, 1),
+                    self.get,
                 )
+                if self.server.metrics_summary_latencies:
+                    new[version].stats.latencies = LatencyWindow()
             except Exception as exc:  # one bad version must not stop the others
                 swap = isinstance(exc, BudgetRefused) and bool(required)
                 message = str(exc) + (SWAP_HINT if swap else "")
@@ -225,10 +242,10 @@ class ModelLifeCycle:
         return new, failed
 
     async def _build_each(
-        self, model_dir: Path, previous: dict[int, ModelVersion]
-    ) -> tuple[dict[int, ModelVersion], dict[int, str]]:
+        self, model_dir: Path, previous: dict[int, Servable]
+    ) -> tuple[dict[int, Servable], dict[int, str]]:
         """Load each version again with the config it had."""
-        new: dict[int, ModelVersion] = {}
+        new: dict[int, Servable] = {}
         failed: dict[int, str] = {}
         for v, mv in previous.items():
             built, errors = await self._build(mv.config, model_dir, [v], {})
@@ -274,13 +291,13 @@ class ModelLifeCycle:
         if not entry.versions:
             entry.state = State.UNAVAILABLE
 
-    def _retire(self, entry: ModelEntry, mv: ModelVersion) -> None:
+    def _retire(self, entry: ModelEntry, mv: Servable) -> None:
         entry.retiring.append(mv)
         task = asyncio.get_running_loop().create_task(self._unload_retired(entry, mv))
         self._retired.add(task)  # keep a hard reference until it finishes
         task.add_done_callback(self._retired.discard)
 
-    async def _unload_retired(self, entry: ModelEntry, mv: ModelVersion) -> None:
+    async def _unload_retired(self, entry: ModelEntry, mv: Servable) -> None:
         try:
             await mv.unload(self.server.drain_timeout_s)
         finally:
@@ -336,7 +353,7 @@ class ModelLifeCycle:
                 await self.unload(name)
                 self._models.pop(name, None)
             self._poller.forget(name)
-        for name in sorted(to_load, key=self._is_ensemble):  # ensembles after their steps
+        for name in sorted(to_load, key=self._loads_late):  # ensembles after their steps
             log.info("model '%s' changed in the repository: loading it", name)
             self._poller.applied(name, current[name])
             try:
@@ -346,13 +363,13 @@ class ModelLifeCycle:
 
     # ---- routing and reporting ------------------------------------------------------------
 
-    def get(self, name: str, version: str = "") -> ModelVersion:
+    def get(self, name: str, version: str = "") -> Servable:
         """The version that serves a request; NOT_FOUND or UNAVAILABLE otherwise."""
         entry = self._models.get(name)
         if entry is None:
             raise not_found(f"unknown model '{name}'")
         if not version:
-            mv = entry.newest()
+            mv = entry.versions.get(entry.default) or entry.newest()
             if mv is None:
                 raise unavailable(
                     f"model '{name}' is not ready ({entry.state.value}"
@@ -378,7 +395,7 @@ class ModelLifeCycle:
             raise not_found(f"unknown model '{name}'")
         return entry
 
-    def loaded(self) -> list[ModelVersion]:
+    def loaded(self) -> list[Servable]:
         return [mv for e in self._models.values() for mv in e.versions.values()]
 
     def all_ready(self) -> bool:

@@ -33,7 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from appliance.config import ConfigError
 from appliance.errors import ApplianceError, Code
 
 log = logging.getLogger(__name__)
@@ -83,10 +82,6 @@ def rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-def physical_memory() -> int:
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def _glibc() -> Any:
@@ -280,22 +275,3 @@ class Admission:
                 + (f", {fmt(self.held.total)} already admitted" if self.held.total else "")
             )
         return f"model '{self.model}': {what} needs {fmt(needed)}, but " + " and ".join(parts)
-
-
-def parse_limit(value: Any, source: str, key: str) -> int | None:
-    """``memory_limit``: a size ('1.5GiB', bytes) or a share of physical RAM ('60%');
-    None, 0 or 'none' mean unlimited."""
-    from appliance.server_config import parse_size  # here: server_config imports this module
-
-    if value is None or value == 0 or str(value).strip().lower() in ("", "none", "unlimited"):
-        return None
-    text = str(value).strip()
-    if text.endswith("%"):
-        try:
-            share = float(text[:-1])
-        except ValueError:
-            share = -1.0
-        if not 0 < share <= 100:
-            raise ConfigError(source, key, f"expected a share such as 60%, got {value!r}")
-        return int(physical_memory() * share / 100)
-    return parse_size(value, source, key)

@@ -1,83 +1,105 @@
-"""Prometheus text exposition with Triton's metric names and labels.
+"""Prometheus metrics with Triton's names and labels, exposed through prometheus-client.
 
-Rendered at scrape time from the same :class:`ModelStats` counters the
-statistics API reports, so the two can never disagree and the inference hot
-path pays for one set of integer additions only. Names carry no ``_total``
-suffix, exactly as Triton exposes them, so existing dashboards work.
+One custom collector reads, at scrape time, the same :class:`ModelStats` counters the
+statistics API reports (and the MQTT bridge's and the memory budget's figures), so the
+two can never disagree and the inference hot path pays for one set of integer
+additions only. prometheus-client does the exposition: escaping, the text format and
+OpenMetrics by content negotiation, and the standard ``process_*`` metrics.
+
+Names: Triton's counters carry no ``_total`` suffix (``nv_inference_request_success``).
+prometheus-client appends ``_total`` to anything typed *counter*, so those counters are
+exposed as *untyped* (OpenMetrics: *unknown*) under their exact Triton names; rate() and
+increase() treat them the same, and Triton dashboards work unchanged.
 """
 
 from __future__ import annotations
 
 import os
 import resource
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
 
 from appliance.errors import FailureReason
-from appliance.stats import ModelStats
+from appliance.stats import DROP_REASONS, MQTT_METRICS, QUANTILES, ModelStats
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-# name, help, type, value of one ModelStats
-_MODEL_METRICS: list[tuple[str, str, str, Callable[[ModelStats], int]]] = [
+# name, help, value of one ModelStats (Triton's cumulative counters)
+_COUNTERS: list[tuple[str, str, Callable[[ModelStats], int]]] = [
     (
         "nv_inference_request_success",
         "Number of successful inference requests, all batch sizes",
-        "counter",
         lambda s: s.success.count,
     ),
     (
         "nv_inference_count",
         "Number of inferences performed (does not include cached requests)",
-        "counter",
         lambda s: s.inference_count,
     ),
     (
         "nv_inference_exec_count",
         "Number of model executions performed",
-        "counter",
         lambda s: s.execution_count,
-    ),
-    (
-        "nv_inference_pending_request_count",
-        "Instantaneous number of pending requests awaiting execution per-model.",
-        "gauge",
-        lambda s: s.pending,
     ),
     (
         "nv_inference_request_duration_us",
         "Cumulative inference request duration in microseconds",
-        "counter",
         lambda s: (s.success.ns + s.fail.ns) // 1000,
     ),
     (
         "nv_inference_queue_duration_us",
         "Cumulative inference queuing duration in microseconds",
-        "counter",
         lambda s: s.queue.ns // 1000,
     ),
     (
         "nv_inference_compute_input_duration_us",
         "Cumulative compute input duration in microseconds",
-        "counter",
         lambda s: s.compute_input.ns // 1000,
     ),
     (
         "nv_inference_compute_infer_duration_us",
         "Cumulative compute inference duration in microseconds",
-        "counter",
         lambda s: s.compute_infer.ns // 1000,
     ),
     (
         "nv_inference_compute_output_duration_us",
         "Cumulative inference compute output duration in microseconds",
-        "counter",
         lambda s: s.compute_output.ns // 1000,
     ),
 ]
 
-
-def _label(value: str) -> str:
-    return value.replace("\\", r"\\").replace('"', r"\"").replace("\n", r"\n")
+# Triton's latency summaries (`--metrics-config summary_latencies=true`): name, help,
+# which window of ModelStats.latencies
+_SUMMARIES = [
+    (
+        "nv_inference_request_summary_us",
+        "Summary of inference request duration in microseconds",
+        "request",
+    ),
+    (
+        "nv_inference_queue_summary_us",
+        "Summary of inference queuing duration in microseconds",
+        "queue",
+    ),
+    (
+        "nv_inference_compute_input_summary_us",
+        "Summary of compute input duration in microseconds",
+        "compute_input",
+    ),
+    (
+        "nv_inference_compute_infer_summary_us",
+        "Summary of compute inference duration in microseconds",
+        "compute_infer",
+    ),
+    (
+        "nv_inference_compute_output_summary_us",
+        "Summary of compute output duration in microseconds",
+        "compute_output",
+    ),
+]
 
 
 def process_memory() -> tuple[int, int, int]:
@@ -99,75 +121,146 @@ def process_memory() -> tuple[int, int, int]:
         return rss, 0, total
 
 
-def _memory_lines(stats: list[ModelStats], budget: tuple[int | None, int] | None) -> list[str]:
-    """Per model-version memory and instances, and the budget (limit -1: unlimited)."""
-    lines = [
-        "# HELP appliance_model_memory_bytes Measured memory of a loaded model version",
-        "# TYPE appliance_model_memory_bytes gauge",
-    ]
-    for s in stats:
-        for row in s.memory_usage:
-            lines.append(
-                f'appliance_model_memory_bytes{{model="{_label(s.name)}",type="{row["type"]}",'
-                f'version="{s.version}"}} {row["byte_size"]}'
-            )
-    for name, help_text, attr in (
-        ("appliance_model_instances", "Instances admitted by the memory budget", "instances"),
-        (
-            "appliance_model_instances_requested",
-            "Instances the model config asks for",
-            "instances_requested",
-        ),
-    ):
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+@dataclass
+class Sources:
+    """Where the collector reads at scrape time; each a cheap call on the event loop."""
+
+    models: Callable[[], Iterable[ModelStats]]
+    budget: Callable[[], tuple[int | None, int] | None] = lambda: None
+    mqtt: Callable[[], dict[str, int] | None] = lambda: None
+
+
+def _untyped(name: str, help_text: str) -> Metric:
+    return Metric(name, help_text, "unknown")
+
+
+class ApplianceCollector(Collector):
+    """Turns the server's counters into metric families, once per scrape."""
+
+    def __init__(self, sources: Sources) -> None:
+        self.sources = sources
+
+    def collect(self) -> Iterator[Metric]:
+        stats = list(self.sources.models())
+        yield from self._model_families(stats)
+        yield from self._summaries(stats)
+        yield from self._memory(stats)
+        mqtt = self.sources.mqtt()
+        if mqtt is not None:
+            yield from self._mqtt(mqtt)
+
+    def _model_families(self, stats: list[ModelStats]) -> Iterator[Metric]:
+        for name, help_text, value in _COUNTERS:
+            family = _untyped(name, help_text)
+            for s in stats:
+                family.add_sample(name, {"model": s.name, "version": s.version}, value(s))
+            yield family
+            if name == "nv_inference_request_success":
+                failure = "nv_inference_request_failure"
+                family = _untyped(failure, "Number of failed inference requests, all batch sizes")
+                for s in stats:
+                    for reason in FailureReason:
+                        labels = {"model": s.name, "reason": reason.value, "version": s.version}
+                        family.add_sample(failure, labels, s.failures.get(reason, 0))
+                yield family
+        pending = GaugeMetricFamily(
+            "nv_inference_pending_request_count",
+            "Instantaneous number of pending requests awaiting execution per-model.",
+            labels=["model", "version"],
+        )
         for s in stats:
-            lines.append(
-                f'{name}{{model="{_label(s.name)}",version="{s.version}"}} {getattr(s, attr)}'
-            )
-    if budget is not None:
-        limit, used = budget
-        for name, help_text, amount in (
+            pending.add_metric([s.name, s.version], s.pending)
+        yield pending
+
+    def _summaries(self, stats: list[ModelStats]) -> Iterator[Metric]:
+        timed = [s for s in stats if s.latencies is not None]
+        if not timed:
+            return
+        for name, help_text, which in _SUMMARIES:
+            family = Metric(name, help_text, "summary")
+            for s in timed:
+                assert s.latencies is not None
+                labels = {"model": s.name, "version": s.version}
+                count, total_us, quantiles = s.latencies.summary(which)
+                for q, value in zip(QUANTILES, quantiles, strict=True):
+                    family.add_sample(name, {**labels, "quantile": str(q)}, value)
+                family.add_sample(name + "_count", labels, count)
+                family.add_sample(name + "_sum", labels, total_us)
+            yield family
+
+    def _memory(self, stats: list[ModelStats]) -> Iterator[Metric]:
+        _, used, total = process_memory()
+        yield GaugeMetricFamily(
+            "nv_cpu_memory_used_bytes", "CPU (system) memory used in bytes", value=used
+        )
+        yield GaugeMetricFamily(
+            "nv_cpu_memory_total_bytes", "CPU (system) memory total in bytes", value=total
+        )
+        memory = GaugeMetricFamily(
+            "appliance_model_memory_bytes",
+            "Measured memory of a loaded model version",
+            labels=["model", "type", "version"],
+        )
+        for s in stats:
+            for row in s.memory_usage:
+                memory.add_metric([s.name, str(row["type"]), s.version], row["byte_size"])
+        yield memory
+        for name, help_text, attr in (
+            ("appliance_model_instances", "Instances admitted by the memory budget", "instances"),
             (
+                "appliance_model_instances_requested",
+                "Instances the model config asks for",
+                "instances_requested",
+            ),
+        ):
+            family = GaugeMetricFamily(name, help_text, labels=["model", "version"])
+            for s in stats:
+                family.add_metric([s.name, s.version], getattr(s, attr))
+            yield family
+        budget = self.sources.budget()
+        if budget is not None:
+            limit, used_by_models = budget
+            yield GaugeMetricFamily(
                 "appliance_memory_budget_bytes",
                 "Memory budget for loaded models (-1: unlimited)",
-                -1 if limit is None else limit,
-            ),
-            ("appliance_memory_budget_used_bytes", "Memory the loaded models use", used),
-        ):
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {amount}"]
-    return lines
+                value=-1 if limit is None else limit,
+            )
+            yield GaugeMetricFamily(
+                "appliance_memory_budget_used_bytes",
+                "Memory the loaded models use",
+                value=used_by_models,
+            )
+
+    def _mqtt(self, values: dict[str, int]) -> Iterator[Metric]:
+        for name, kind, help_text in MQTT_METRICS:
+            metric = f"appliance_mqtt_{name}"
+            if kind == "gauge":
+                yield GaugeMetricFamily(metric, help_text, value=values[name])
+            else:
+                family = _untyped(metric, help_text)
+                family.add_sample(metric, {}, values[name])
+                yield family
+        metric = "appliance_mqtt_dropped"
+        family = _untyped(
+            metric,
+            "MQTT requests not inferred: expired, overloaded (answered with an error), "
+            "or whose reply was lost",
+        )
+        for reason in DROP_REASONS:
+            family.add_sample(metric, {"reason": reason}, values[f"dropped_{reason}"])
+        yield family
 
 
-def render(stats: Iterable[ModelStats], budget: tuple[int | None, int] | None = None) -> str:
-    """The /metrics page for the given model versions plus process memory and, when
-    given, the memory budget as (limit or None, used)."""
-    stats = list(stats)
-    lines: list[str] = []
-    for name, help_text, kind, value in _MODEL_METRICS:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        for s in stats:
-            lines.append(f'{name}{{model="{_label(s.name)}",version="{s.version}"}} {value(s)}')
-        if name == "nv_inference_request_success":
-            failure = "nv_inference_request_failure"
-            lines.append(f"# HELP {failure} Number of failed inference requests, all batch sizes")
-            lines.append(f"# TYPE {failure} counter")
-            for s in stats:
-                for reason in FailureReason:
-                    lines.append(
-                        f'{failure}{{model="{_label(s.name)}",reason="{reason.value}",'
-                        f'version="{s.version}"}} {s.failures.get(reason, 0)}'
-                    )
-    rss, used, total = process_memory()
-    for name, help_text, amount in [
-        (
-            "process_resident_memory_bytes",
-            "Resident memory size of the server process in bytes",
-            rss,
-        ),
-        ("nv_cpu_memory_used_bytes", "CPU (system) memory used in bytes", used),
-        ("nv_cpu_memory_total_bytes", "CPU (system) memory total in bytes", total),
-    ]:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {amount}"]
-    lines += _memory_lines(stats, budget)
-    return "\n".join(lines) + "\n"
+class MetricsExporter:
+    """A registry holding the appliance collector and the standard process metrics."""
+
+    def __init__(self, sources: Sources) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(ApplianceCollector(sources))
+        self.registry.register(ProcessCollector(registry=None))
+
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The page and its content type, negotiated from an Accept header (OpenMetrics
+        when the scraper asks for it, the Prometheus text format otherwise)."""
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type

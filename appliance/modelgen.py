@@ -247,6 +247,26 @@ def no_batch_add(dims: Sequence[int] = (4,)) -> bytes:
     )
 
 
+def accumulator(batched: bool = True) -> bytes:
+    """A stateful model for the sequence batcher: INT32 "INPUT" [batch, 1] is added
+    to the implicit state "STATE_IN" and returned as "OUTPUT"; "STATE_OUT" (the
+    same sum) becomes the next request's "STATE_IN". "READY" (INT32 [batch, 1],
+    a control input) zeroes the rows of slots with nothing ready.
+    """
+    shape = _shape([1], batched)
+    nodes = [
+        helper.make_node("Add", ["INPUT", "STATE_IN"], ["sum"], name="add"),
+        helper.make_node("Mul", ["sum", "READY"], ["OUTPUT"], name="ready"),
+        helper.make_node("Identity", ["OUTPUT"], ["STATE_OUT"], name="state"),
+    ]
+    return _finish(
+        "accumulator",
+        nodes,
+        _io(["INPUT", "STATE_IN", "READY"], TensorProto.INT32, shape),
+        _io(["OUTPUT", "STATE_OUT"], TensorProto.INT32, shape),
+    )
+
+
 def frame_mean() -> bytes:
     """A camera-frame stand-in: UINT8 "frame" [batch, H, W, 3] -> FP32 "mean" [batch, 3].
 

@@ -61,47 +61,13 @@ from appliance.mqtt_protocol import (
     raw_request,
 )
 from appliance.server_config import MqttConfig
+from appliance.stats import MqttStats
 
 log = logging.getLogger(__name__)
 
 # payloads and results above this are decoded/encoded on a worker thread (as over HTTP)
 _OFFLOAD_BYTES = 256 * 1024
 _GOODBYE_TIMEOUT_S = 2.0
-
-# name, Prometheus type, help; the /metrics page renders them from MqttStats
-METRICS = [
-    ("connected", "gauge", "1 while connected to the MQTT broker"),
-    ("received", "counter", "MQTT inference requests received"),
-    ("answered", "counter", "MQTT requests answered with a result"),
-    ("errors", "counter", "MQTT requests answered with an error"),
-    ("duplicates", "counter", "MQTT redeliveries of a request already taken (not inferred)"),
-    ("reconnects", "counter", "MQTT connections made after the first"),
-    ("in_flight", "gauge", "MQTT requests being served now"),
-]
-DROP_REASONS = ("expired", "overloaded", "reply_lost")
-
-
-class MqttStats:
-    """Counters of one bridge, written from the network thread and the loop."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values: dict[str, int] = dict.fromkeys(
-            [name for name, _, _ in METRICS] + [f"dropped_{r}" for r in DROP_REASONS], 0
-        )
-
-    def add(self, name: str, amount: int = 1) -> None:
-        with self._lock:
-            self._values[name] += amount
-
-    def set(self, name: str, value: int) -> None:
-        with self._lock:
-            self._values[name] = value
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._values)
-
 
 class MqttBridge:
     """Serves inference over MQTT for one device. :meth:`start`, then :meth:`stop`."""
@@ -512,26 +478,6 @@ class MqttBridge:
         # redelivers the message under its own packet id and that copy is acked
         if msg.qos and self._link_up and msg.generation == self._generation:
             self._client.ack(msg.mid, msg.qos)
-
-    # ---- metrics ------------------------------------------------------------------------
-
-    def render_lines(self) -> list[str]:
-        """Prometheus lines for the /metrics page."""
-        values = self.stats.snapshot()
-        lines: list[str] = []
-        for name, kind, help_text in METRICS:
-            metric = f"appliance_mqtt_{name}"
-            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}"]
-            lines.append(f"{metric} {values[name]}")
-        metric = "appliance_mqtt_dropped"
-        lines.append(
-            f"# HELP {metric} MQTT requests not inferred: expired, overloaded (answered with "
-            f"an error), or whose reply was lost"
-        )
-        lines.append(f"# TYPE {metric} counter")
-        for reason in DROP_REASONS:
-            lines.append(f'{metric}{{reason="{reason}"}} {values[f"dropped_{reason}"]}')
-        return lines
 
 
 def _ignore(*args: Any) -> None:

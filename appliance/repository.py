@@ -20,7 +20,7 @@ from pathlib import Path
 from appliance.errors import invalid
 
 # folders inside a model folder that are not versions
-NOT_VERSIONS = {"warmup"}
+NOT_VERSIONS = {"warmup", "initial_state"}
 
 # (relative path, size, mtime_ns) of every visible file in a model folder
 Fingerprint = tuple[tuple[str, int, int], ...]

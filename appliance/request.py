@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from appliance.errors import invalid
+
+_UINT64_MAX = 2**64 - 1
+
 
 @dataclass(slots=True)
 class InferenceRequest:
@@ -24,6 +28,22 @@ class InferenceRequest:
     # output name -> k: return the top-k classes as "value:index" strings (Triton's
     # classification extension) instead of the raw tensor
     classification: dict[str, int] = field(default_factory=dict)
+    # Triton's sequence parameters (stateful models): 0 or "" = not part of a sequence
+    sequence_id: int | str = 0
+    sequence_start: bool = False
+    sequence_end: bool = False
+
+
+def check_sequence_id(value: object) -> int | str:
+    """A ``sequence_id`` parameter as sent: an unsigned 64-bit integer or a string."""
+    if isinstance(value, str) or (
+        isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _UINT64_MAX
+    ):
+        return value
+    raise invalid(
+        f"request parameter 'sequence_id' must be an unsigned 64-bit integer or a string, "
+        f"got {value!r}"
+    )
 
 
 @dataclass(slots=True)

@@ -24,8 +24,8 @@ from aiohttp import web
 
 from appliance import http_api, metrics
 from appliance.access import AccessPolicy, is_loopback
-from appliance.config import ConfigError
 from appliance.dataplane import DataPlane
+from appliance.fields import ConfigError
 from appliance.lifecycle import ModelLifeCycle
 from appliance.shared_memory import SharedMemoryRegistry
 from appliance.tls import files as tls_files
@@ -59,6 +59,13 @@ class Server:
         self._grpc: GrpcEndpoint | None = None
         self._metrics: web.AppRunner | None = None
         self.mqtt: MqttBridge | None = None
+        self.metrics = metrics.MetricsExporter(
+            metrics.Sources(
+                models=lambda: (mv.stats for mv in self.lifecycle.loaded()),
+                budget=self.dataplane.memory,
+                mqtt=self._mqtt_counters,
+            )
+        )
         self.http_port = 0
         self.grpc_port = 0
         self.metrics_port = 0
@@ -158,10 +165,11 @@ class Server:
         self.mqtt = bridge
 
     async def _render_metrics(self, request: web.Request) -> web.Response:
-        text = metrics.render((mv.stats for mv in self.lifecycle.loaded()), self.dataplane.memory())
-        if self.mqtt is not None:
-            text += "\n".join(self.mqtt.render_lines()) + "\n"
-        return web.Response(text=text, headers={"Content-Type": metrics.CONTENT_TYPE})
+        body, content_type = self.metrics.render(request.headers.get("Accept", ""))
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    def _mqtt_counters(self) -> dict[str, int] | None:
+        return None if self.mqtt is None else self.mqtt.stats.snapshot()
 
     async def stop(self) -> None:
         """Graceful shutdown; see the module docstring for the order."""

@@ -7,7 +7,6 @@ e.g. ``appliance.yaml: http_port: expected an integer >= 0, got 'eighty'``.
 from __future__ import annotations
 
 import os
-import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,28 +14,7 @@ from typing import Any
 
 import yaml
 
-from appliance.config import ConfigError, Fields
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-}
-
-
-def parse_size(value: Any, source: str, key: str) -> int:
-    """'64MiB', '1.5GB', 1048576 -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise ConfigError(source, key, f"expected a size such as 64MiB or 1.5GB, got {value!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+from appliance.fields import ConfigError, Fields, parse_limit, parse_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +24,9 @@ class ServerConfig:
     http_port: int = 8000  # -1 disables the HTTP endpoint (in-process use)
     grpc_port: int = 8001  # -1 disables the gRPC endpoint
     metrics_port: int = 8002  # -1 disables the metrics endpoint
+    # Triton's latency summaries (nv_inference_*_summary_us, quantiles over the last
+    # requests), as `--metrics-config summary_latencies=true` turns them on there
+    metrics_summary_latencies: bool = False
     max_request_size: int = 64 * 2**20  # HTTP bodies and gRPC messages, each way
     shared_memory: str = "off"  # off | system (Triton's system shared-memory extension)
     drain_timeout_s: float = 30.0
@@ -84,7 +65,8 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
     broker = overrides.pop("mqtt_broker", None)  # --mqtt-broker HOST:PORT
     data.update({k: v for k, v in overrides.items() if v is not None})
     f = Fields(source, data)
-    f.check_keys(set(ServerConfig.__slots__))
+    # ``ota:`` belongs to the update agent (ota/config.py), which reads this same file
+    f.check_keys(set(ServerConfig.__slots__) | {"ota"})
     level = f.text("log_level", "info").lower()
     if level not in ("debug", "info", "warning", "error"):
         raise f.fail("log_level", f"expected debug, info, warning or error, got {level!r}")
@@ -107,6 +89,7 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         host=f.text("host", "127.0.0.1"),
         http_port=f.integer("http_port", 8000, minimum=-1),
         metrics_port=f.integer("metrics_port", 8002, minimum=-1),
+        metrics_summary_latencies=f.flag("metrics_summary_latencies", False),
         grpc_port=f.integer("grpc_port", 8001, minimum=-1),
         shared_memory=_choice(f, "shared_memory", "off", ("off", "system")),
         max_request_size=parse_size(
@@ -297,8 +280,6 @@ def _mqtt(f: Fields, path: Path | None, broker: str | None) -> MqttConfig | None
 
 
 def _control(f: Fields, path: Path | None) -> dict[str, Any]:
-    from appliance.memory import parse_limit  # here: memory imports this module
-
     mode = _choice(f, "model_control_mode", "explicit", ("none", "explicit", "poll"))
     names = f.data.get("load_model", ["*"])
     if isinstance(names, str):

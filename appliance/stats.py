@@ -1,17 +1,26 @@
 """Per model-version statistics in Triton's shape, the one source for stats and metrics.
 
-Only the event loop thread writes these counters (the batcher after a batch
+Only the event loop thread writes the model counters (the batcher after a batch
 returns, the data plane after a request ends), so no locks are needed; the
-metrics endpoint and the statistics API read them on the same loop.
+metrics endpoint and the statistics API read them on the same loop. The MQTT
+bridge's counters (:class:`MqttStats`) are written from paho's network thread too,
+so they take a lock.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from appliance.errors import FailureReason
+
+# the quantiles of Triton's latency summaries
+QUANTILES = (0.5, 0.9, 0.95, 0.99)
+LATENCY_KINDS = ("request", "queue", "compute_input", "compute_infer", "compute_output")
 
 
 @dataclass(slots=True)
@@ -32,6 +41,39 @@ class BatchStats:
     compute_input: Duration = field(default_factory=Duration)
     compute_infer: Duration = field(default_factory=Duration)
     compute_output: Duration = field(default_factory=Duration)
+
+
+class LatencyWindow:
+    """The latencies of the last ``size`` successful requests, for Triton's summaries.
+
+    Fixed memory (one int64 ring per kind); cumulative count and sum as Prometheus
+    summaries want them; quantiles are computed at scrape time, not per request.
+    """
+
+    def __init__(self, size: int = 1024) -> None:
+        self.size = size
+        self._rings = np.zeros((len(LATENCY_KINDS), size), dtype=np.int64)
+        self._sums = [0] * len(LATENCY_KINDS)
+        self.count = 0
+
+    def record(self, *ns: int) -> None:
+        """One request's durations in nanoseconds, in the order of LATENCY_KINDS."""
+        slot = self.count % self.size
+        for i, value in enumerate(ns):
+            us = value // 1000
+            self._rings[i, slot] = us
+            self._sums[i] += us
+        self.count += 1
+
+    def summary(self, kind: str) -> tuple[int, int, list[float]]:
+        """(count, cumulative sum in microseconds, the QUANTILES over the window);
+        quantiles are NaN before the first request, as Prometheus clients report."""
+        i = LATENCY_KINDS.index(kind)
+        filled = self._rings[i, : min(self.count, self.size)]
+        if filled.size == 0:
+            return 0, 0, [float("nan")] * len(QUANTILES)
+        values = np.quantile(filled, QUANTILES)
+        return self.count, self._sums[i], [float(v) for v in values]
 
 
 @dataclass(slots=True)
@@ -56,6 +98,9 @@ class ModelStats:
     memory_usage: list[dict[str, Any]] = field(default_factory=list)
     instances: int = 0  # admitted by the memory budget
     instances_requested: int = 0  # what the config asked for
+    # the latency window behind Triton's summaries; None unless the server config
+    # turns summaries on (metrics_summary_latencies)
+    latencies: LatencyWindow | None = None
 
     def record_execution(
         self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int
@@ -80,6 +125,8 @@ class ModelStats:
         self.compute_input.add(input_ns)
         self.compute_infer.add(infer_ns)
         self.compute_output.add(output_ns)
+        if self.latencies is not None:
+            self.latencies.record(total_ns, queue_ns, input_ns, infer_ns, output_ns)
 
     def record_failure(self, reason: FailureReason, total_ns: int) -> None:
         self.fail.add(total_ns)
@@ -115,3 +162,40 @@ class ModelStats:
             ],
             "memory_usage": self.memory_usage,
         }
+
+
+# ---- the MQTT bridge's counters ------------------------------------------------------
+
+# name, Prometheus type, help; the metrics collector exposes them as appliance_mqtt_<name>
+MQTT_METRICS = [
+    ("connected", "gauge", "1 while connected to the MQTT broker"),
+    ("received", "counter", "MQTT inference requests received"),
+    ("answered", "counter", "MQTT requests answered with a result"),
+    ("errors", "counter", "MQTT requests answered with an error"),
+    ("duplicates", "counter", "MQTT redeliveries of a request already taken (not inferred)"),
+    ("reconnects", "counter", "MQTT connections made after the first"),
+    ("in_flight", "gauge", "MQTT requests being served now"),
+]
+DROP_REASONS = ("expired", "overloaded", "reply_lost")
+
+
+class MqttStats:
+    """Counters of one bridge, written from the network thread and the loop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, int] = dict.fromkeys(
+            [name for name, _, _ in MQTT_METRICS] + [f"dropped_{r}" for r in DROP_REASONS], 0
+        )
+
+    def add(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._values[name] += amount
+
+    def set(self, name: str, value: int) -> None:
+        with self._lock:
+            self._values[name] = value
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)

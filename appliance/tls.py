@@ -18,7 +18,7 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.config import ConfigError
+from appliance.fields import ConfigError
 from appliance.server_config import ServerConfig
 
 

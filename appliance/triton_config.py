@@ -9,21 +9,24 @@ validates, exactly as a ``config.yaml`` would be: one validator, one set of erro
 messages, whichever file a model comes with. :func:`to_triton_json` writes a config
 back in Triton's JSON form (the config endpoint), which that schema accepts.
 
-protobuf and the generated module are imported on first use: importing them pulls
-in grpcio, which a trimmed device image may leave out.
+The generated module comes through :mod:`appliance.model_config_schema`, which
+loads it without grpcio; protobuf itself is imported here, at module level, and
+this module is imported only where a pbtxt or JSON config is read.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from google.protobuf import json_format, text_format
+
 from appliance import datatypes
-from appliance.config import ConfigError, ModelConfig, TensorConfig, WarmupInput, WarmupSample
+from appliance.config import ModelConfig, TensorConfig, WarmupInput, WarmupSample
+from appliance.fields import ConfigError
+from appliance.model_config_schema import model_config_pb2
 
 
 def _as_dict(message: Any) -> dict[str, Any]:
-    from google.protobuf import json_format
-
     # proto field names (max_batch_size, not maxBatchSize): the validator's names.
     # Fields left at their default are absent, so "max_batch_size: 0" reads as
     # unspecified and auto-complete decides, as Triton's does.
@@ -33,10 +36,7 @@ def _as_dict(message: Any) -> dict[str, Any]:
 
 def _parse(text: str, source: str, form: str) -> dict[str, Any]:
     """Triton's ModelConfig from protobuf ``text`` or ``json`` form, as a plain dict."""
-    from google.protobuf import json_format, text_format
-    from tritonclient.grpc import model_config_pb2
-
-    message = model_config_pb2.ModelConfig()
+    message = model_config_pb2().ModelConfig()
     try:
         if form == "text":
             text_format.Parse(text, message)
@@ -113,6 +113,8 @@ def to_triton_json(config: ModelConfig) -> dict[str, Any]:
         }
     if config.model_warmup:
         out["model_warmup"] = [_warmup_json(w) for w in config.model_warmup]
+    if config.sequence_batching is not None:
+        out["sequence_batching"] = config.sequence_batching.json()
     if config.dynamic_batching is not None:
         db = config.dynamic_batching
         out["dynamic_batching"] = {

@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from appliance import datatypes
-from appliance.config import ConfigError, ModelConfig, WarmupInput
+from appliance.config import ModelConfig, WarmupInput
 from appliance.errors import invalid
+from appliance.fields import ConfigError
 from backends.base import Backend
 
 log = logging.getLogger(__name__)

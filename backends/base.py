@@ -15,16 +15,8 @@ from typing import Protocol
 import numpy as np
 
 from appliance import datatypes
+from appliance.datatypes import TensorSpec as TensorSpec
 from appliance.errors import invalid
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """A model input or output as the engine declares it; -1 marks a dynamic dim."""
-
-    name: str
-    datatype: str  # KServe name: FP32, INT64, BYTES, ...
-    shape: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)

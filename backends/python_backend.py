@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from appliance import python_model as pb
-from appliance.config import ConfigError
 from appliance.errors import ApplianceError, FailureReason, internal, invalid, unavailable
+from appliance.fields import ConfigError
 from backends.base import BackendOptions, TensorSpec, check_inputs
 
 _MODULES = itertools.count(1)  # each instance imports its own copy of model.py

@@ -13,6 +13,6 @@ if ! command -v mosquitto >/dev/null && [ ! -x /usr/sbin/mosquitto ]; then
         echo "test.sh: mosquitto is not installed; the MQTT tests will be skipped" >&2
     fi
 fi
-python3 -m ruff check appliance backends tests benchmarks
+python3 -m ruff check appliance backends ota tests benchmarks
 python3 -m mypy
 python3 -m pytest -q

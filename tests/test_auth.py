@@ -25,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 
 from appliance import modelgen
 from appliance.access import AccessPolicy, Scope, bearer, is_loopback
-from appliance.config import ConfigError
+from appliance.fields import ConfigError
 from appliance.server_config import ServerConfig, load_server_config
 
 ADMIN, INFER = "admin-secret", "camera-secret"

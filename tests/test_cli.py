@@ -152,7 +152,7 @@ def test_event_loop_choice() -> None:
     import asyncio
 
     from appliance.cli import loop_factory
-    from appliance.config import ConfigError
+    from appliance.fields import ConfigError
     from appliance.server_config import load_server_config
 
     loop = loop_factory("asyncio")()

@@ -9,18 +9,18 @@ from typing import Any
 import pytest
 
 from appliance.config import (
-    ConfigError,
     DynamicBatching,
     InstanceGroup,
     ModelConfig,
     TensorConfig,
     VersionPolicy,
     complete,
-    load_model_config,
     parse_model_config,
 )
+from appliance.config_reader import load_model_config
 from appliance.errors import Code
-from appliance.server_config import ServerConfig, load_server_config, parse_size
+from appliance.fields import ConfigError, parse_size
+from appliance.server_config import ServerConfig, load_server_config
 from appliance.triton_config import to_triton_json
 from backends.base import TensorSpec
 
@@ -220,7 +220,7 @@ def test_config_must_be_a_mapping() -> None:
 
 def test_unsupported_fields_warn_instead_of_failing(caplog: pytest.LogCaptureFixture) -> None:
     data = {
-        "sequence_batching": {},
+        "response_cache": {},
         "optimization": {},
         "input": [{"name": "a", "data_type": "TYPE_FP32", "dims": [1], "reshape": {"shape": []}}],
         "output": [
@@ -231,7 +231,7 @@ def test_unsupported_fields_warn_instead_of_failing(caplog: pytest.LogCaptureFix
         cfg = parse_model_config(data, "m", SRC)
     assert cfg.inputs[0].name == "a" and cfg.outputs[0].dims == (10,)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    for field in ("sequence_batching", "optimization", "reshape", "label_filename"):
+    for field in ("response_cache", "optimization", "reshape", "label_filename"):
         assert any(SRC in w and field in w for w in warnings), field
 
 

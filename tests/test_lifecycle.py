@@ -18,7 +18,7 @@ from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
 from appliance import modelgen
-from appliance.config import ConfigError
+from appliance.fields import ConfigError
 from appliance.repository import RepositoryPoller
 
 

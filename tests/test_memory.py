@@ -14,8 +14,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from appliance import modelgen
-from appliance.config import ConfigError
-from appliance.memory import Admission, MemoryBudget, MiB, Usage, parse_limit, physical_memory
+from appliance.fields import ConfigError, parse_limit, physical_memory
+from appliance.memory import Admission, MemoryBudget, MiB, Usage
 
 UNSHARED = "parameters: {share_session: 'false'}\n"
 

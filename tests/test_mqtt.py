@@ -27,7 +27,7 @@ import tritonclient.utils.shared_memory as shm
 from mosquitto import Broker, Client, Reply, find_mosquitto, free_port, wait_until
 
 from appliance import modelgen
-from appliance.config import ConfigError
+from appliance.fields import ConfigError
 from appliance.mqtt_protocol import (
     DedupWindow,
     Inbound,

@@ -16,7 +16,9 @@ from tritonclient.grpc import model_config_pb2
 from tritonclient.utils import InferenceServerException
 
 from appliance import modelgen
-from appliance.config import ConfigError, load_model_config, parse_model_config
+from appliance.config import parse_model_config
+from appliance.config_reader import load_model_config
+from appliance.fields import ConfigError
 from appliance.triton_config import json_to_dict, pbtxt_to_dict
 
 SIMPLE_PBTXT = """

@@ -21,7 +21,7 @@ from cryptography.x509.oid import NameOID
 from tritonclient.utils import InferenceServerException
 
 from appliance import modelgen
-from appliance.config import ConfigError
+from appliance.fields import ConfigError
 from appliance.server_config import load_server_config
 
 Key = ec.EllipticCurvePrivateKey

@@ -1,0 +1,44 @@
+"""Reading a model's config from its folder: ``config.yaml`` (or ``.yml``) or Triton's
+``config.pbtxt``, into the one validator of :mod:`appliance.config`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from appliance.config import ModelConfig, parse_model_config
+from appliance.fields import ConfigError
+from appliance.triton_config import pbtxt_to_dict
+
+CONFIG_FILES = ("config.yaml", "config.yml", "config.pbtxt")
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    """Read ``model_dir/config.yaml`` (or .yml) or Triton's ``config.pbtxt``; no file
+    means everything is auto-completed. Two config files are an error: which one
+    counts would be a guess."""
+    found = [model_dir / n for n in CONFIG_FILES if (model_dir / n).is_file()]
+    if len(found) > 1:
+        raise ConfigError(
+            str(model_dir),
+            "",
+            f"found {' and '.join(p.name for p in found)}: keep exactly one config file",
+        )
+    if not found:
+        return ModelConfig(name=model_dir.name, source=str(model_dir))
+    path = found[0]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(path), "", f"not UTF-8 text: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(str(path), "", f"cannot read: {exc.strerror}") from None
+    if path.suffix == ".pbtxt":
+        data = pbtxt_to_dict(text, str(path))
+    else:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(str(path), "", f"not valid YAML: {exc}") from None
+    return parse_model_config(data, model_dir.name, str(path))

@@ -1,0 +1,131 @@
+"""The typed readers every config shares: one error type naming file, field and
+expectation; typed reads of a mapping (:class:`Fields`); sizes ('64MiB', '1.5GB') and
+memory limits ('60%', '2GiB').
+
+The bottom of the configuration layer: it imports nothing of the appliance but its
+error type, so the server config, model configs and the memory budget can all use it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from appliance.errors import ApplianceError, Code
+
+
+class ConfigError(ApplianceError):
+    """A config file is invalid; the message names file, field and expectation."""
+
+    def __init__(self, source: str, path: str, message: str) -> None:
+        where = f"{source}: {path}: " if path else f"{source}: "
+        super().__init__(Code.INVALID_ARG, where + message)
+
+
+_INT = re.compile(r"-?\d+")
+
+
+class Fields:
+    """Typed reads of one mapping, with errors naming the file and field path."""
+
+    def __init__(self, source: str, data: Any, path: str = "") -> None:
+        if not isinstance(data, dict):
+            raise ConfigError(source, path, f"expected a mapping, got {type(data).__name__}")
+        self.source, self.data, self.path = source, data, path
+
+    def at(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def fail(self, key: str, message: str) -> ConfigError:
+        return ConfigError(self.source, self.at(key), message)
+
+    def check_keys(self, allowed: set[str]) -> None:
+        for key in self.data:
+            if key not in allowed:
+                raise self.fail(str(key), f"unknown field, expected one of {sorted(allowed)}")
+
+    def integer(self, key: str, default: int, minimum: int = 0) -> int:
+        value = self.data.get(key, default)
+        if isinstance(value, str) and _INT.fullmatch(value):
+            value = int(value)  # protobuf JSON writes int64 as strings
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise self.fail(key, f"expected an integer >= {minimum}, got {value!r}")
+        return value
+
+    def text(self, key: str, default: str = "") -> str:
+        value = self.data.get(key, default)
+        if not isinstance(value, str):
+            raise self.fail(key, f"expected a string, got {value!r}")
+        return value
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.data.get(key, default)
+        if not isinstance(value, bool):
+            raise self.fail(key, f"expected true or false, got {value!r}")
+        return value
+
+    def ints(self, key: str, minimum: int) -> tuple[int, ...]:
+        value = self.data.get(key, [])
+        if isinstance(value, list):  # protobuf JSON writes int64 as strings
+            value = [int(v) if isinstance(v, str) and _INT.fullmatch(v) else v for v in value]
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value
+        ):
+            raise self.fail(key, f"expected a list of integers >= {minimum}, got {value!r}")
+        return tuple(value)
+
+    def entries(self, key: str) -> list[Fields]:
+        value = self.data.get(key, [])
+        if not isinstance(value, list):
+            raise self.fail(key, f"expected a list, got {type(value).__name__}")
+        return [Fields(self.source, v, f"{self.at(key)}[{i}]") for i, v in enumerate(value)]
+
+    def sub(self, key: str) -> Fields | None:
+        if key not in self.data or self.data[key] is None:
+            return None
+        return Fields(self.source, self.data[key], self.at(key))
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+}
+
+
+def parse_size(value: Any, source: str, key: str) -> int:
+    """'64MiB', '1.5GB', 1048576 -> bytes."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise ConfigError(source, key, f"expected a size such as 64MiB or 1.5GB, got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def physical_memory() -> int:
+    """Bytes of RAM in this machine."""
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def parse_limit(value: Any, source: str, key: str) -> int | None:
+    """``memory_limit``: a size ('1.5GiB', bytes) or a share of physical RAM ('60%');
+    None, 0 or 'none' mean unlimited."""
+    if value is None or value == 0 or str(value).strip().lower() in ("", "none", "unlimited"):
+        return None
+    text = str(value).strip()
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1])
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 100:
+            raise ConfigError(source, key, f"expected a share such as 60%, got {value!r}")
+        return int(physical_memory() * share / 100)
+    return parse_size(value, source, key)

@@ -1,0 +1,263 @@
+"""Model bundles: one reproducible, inspectable, safely extractable file per version.
+
+A bundle is a gzip-compressed tar holding, in this order, ``manifest.json`` (see
+:mod:`ota.manifest`), the model's config file as it was built, and the version
+folder's files under ``model/``. Building is reproducible: members sorted, mtime
+0, uid/gid 0 with empty owner names, fixed modes, gzip with no name and mtime 0,
+so the same input gives the same bytes (and the same TUF hash).
+
+Reading never executes anything: :func:`inspect` parses the manifest and checks
+every member against it; :func:`extract` writes only regular files, refuses
+absolute paths, ``..``, links, device files, members the manifest does not list
+or larger than it says, and verifies each file's sha256 as it is written, into a
+fresh staging folder the caller renames into place.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import platform
+import shutil
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from appliance.config_reader import CONFIG_FILES
+from ota import OtaError
+from ota.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest, parse, safe_path
+from ota.rollout import check_name
+
+MODEL_PREFIX = "model/"
+_CHUNK = 1 << 20
+
+# file suffix -> backend, for a config that names neither backend nor platform
+_SUFFIX_BACKENDS = {
+    ".onnx": "onnxruntime",
+    ".xml": "openvino",
+    ".plan": "tensorrt",
+    ".py": "python",
+}
+_PLATFORM_BACKENDS = {
+    "onnxruntime_onnx": "onnxruntime",
+    "openvino": "openvino",
+    "tensorrt_plan": "tensorrt",
+    "ensemble": "ensemble",
+}
+
+
+def _backend(config_text: str, files: list[str]) -> str:
+    # a light read of the config's own fields: the server validates it fully on load
+    for line in config_text.splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip().strip("\"'")
+        if key == "backend" and value:
+            return value
+        if key == "platform" and value in _PLATFORM_BACKENDS:
+            return _PLATFORM_BACKENDS[value]
+    for f in files:
+        suffix = os.path.splitext(f)[1]
+        if suffix in _SUFFIX_BACKENDS:
+            return _SUFFIX_BACKENDS[suffix]
+    return "unknown"
+
+
+def _member(name: str, size: int) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = size, 0, 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
+def build(
+    model_dir: Path,
+    version: int,
+    out: Path,
+    min_appliance_version: str = "0.1.0",
+    platforms: tuple[str, ...] = ("x86_64", "aarch64"),
+    devices: tuple[str, ...] = ("cpu",),
+    memory_bytes: int = 0,
+    self_test: list[dict[str, Any]] | None = None,
+) -> Manifest:
+    """Bundle ``model_dir/<version>`` and the model's config into ``out``."""
+    name = check_name(model_dir.name, "model name")
+    version_dir = model_dir / str(version)
+    if not version_dir.is_dir():
+        raise OtaError(f"{version_dir} is not a folder: expected <model>/<version>/")
+    configs = [model_dir / n for n in CONFIG_FILES if (model_dir / n).is_file()]
+    if len(configs) != 1:
+        raise OtaError(f"{model_dir}: expected exactly one config file ({', '.join(CONFIG_FILES)})")
+    config = configs[0]
+    config_name = "config.pbtxt" if config.suffix == ".pbtxt" else "config.yaml"
+    entries: list[tuple[FileEntry, Path]] = []
+    for root, dirs, files in os.walk(version_dir):
+        dirs.sort()
+        for f in sorted(files):
+            path = Path(root) / f
+            if path.is_symlink() or not path.is_file():
+                raise OtaError(f"{path}: only regular files can be bundled (no links)")
+            rel = safe_path(path.relative_to(version_dir).as_posix())
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            entries.append((FileEntry(rel, digest, path.stat().st_size), path))
+    if not entries:
+        raise OtaError(f"{version_dir} holds no files")
+    entries.sort(key=lambda e: e[0].path)
+    config_text = config.read_text(encoding="utf-8")
+    manifest = Manifest(
+        name,
+        version,
+        _backend(config_text, [e.path for e, _ in entries]),
+        config_name,
+        tuple(e for e, _ in entries),
+        min_appliance_version,
+        platforms,
+        devices,
+        memory_bytes or sum(e.size for e, _ in entries),
+        tuple(self_test or ()),
+    )
+    parse(manifest.dumps())  # what devices will check, checked here first
+    tmp = out.with_name(f".{out.name}.tmp")
+    with (
+        open(tmp, "wb") as raw,
+        gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz,
+        tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar,
+    ):
+        data = manifest.dumps()
+        tar.addfile(_member("manifest.json", len(data)), io.BytesIO(data))
+        cfg = config.read_bytes()
+        tar.addfile(_member(config_name, len(cfg)), io.BytesIO(cfg))
+        for entry, path in entries:
+            with open(path, "rb") as content:
+                tar.addfile(_member(MODEL_PREFIX + entry.path, entry.size), content)
+    os.replace(tmp, out)
+    return manifest
+
+
+def _check_member(info: tarfile.TarInfo) -> str:
+    if not info.isreg():
+        kind = "link" if info.issym() or info.islnk() else "device/special file or folder"
+        raise OtaError(f"bundle member {info.name!r} is a {kind}: only regular files allowed")
+    return safe_path(info.name)
+
+
+def _members(fileobj: IO[bytes], max_bytes: int) -> Iterator[tuple[tarfile.TarInfo, IO[bytes]]]:
+    """Stream the archive's members (no seeking, so a member cannot be read twice);
+    OtaError for anything malformed."""
+    try:
+        with tarfile.open(fileobj=fileobj, mode="r|gz") as tar:
+            total = 0
+            for info in tar:
+                total += info.size
+                if total > max_bytes:
+                    raise OtaError(f"bundle holds more than {max_bytes} bytes (limit)")
+                reader = tar.extractfile(info) if info.isreg() else None
+                yield info, reader if reader is not None else io.BytesIO()
+    except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile) as exc:
+        raise OtaError(f"bundle is not a valid gzip tar archive: {exc}") from None
+
+
+def _read_manifest(info: tarfile.TarInfo, reader: IO[bytes]) -> Manifest:
+    if info.name != "manifest.json":
+        raise OtaError("bundle: the first member must be manifest.json")
+    _check_member(info)
+    if info.size > MAX_MANIFEST_BYTES:
+        raise OtaError("bundle: manifest.json is larger than 1 MiB")
+    return parse(reader.read())
+
+
+def _walk(path: Path, max_bytes: int, sink: Path | None) -> tuple[Manifest, bytes]:
+    """Check every member against the manifest; write the files below ``sink`` when
+    given. Returns the manifest and the config file's bytes."""
+    manifest: Manifest | None = None
+    config = b""
+    seen: set[str] = set()
+    with open(path, "rb") as f:
+        for info, reader in _members(f, max_bytes):
+            if manifest is None:
+                manifest = _read_manifest(info, reader)
+                expected = {MODEL_PREFIX + e.path: e for e in manifest.files}
+                continue
+            name = _check_member(info)
+            if name in seen:
+                raise OtaError(f"bundle member {name!r} appears twice")
+            seen.add(name)
+            if name == manifest.config_file:
+                if info.size > MAX_MANIFEST_BYTES:
+                    raise OtaError(f"bundle: {name} is larger than 1 MiB")
+                config = reader.read()
+                continue
+            entry = expected.get(name)
+            if entry is None:
+                raise OtaError(f"bundle member {name!r} is not listed in the manifest")
+            if info.size != entry.size:
+                raise OtaError(
+                    f"bundle member {name!r}: {info.size} bytes, the manifest says {entry.size}"
+                )
+            _copy_verified(reader, entry, sink / entry.path if sink else None)
+    if manifest is None:
+        raise OtaError("bundle is empty")
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise OtaError(f"bundle lacks member(s) the manifest lists: {missing}")
+    if not config:
+        raise OtaError(f"bundle lacks its config file {manifest.config_file}")
+    return manifest, config
+
+
+def _copy_verified(reader: IO[bytes], entry: FileEntry, dest: Path | None) -> None:
+    digest = hashlib.sha256()
+    out = None
+    if dest is not None:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        out = os.fdopen(os.open(dest, flags, 0o644), "wb")
+    try:
+        remaining = entry.size
+        while remaining:
+            chunk = reader.read(min(_CHUNK, remaining))
+            if not chunk:
+                raise OtaError(f"bundle member {entry.path!r} is truncated")
+            remaining -= len(chunk)
+            digest.update(chunk)
+            if out is not None:
+                out.write(chunk)
+        if out is not None:
+            out.flush()
+            os.fsync(out.fileno())
+    finally:
+        if out is not None:
+            out.close()
+    if digest.hexdigest() != entry.sha256:
+        raise OtaError(f"bundle member {entry.path!r}: sha256 does not match the manifest")
+
+
+def inspect(path: Path, max_bytes: int = 1 << 40) -> Manifest:
+    """The manifest, after checking every member against it. Writes and runs nothing."""
+    return _walk(path, max_bytes, None)[0]
+
+
+def extract(path: Path, staging: Path, max_bytes: int) -> tuple[Manifest, bytes]:
+    """Extract the model files into ``staging`` (which must not exist yet); returns the
+    manifest and the config bytes. On any refusal the staging folder is removed."""
+    staging.mkdir(parents=True)
+    try:
+        return _walk(path, max_bytes, staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def machine() -> str:
+    """This machine's platform name as manifests spell it."""
+    arch = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(arch, arch)
+
+
+def describe(manifest: Manifest) -> str:
+    """A human-readable summary for ``appliance bundle inspect``."""
+    return json.dumps(manifest.to_json(), indent=2)

@@ -1,0 +1,96 @@
+"""The OTA commands: ``appliance fleet ...``, ``appliance bundle ...``, ``appliance ota ...``.
+
+:func:`register` adds them to the main parser; each handler returns the exit
+status. Refusals and bad input print one line (``appliance: error: ...``) and exit
+non-zero, never a traceback. The handlers (:mod:`ota.commands`) are imported only
+when one of these commands runs, so ``appliance serve`` works without the ``ota``
+extra installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    fleet = sub.add_parser("fleet", help="fleet side: TUF keys, repository, rollouts")
+    fs = fleet.add_subparsers(dest="fleet_command", required=True)
+    p = fs.add_parser("keys", help="generate ed25519 keys for the four TUF roles")
+    p.add_argument("dir", type=Path)
+    p = fs.add_parser("init", help="create a signed TUF repository in a folder")
+    p.add_argument("repo", type=Path)
+    p.add_argument("--keys", type=Path, required=True)
+    p = fs.add_parser("publish", help="publish a bundle with its rollout settings")
+    p.add_argument("repo", type=Path)
+    p.add_argument("file", type=Path)
+    p.add_argument("--keys", type=Path, required=True)
+    p.add_argument("--channel", choices=["stable", "beta"], default="stable")
+    p.add_argument("--percent", type=float, default=100.0)
+    p.add_argument("--group", action="append", default=[])
+    p = fs.add_parser("rollout", help="widen, halt or resume a model's rollout")
+    p.add_argument("repo", type=Path)
+    p.add_argument("model")
+    p.add_argument("--keys", type=Path, required=True)
+    p.add_argument("--version", type=int, default=0, help="default: the newest published")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--percent", type=float)
+    g.add_argument("--halt", action="store_true")
+    g.add_argument("--resume", action="store_true")
+    p = fs.add_parser("refresh", help="re-sign the timestamp (run it from a daily timer)")
+    p.add_argument("repo", type=Path)
+    p.add_argument("--keys", type=Path, required=True)
+    p = fs.add_parser("rotate", help="replace a role's key (new root signed by the old)")
+    p.add_argument("repo", type=Path)
+    p.add_argument("role", choices=["root", "targets", "snapshot", "timestamp"])
+    p.add_argument("--keys", type=Path, required=True)
+    p = fs.add_parser("watch", help="follow device reports; halt a failing rollout")
+    p.add_argument("--mqtt", required=True, metavar="HOST:PORT")
+    p.add_argument("--prefix", default="appliance")
+    p.add_argument("--halt-at-failure-rate", type=float, default=0.2)
+    p.add_argument("--min-reports", type=int, default=5)
+    p.add_argument("--report-timeout-s", type=float, default=3600.0)
+    p.add_argument("--repo", type=Path)
+    p.add_argument("--keys", type=Path)
+    p.add_argument("--model", help="the model to watch (default: every model)")
+    p.add_argument("--duration-s", type=float, default=0.0, help="stop after (0: never)")
+    p.add_argument("--exit-on-halt", action="store_true", help="exit once it halted a rollout")
+
+    b = sub.add_parser("bundle", help="build and inspect model bundles")
+    bs = b.add_subparsers(dest="bundle_command", required=True)
+    p = bs.add_parser("build", help="bundle <model dir>/<version> (reproducible)")
+    p.add_argument("model_dir", type=Path)
+    p.add_argument("--version", type=int, required=True)
+    p.add_argument("-o", "--output", type=Path, required=True)
+    p.add_argument("--min-appliance-version", default="0.1.0")
+    p.add_argument("--platform", action="append", choices=["x86_64", "aarch64"])
+    p.add_argument("--device", action="append", choices=["cpu", "gpu"])
+    p.add_argument("--memory-bytes", type=int, default=0, help="default: the files' size")
+    p.add_argument("--self-test", type=Path, help="JSON list of self-test vectors")
+    p = bs.add_parser("inspect", help="show a bundle's manifest after checking every member")
+    p.add_argument("file", type=Path)
+
+    o = sub.add_parser("ota", help="the device's update agent")
+    os_ = o.add_subparsers(dest="ota_command", required=True)
+    p = os_.add_parser("agent", help="run the update agent")
+    p.add_argument("--config", type=Path, default=Path("/etc/appliance/appliance.yaml"))
+    p.add_argument("--once", action="store_true", help="one cycle, then exit 0 / 1")
+    p = os_.add_parser("status", help="the agent's state")
+    p.add_argument("--config", type=Path, default=Path("/etc/appliance/appliance.yaml"))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command ``args`` names; the exit status."""
+    try:
+        commands = importlib.import_module("ota.commands")
+    except ImportError as exc:
+        print(
+            f"appliance: error: the OTA commands need the 'ota' extra ({exc.name} is "
+            "missing): pip install 'appliance[ota]'",
+            file=sys.stderr,
+        )
+        return 2
+    status: int = commands.run(args)
+    return status

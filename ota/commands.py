@@ -1,0 +1,103 @@
+"""Handlers of the OTA commands registered by :mod:`ota.cli`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+
+from appliance.errors import ApplianceError
+from ota import OtaError, bundle, keys, repo, watch
+from ota import config as ota_config
+from ota.agent import Agent
+from ota.rollout import Rollout
+from ota.state import StateFile
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the command ``args`` names; the exit status."""
+    try:
+        if args.command == "fleet":
+            return _fleet(args)
+        if args.command == "bundle":
+            return _bundle(args)
+        return _ota(args)
+    except (OtaError, ApplianceError) as exc:
+        print(f"appliance: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    cmd = args.fleet_command
+    if cmd == "keys":
+        keys.generate(args.dir)
+        print(f"keys written to {args.dir}; keep root.pem offline")
+    elif cmd == "init":
+        root = repo.init(args.repo, args.keys)
+        print(f"repository in {args.repo}; devices pin {root}")
+    elif cmd == "publish":
+        rollout = Rollout(args.channel, args.percent, tuple(args.group))
+        target = repo.publish(args.repo, args.keys, args.file, rollout)
+        print(f"published {target.path} ({target.length} bytes) to {rollout.to_json()}")
+    elif cmd == "rollout":
+        halted = True if args.halt else (False if args.resume else None)
+        new = repo.set_rollout(args.repo, args.keys, args.model, args.version, args.percent, halted)
+        print(f"{args.model}: {new.to_json()}")
+    elif cmd == "refresh":
+        repo.refresh(args.repo, args.keys)
+    elif cmd == "rotate":
+        version = repo.rotate(args.repo, args.keys, args.role)
+        print(f"{args.role} key rotated; root version {version}")
+    else:
+        return watch.main(args)
+    return 0
+
+
+def _bundle(args: argparse.Namespace) -> int:
+    if args.bundle_command == "inspect":
+        print(bundle.describe(bundle.inspect(args.file)))
+        return 0
+    vectors = None
+    if args.self_test:
+        vectors = json.loads(args.self_test.read_text())
+        if not isinstance(vectors, list):
+            raise OtaError(f"{args.self_test}: expected a JSON list of self-test vectors")
+    manifest = bundle.build(
+        args.model_dir,
+        args.version,
+        args.output,
+        args.min_appliance_version,
+        tuple(args.platform or ("x86_64", "aarch64")),
+        tuple(args.device or ("cpu",)),
+        args.memory_bytes,
+        vectors,
+    )
+    print(f"{args.output}: {manifest.name} version {manifest.version}, "
+          f"{len(manifest.files)} file(s), {manifest.payload_bytes()} bytes")  # fmt: skip
+    return 0
+
+
+def _ota(args: argparse.Namespace) -> int:
+    cfg = ota_config.load(args.config)
+    if args.ota_command == "status":
+        state = StateFile(cfg.state_dir).load()
+        doc = state.to_json()
+        doc["next_check_in_s"] = round(max(0.0, state.next_check - time.time()), 1)
+        print(json.dumps(doc, indent=2, sort_keys=True))
+        return 0
+    logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    agent = Agent(cfg)
+    try:
+        if args.once:
+            return 0 if agent.run_once() else 1
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        agent.run_forever(stop)
+        return 0
+    finally:
+        agent.close()

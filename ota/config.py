@@ -1,0 +1,130 @@
+"""The ``ota:`` section of ``appliance.yaml``, validated once into :class:`OtaConfig`.
+
+The agent reads the same file the server reads: the server's address, model
+repository, admin token, memory limit and MQTT broker come from the top level,
+so the two can never disagree. Errors name the file and the field.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from appliance.fields import ConfigError, Fields, parse_size
+from appliance.server_config import MqttConfig, load_server_config
+from ota import OtaError
+from ota.rollout import CHANNELS, check_name
+
+
+@dataclass(frozen=True, slots=True)
+class OtaConfig:
+    source: str  # the TUF repository's base URL: metadata/ and targets/ below it
+    trusted_root: Path  # the pinned root metadata shipped with the device
+    state_dir: Path
+    server: str  # the local appliance's HTTP base URL
+    model_repository: Path
+    device_id: str
+    groups: tuple[str, ...] = ()
+    channel: str = "stable"
+    check_interval_s: float = 300.0
+    jitter: float = 0.2  # each wait is check_interval_s * (1 +- jitter), uniformly
+    probation_s: float = 60.0
+    probation_poll_s: float = 1.0
+    max_error_rate: float = 0.01  # failed / all requests of the new version in probation
+    max_latency_ratio: float = 3.0  # new mean latency over the old one's; 0: off
+    max_latency_ms: float = 0.0  # absolute ceiling on the new mean latency; 0: off
+    keep_versions: int = 2
+    max_bandwidth: int = 0  # bytes/s while downloading; 0: unlimited
+    max_bundle_bytes: int = 4 << 30
+    max_load_attempts: int = 2  # loads of one version interrupted before it is marked bad
+    admin_token: str = ""
+    memory_limit: int | None = None
+    mqtt: MqttConfig | None = None
+    request_timeout_s: float = 300.0
+
+
+def _number(f: Fields, key: str, default: float, minimum: float) -> float:
+    value = f.data.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < minimum:
+        raise f.fail(key, f"expected a number >= {minimum:g}, got {value!r}")
+    return float(value)
+
+
+KEYS = {
+    "source", "trusted_root", "state_dir", "server", "device_id", "groups", "channel",
+    "check_interval_s", "jitter", "probation_s", "probation_poll_s", "max_error_rate",
+    "max_latency_ratio", "max_latency_ms", "keep_versions", "max_bandwidth",
+    "max_bundle_size", "max_load_attempts", "request_timeout_s",
+}  # fmt: skip
+
+
+def load(path: Path) -> OtaConfig:
+    """Read ``path``; ConfigError naming the file and field for anything wrong."""
+    server = load_server_config(path, {})
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    raw = data.get("ota")
+    if not isinstance(raw, dict):
+        raise ConfigError(str(path), "ota", "expected a mapping (the update agent's settings)")
+    f = Fields(str(path), raw, "ota")
+    f.check_keys(KEYS)
+    source = f.text("source")
+    if not source.startswith(("http://", "https://")):
+        raise f.fail("source", f"expected an http(s):// URL, got {source!r}")
+    base = path.parent
+
+    def local(key: str, default: str = "") -> Path:
+        value = f.text(key, default)
+        if not value:
+            raise f.fail(key, "required")
+        p = Path(os.path.expanduser(value))
+        return p if p.is_absolute() else base / p
+
+    host = "127.0.0.1" if server.host in ("0.0.0.0", "::", "") else server.host
+    default_server = f"http://{host}:{server.http_port}"
+    device_id = f.text("device_id", socket.gethostname().split(".")[0])
+    try:
+        check_name(device_id, "device_id")
+        groups = tuple(check_name(g, "group") for g in f.data.get("groups") or [])
+    except (OtaError, TypeError) as exc:
+        raise f.fail("device_id/groups", str(exc)) from None
+    channel = f.text("channel", "stable")
+    if channel not in CHANNELS:
+        raise f.fail("channel", f"expected one of {', '.join(CHANNELS)}, got {channel!r}")
+    jitter = _number(f, "jitter", 0.2, 0.0)
+    if jitter >= 1:
+        raise f.fail("jitter", "expected a fraction below 1")
+    bandwidth = f.data.get("max_bandwidth", 0)
+    repository = server.model_repository
+    if repository is None:
+        raise ConfigError(str(path), "model_repository", "the update agent needs one")
+    return OtaConfig(
+        source=source if source.endswith("/") else source + "/",
+        trusted_root=local("trusted_root"),
+        state_dir=local("state_dir", "/var/lib/appliance/ota"),
+        server=f.text("server", default_server).rstrip("/"),
+        model_repository=repository,
+        device_id=device_id,
+        groups=groups,
+        channel=channel,
+        check_interval_s=_number(f, "check_interval_s", 300.0, 0.0),
+        jitter=jitter,
+        probation_s=_number(f, "probation_s", 60.0, 0.0),
+        probation_poll_s=_number(f, "probation_poll_s", 1.0, 0.01),
+        max_error_rate=_number(f, "max_error_rate", 0.01, 0.0),
+        max_latency_ratio=_number(f, "max_latency_ratio", 3.0, 0.0),
+        max_latency_ms=_number(f, "max_latency_ms", 0.0, 0.0),
+        keep_versions=f.integer("keep_versions", 2, minimum=1),
+        max_bandwidth=parse_size(bandwidth, str(path), "ota.max_bandwidth") if bandwidth else 0,
+        max_bundle_bytes=parse_size(
+            f.data.get("max_bundle_size", 4 << 30), str(path), "ota.max_bundle_size"
+        ),
+        max_load_attempts=f.integer("max_load_attempts", 2, minimum=1),
+        admin_token=server.admin_token,
+        memory_limit=server.memory_limit,
+        mqtt=server.mqtt,
+        request_timeout_s=_number(f, "request_timeout_s", 300.0, 1.0),
+    )

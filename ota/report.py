@@ -1,0 +1,86 @@
+"""Device reports over MQTT: retained JSON on ``<prefix>/<device_id>/ota``.
+
+Retained, so a fleet watcher that subscribes later still sees every device's last
+state; QoS 1. The broker comes from the server's own ``mqtt:`` section. A broker
+that is down never holds up an update: reports are best effort, and the next
+state change publishes the whole state again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from appliance.server_config import MqttConfig
+from ota.state import AgentState
+
+log = logging.getLogger(__name__)
+
+
+def topic(prefix: str, device_id: str) -> str:
+    return f"{prefix}/{device_id}/ota"
+
+
+def payload(device_id: str, state: AgentState, result: str = "") -> dict[str, Any]:
+    """The report: the update under way (or the last one) and each model's version."""
+    job = state.job
+    last = state.history[-1] if state.history else {}
+    return {
+        "device_id": device_id,
+        "state": state.phase,
+        "result": result,
+        "model": job.model if job else last.get("model", ""),
+        "version": job.version if job else last.get("version", 0),
+        "current": {m: s.current for m, s in state.models.items()},
+        "error": state.last_error,
+        "time": time.time(),
+    }
+
+
+class Reporter:
+    """Publishes the agent's report; :meth:`close` waits for the last one (bounded)."""
+
+    def __init__(self, config: MqttConfig, device_id: str) -> None:
+        self.topic = topic(config.topic_prefix, device_id)
+        self._client = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id=f"{device_id}-ota", protocol=mqtt.MQTTv5
+        )
+        if config.username:
+            self._client.username_pw_set(config.username, config.password)
+        if config.tls is not None:
+            self._client.tls_set(
+                ca_certs=str(config.tls.ca_file) if config.tls.ca_file else None,
+                certfile=str(config.tls.cert_file) if config.tls.cert_file else None,
+                keyfile=str(config.tls.key_file) if config.tls.key_file else None,
+            )
+        self._connected = threading.Event()
+        self._first = True
+        self._client.on_connect = lambda *args: self._connected.set()
+        self._client.on_disconnect = lambda *args: self._connected.clear()
+        self._client.connect_async(config.host, config.port, keepalive=config.keepalive_s)
+        self._client.loop_start()
+
+    def publish(self, report: dict[str, Any], wait_s: float = 5.0) -> None:
+        """Publish and wait (bounded) for the broker's acknowledgement. Only the first
+        report waits for the connection: with the broker down, paho queues QoS 1
+        reports and sends them once it connects, and the update goes on meanwhile."""
+        if self._first:
+            self._first = False
+            self._connected.wait(wait_s)
+        info = self._client.publish(self.topic, json.dumps(report), qos=1, retain=True)
+        if not self._connected.is_set():
+            return
+        try:
+            info.wait_for_publish(wait_s)
+        except (RuntimeError, ValueError) as exc:  # connection lost meanwhile
+            log.warning("OTA report not published: %s", exc)
+
+    def close(self) -> None:
+        self._client.disconnect()
+        self._client.loop_stop()

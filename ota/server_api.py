@@ -1,0 +1,121 @@
+"""The local appliance, as the agent sees it: its public HTTP API, nothing else.
+
+Load and unload go through Triton's repository extension with the admin token;
+statistics through the statistics extension; self-test vectors through ordinary
+KServe v2 inference addressed by version. :class:`ServerGone` means the server
+stopped answering (crashed or restarting), which the agent treats differently
+from a refusal.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import urllib3
+
+from ota import OtaError
+
+
+class ServerGone(OtaError):
+    """The server did not answer (connection refused or dropped)."""
+
+
+@dataclass(frozen=True, slots=True)
+class VersionStats:
+    success: int
+    fail: int
+    success_ns: int
+
+    def mean_ms(self) -> float:
+        return self.success_ns / self.success / 1e6 if self.success else 0.0
+
+    def minus(self, before: VersionStats) -> VersionStats:
+        return VersionStats(
+            self.success - before.success,
+            self.fail - before.fail,
+            self.success_ns - before.success_ns,
+        )
+
+
+class ServerApi:
+    def __init__(self, base_url: str, admin_token: str = "", timeout_s: float = 300.0) -> None:
+        self.base = base_url.rstrip("/")
+        self._headers = {"Content-Type": "application/json"}
+        if admin_token:
+            self._headers["Authorization"] = f"Bearer {admin_token}"
+        self._http = urllib3.PoolManager(maxsize=2)
+        self._timeout = timeout_s
+
+    def _call(self, method: str, path: str, body: Any = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        try:
+            r = self._http.request(
+                method,
+                self.base + path,
+                body=data,
+                headers=self._headers,
+                timeout=self._timeout,
+                retries=False,
+            )
+        except urllib3.exceptions.HTTPError as exc:
+            raise ServerGone(f"the server at {self.base} did not answer: {exc}") from None
+        text = r.data.decode("utf-8", "replace")
+        if r.status >= 400:
+            try:
+                message = json.loads(text).get("error", text)
+            except (ValueError, AttributeError):
+                message = text
+            raise OtaError(f"{method} {path}: HTTP {r.status}: {message}")
+        return json.loads(text) if text.strip() else None
+
+    def live(self) -> bool:
+        try:
+            self._call("GET", "/v2/health/live")
+        except OtaError:
+            return False
+        return True
+
+    def load(self, model: str, config: dict[str, Any], default_version: int = 0) -> None:
+        """(Re)load ``model`` with ``config`` (Triton JSON) instead of its config file;
+        unversioned requests go to ``default_version`` (0: the newest)."""
+        params: dict[str, Any] = {"config": json.dumps(config)}
+        if default_version:
+            params["default_version"] = default_version
+        self._call("POST", f"/v2/repository/models/{model}/load", {"parameters": params})
+
+    def load_from_disk(self, model: str) -> None:
+        self._call("POST", f"/v2/repository/models/{model}/load", {})
+
+    def unload(self, model: str) -> None:
+        self._call("POST", f"/v2/repository/models/{model}/unload", {})
+
+    def ready_versions(self, model: str) -> list[int]:
+        rows = self._call("POST", "/v2/repository/index", {"ready": True}) or []
+        return sorted(int(r["version"]) for r in rows if r.get("name") == model and "version" in r)
+
+    def stats(self, model: str) -> dict[int, VersionStats]:
+        doc = self._call("GET", f"/v2/models/{model}/stats")
+        out = {}
+        for row in doc.get("model_stats", []):
+            s = row["inference_stats"]
+            out[int(row["version"])] = VersionStats(
+                int(s["success"]["count"]), int(s["fail"]["count"]), int(s["success"]["ns"])
+            )
+        return out
+
+    def infer(self, model: str, version: int, body: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = self._call(
+            "POST", f"/v2/models/{model}/versions/{version}/infer", body
+        )
+        return result
+
+    def memory_in_use(self) -> int:
+        """Bytes every loaded model version holds, from the statistics."""
+        doc = self._call("GET", "/v2/models/stats")
+        return sum(
+            int(m.get("byte_size", 0))
+            for row in doc.get("model_stats", [])
+            for m in row.get("memory_usage", [])
+        )

@@ -1,0 +1,144 @@
+"""Fleet side of OTA: bundles, rollout membership, key rotation, budget refusal."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ota import OtaError, bundle, check, probation, repo
+from ota.agent import Agent
+from ota.config import OtaConfig
+from ota.rollout import Rollout, bucket
+from ota.server_api import VersionStats
+from ota.state import AgentState
+from tests.ota_helpers import Fleet, start_fleet
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    f = start_fleet(tmp_path / "fleet")
+    yield f
+    f.server.stop()
+
+
+def test_bundle_is_reproducible_and_inspectable(fleet: Fleet) -> None:
+    a = fleet.bundle(3)
+    first = a.read_bytes()
+    b = fleet.bundle(3)  # written again: new mtimes on the source files
+    assert b.read_bytes() == first
+    manifest = bundle.inspect(a)
+    assert (manifest.name, manifest.version, manifest.backend) == ("simple", 3, "onnxruntime")
+    assert [f.path for f in manifest.files] == ["model.onnx"]
+    assert manifest.self_test and manifest.memory_bytes > 0
+
+
+def _evil(tmp_path: Path, name: str, kind: bytes) -> Path:
+    manifest = {
+        "format": 1, "name": "simple", "version": 2, "backend": "onnxruntime",
+        "config_file": "config.yaml",
+        "files": [{"path": "model.onnx", "sha256": "0" * 64, "size": 1}],
+    }  # fmt: skip
+    out = tmp_path / "evil.bundle"
+    with tarfile.open(out, "w:gz") as tar:
+        data = json.dumps(manifest).encode()
+        info = tarfile.TarInfo("manifest.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+        evil = tarfile.TarInfo(name)
+        evil.type = kind
+        evil.linkname = "/etc/passwd" if kind == tarfile.SYMTYPE else ""
+        evil.size = 1 if kind == tarfile.REGTYPE else 0
+        tar.addfile(evil, io.BytesIO(b"x") if kind == tarfile.REGTYPE else None)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "reason"),
+    [
+        ("../../escape", tarfile.REGTYPE, "unsafe path"),
+        ("/etc/escape", tarfile.REGTYPE, "unsafe path"),
+        ("model/link", tarfile.SYMTYPE, "is a link"),
+        ("model/dev", tarfile.CHRTYPE, "device"),
+        ("model/other", tarfile.REGTYPE, "not listed in the manifest"),
+    ],
+)
+def test_malicious_members_are_refused(tmp_path: Path, name: str, kind: bytes, reason: str) -> None:
+    evil = _evil(tmp_path, name, kind)
+    staging = tmp_path / "stage" / "x"
+    staging.parent.mkdir()
+    with pytest.raises(OtaError, match=reason):
+        bundle.extract(evil, staging, 1 << 20)
+    assert not staging.exists()
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["evil.bundle", "stage"]
+
+
+def test_membership_is_stable_as_the_percentage_grows() -> None:
+    devices = [f"cam-{i}" for i in range(2000)]
+    members = {
+        p: {d for d in devices if Rollout(percent=p).includes("simple", d, "stable", ())}
+        for p in (1, 10, 50, 100)
+    }
+    assert members[1] <= members[10] <= members[50] <= members[100] == set(devices)
+    assert 100 < len(members[10]) < 300  # about 10 %
+    assert not Rollout(percent=100, halted=True).includes("simple", "cam-1", "stable", ())
+    assert not Rollout(channel="beta").includes("simple", "cam-1", "stable", ())
+    assert not Rollout(groups=("gate",)).includes("simple", "cam-1", "stable", ("yard",))
+    assert bucket("simple", "cam-1") == bucket("simple", "cam-1")
+
+
+def test_key_rotation_is_followed_by_devices(fleet: Fleet, tmp_path: Path) -> None:
+    fleet.publish(1)
+    (tmp_path / "models").mkdir()
+    cfg = fleet.device(tmp_path / "state", tmp_path / "models", "http://127.0.0.1:9")
+    assert check.newest_offer(cfg, AgentState()) is not None
+    assert repo.rotate(fleet.repo, fleet.keys, "root") == 2
+    assert repo.rotate(fleet.repo, fleet.keys, "targets") == 3
+    fleet.publish(2)
+    offer = check.newest_offer(cfg, AgentState())
+    assert offer is not None and offer.version == 2
+    root = json.loads((cfg.state_dir / "metadata" / "root.json").read_text())
+    assert root["signed"]["version"] == 3
+
+
+def test_halted_rollout_is_not_offered(fleet: Fleet, tmp_path: Path) -> None:
+    fleet.publish(1)
+    fleet.publish(2)
+    repo.set_rollout(fleet.repo, fleet.keys, "simple", halted=True)
+    (tmp_path / "models").mkdir()
+    cfg = fleet.device(tmp_path / "state", tmp_path / "models", "http://127.0.0.1:9")
+    offer = check.newest_offer(cfg, AgentState())
+    assert offer is not None and offer.version == 1  # the newest that is not halted
+
+
+def test_over_budget_bundle_refused_before_anything_changes(
+    fleet: Fleet, tmp_path: Path, run_appliance: Any
+) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    running = run_appliance(models, model_control_mode="explicit")
+    fleet.publish(1, memory=10 << 30)
+    cfg = fleet.device(tmp_path / "state", models, f"http://{running.url}", memory_limit=1 << 30)
+    agent = Agent(cfg)
+    assert not agent.run_once()
+    assert "memory budget" in agent.state.last_error
+    assert list(models.iterdir()) == []
+    assert not any((tmp_path / "state").rglob("*.bundle"))
+
+
+def test_probation_verdicts(tmp_path: Path) -> None:
+    cfg = OtaConfig(
+        source="http://x/", trusted_root=tmp_path, state_dir=tmp_path, server="http://x",
+        model_repository=tmp_path, device_id="d", max_error_rate=0.1, max_latency_ratio=2.0,
+    )  # fmt: skip
+    ms = 1_000_000
+    assert probation.judge(VersionStats(0, 0, 0), 5.0, cfg) == ""
+    assert probation.judge(VersionStats(95, 5, 95 * 5 * ms), 5.0, cfg) == ""
+    assert "error rate 2/10" in probation.judge(VersionStats(8, 2, 8 * ms), 5.0, cfg)
+    assert "over 2x" in probation.judge(VersionStats(20, 0, 20 * 11 * ms), 5.0, cfg)
+    assert probation.judge(VersionStats(5, 0, 5 * 50 * ms), 5.0, cfg) == ""  # too few yet
