@@ -26,6 +26,7 @@ from appliance.dataplane import DataPlane
 from appliance.errors import ApplianceError, Code
 from appliance.fields import ConfigError
 from appliance.request import InferenceResponse
+from appliance.tls import TlsFiles
 
 try:  # grpcio-health-checking is a dependency; a trimmed image may lack it
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -343,8 +344,10 @@ class GrpcEndpoint:
         port: int,
         max_message_size: int,
         access: AccessPolicy | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         self._dataplane = dataplane
+        self._tls = tls
         self._host = host
         self._port = port
         self._max_message_size = max_message_size
@@ -378,7 +381,15 @@ class GrpcEndpoint:
             f"[{self._host}]:{self._port}" if ":" in self._host else f"{self._host}:{self._port}"
         )
         try:
-            port = server.add_insecure_port(address)
+            if self._tls is None:
+                port = server.add_insecure_port(address)
+            else:  # the HTTPS settings; a client CA makes client certificates mandatory
+                credentials = grpc.ssl_server_credentials(
+                    [(self._tls.key, self._tls.cert)],
+                    root_certificates=self._tls.client_ca,
+                    require_client_auth=self._tls.client_ca is not None,
+                )
+                port = server.add_secure_port(address, credentials)
         except RuntimeError as exc:  # grpcio raises where older versions returned 0
             port, reason = 0, str(exc)
         else:

@@ -117,6 +117,12 @@ class InstanceGroup:
         return cls(made)
 
     @property
+    def healthy(self) -> bool:
+        """False once an instance's backend gave up (``healthy`` False: an isolated
+        model's worker process crashed too often in a row)."""
+        return all(getattr(i.backend, "healthy", True) for i in self.instances)
+
+    @property
     def idle_count(self) -> int:
         return len(self._idle)
 

@@ -33,6 +33,7 @@ from appliance.sequence_feed import load_initial_states, warmup_inputs
 from appliance.servable import Servable
 from appliance.server_config import ServerConfig
 from appliance.triton_config import to_triton_json
+from backends import process_host
 from backends.base import BackendOptions, TensorSpec, memory_usage
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,8 @@ def backend_factory(
     kind = config.instance_group[0].kind
 
     def factory(index: int) -> backends.Backend:
-        return backends.create(
+        # in this process, or in a worker process (parameters: {execution: process})
+        return process_host.create(
             backend,
             BackendOptions(
                 model_path=path,

@@ -49,7 +49,7 @@ class ModelVersion:
     ) -> None:
         self.config = config
         self.version = version
-        self.state = State.READY
+        self._state = State.READY
         self.memory = usage
         self.requested_instances = requested_instances or config.instance_count
         self.stats = ModelStats(config.name, str(version))
@@ -65,6 +65,18 @@ class ModelVersion:
         self.scheduler = scheduler.create(
             config, f"{config.name}:{version}", instances, self.stats, max_queue_size
         )
+
+    @property
+    def state(self) -> State:
+        """READY turns UNAVAILABLE while an instance has given up (a worker process in
+        a crash loop, see backends/process_host.py) until the model is loaded again."""
+        if self._state is State.READY and not self._instances.healthy:
+            return State.UNAVAILABLE
+        return self._state
+
+    @state.setter
+    def state(self, value: State) -> None:
+        self._state = value
 
     @property
     def ready(self) -> bool:

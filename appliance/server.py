@@ -28,6 +28,8 @@ from appliance.dataplane import DataPlane
 from appliance.fields import ConfigError
 from appliance.lifecycle import ModelLifeCycle
 from appliance.shared_memory import SharedMemoryRegistry
+from appliance.tls import files as tls_files
+from appliance.tls import http_context
 
 if TYPE_CHECKING:
     from appliance.grpc_api import GrpcEndpoint
@@ -68,20 +70,6 @@ class Server:
         self.grpc_port = 0
         self.metrics_port = 0
 
-    def _tls(self) -> ssl.SSLContext | None:
-        """HTTPS for the HTTP endpoint when the config names a certificate and key."""
-        cert, key = self.config.tls_cert, self.config.tls_key
-        if cert is None or key is None:
-            return None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        try:
-            context.load_cert_chain(cert, key)
-        except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(
-                "<server>", "tls_cert", f"cannot use {cert} with {key}: {exc}"
-            ) from None
-        return context
-
     async def _site(
         self,
         app: web.Application,
@@ -113,7 +101,7 @@ class Server:
     async def start(self) -> None:
         """Bind the endpoints, then load the model repository."""
         started = time.perf_counter()
-        tls = self._tls()
+        tls = http_context(self.config)
         if self.config.http_port >= 0:
             app = http_api.create_app(
                 self.dataplane,
@@ -139,16 +127,14 @@ class Server:
             f"{'https' if tls else 'http'}://{host}:{self.http_port} (KServe v2)"
             if self._http
             else "",
-            f"grpc {host}:{self.grpc_port}" if self._grpc else "",
+            f"grpc{'+tls' if tls else ''} {host}:{self.grpc_port}" if self._grpc else "",
             f"metrics http://{host}:{self.metrics_port}/metrics" if self._metrics else "",
         ]
         log.info("listening: %s", ", ".join(e for e in endpoints if e) or "in-process only")
         tokens = self.config.admin_token or self.config.inference_token
-        if tokens and not is_loopback(host) and (tls is None or self._grpc is not None):
+        if tokens and not is_loopback(host) and tls is None:
             log.warning(
-                "bearer tokens travel in clear text on %s: %s",
-                host,
-                "set tls_cert and tls_key" if tls is None else "gRPC has no TLS",
+                "bearer tokens travel in clear text on %s: set tls_cert and tls_key", host
             )
         await self.lifecycle.start()
         log.info(
@@ -171,6 +157,7 @@ class Server:
             self.config.grpc_port,
             self.config.max_request_size,
             access=self.access,
+            tls=tls_files(self.config),
         )
         self.grpc_port = await self._grpc.start()
 

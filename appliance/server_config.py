@@ -44,8 +44,9 @@ class ServerConfig:
     admin_token: str = ""  # bearer token for load/unload/shared-memory registration
     inference_token: str = ""  # bearer token for inference and metadata; "": open
     require_admin_token: bool = False  # admin needs the token on loopback too
-    tls_cert: Path | None = None  # HTTPS on the HTTP endpoint: certificate and key
+    tls_cert: Path | None = None  # TLS on the HTTP and gRPC endpoints: certificate and key
     tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # mutual TLS: clients need a certificate this CA signed
     # what one request may hold and how long a peer may take: see _limits() below
     allow_symlinked_models: bool = False  # model folders/files may link outside the repo
     max_request_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS  # elements one request declares
@@ -302,6 +303,9 @@ def _control(f: Fields, path: Path | None) -> dict[str, Any]:
     if (cert is None) != (key is None):
         missing = "tls_cert" if cert is None else "tls_key"
         raise f.fail(missing, "HTTPS needs both tls_cert and tls_key")
+    client_ca = _file(f, "tls_client_ca", path)
+    if client_ca is not None and cert is None:
+        raise f.fail("tls_client_ca", "mutual TLS needs tls_cert and tls_key too")
     return {
         "model_control_mode": mode,
         "load_model": tuple(names),
@@ -312,6 +316,7 @@ def _control(f: Fields, path: Path | None) -> dict[str, Any]:
         "require_admin_token": require,
         "tls_cert": cert,
         "tls_key": key,
+        "tls_client_ca": client_ca,
     }
 
 
