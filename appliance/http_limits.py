@@ -38,7 +38,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # aiohttp's own lingering default: longer gives a slow client nothing
 _MAX_LINGER_S = 10.0
-_BODY = "appliance.body"  # where body_limits leaves the body on the request
+# where body_limits leaves the body on the request
+_BODY: web.RequestKey[bytes | bytearray] = web.RequestKey("appliance.body")
 _YIELD_BYTES = 2**20  # bytes copied between two turns of the event loop
 
 
