@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from appliance import __version__
+from appliance.cuda_shared_memory import CudaSharedMemory
 from appliance.errors import invalid, unavailable
 from appliance.lifecycle import ModelLifeCycle
 from appliance.model import State
@@ -49,6 +50,7 @@ class DataPlane:
     def __init__(self, lifecycle: ModelLifeCycle, shared_memory: SharedMemoryRegistry) -> None:
         self.lifecycle = lifecycle
         self.shared_memory = shared_memory
+        self.cuda_shared_memory = CudaSharedMemory()
         self.live = True
         self.accepting = True  # False once shutdown began: readiness goes false first
 
@@ -59,7 +61,8 @@ class DataPlane:
 
     def server_metadata(self) -> dict[str, Any]:
         extensions = EXTENSIONS + (["system_shared_memory"] if self.shared_memory.enabled else [])
-        return {"name": "appliance", "version": __version__, "extensions": extensions}
+        name = self.lifecycle.server.server_name
+        return {"name": name, "version": __version__, "extensions": extensions}
 
     def model_ready(self, name: str, version: str = "") -> bool:
         try:
@@ -123,6 +126,20 @@ class DataPlane:
         (swap without room for two copies; the model is briefly unavailable)."""
         self._check_control("load")
         params = dict(parameters or {})
+        files = sorted(k for k in params if k.startswith("file:"))
+        if files:
+            # Triton's override files: the model's files travel in the request. Not taken
+            # here: a Python model's files are code, and the appliance runs only what its
+            # own repository holds.
+            if "config" not in params:
+                raise invalid(
+                    f"failed to load '{name}': load parameter 'config' must be provided "
+                    f"together with model files {files}"
+                )
+            raise invalid(
+                f"failed to load '{name}': model files in a load request {files} are not "
+                "accepted by this server; place them in the model repository"
+            )
         override = None
         if "config" in params:
             raw = params.pop("config")
@@ -143,7 +160,7 @@ class DataPlane:
             )
         entry = await self.lifecycle.load(name, override, in_place)
         if entry.state != State.READY or entry.reason:  # a failed reload keeps the old copy
-            raise invalid(f"failed to load model '{name}': {entry.reason}")
+            raise invalid(f"failed to load '{name}': {entry.reason}")
 
     async def unload_model(self, name: str) -> None:
         self._check_control("unload")

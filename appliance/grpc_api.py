@@ -270,15 +270,24 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[
         self.dp.shared_memory.unregister(request.name)
         return service_pb2.SystemSharedMemoryUnregisterResponse()
 
-    async def _no_cuda(self, request: Any, context: Any) -> Any:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "CUDA shared memory is not supported by this server; use system shared memory",
-        )
+    @_guarded
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        response = service_pb2.CudaSharedMemoryStatusResponse()
+        for region in self.dp.cuda_shared_memory.status(request.name):
+            response.regions[region["name"]].CopyFrom(
+                service_pb2.CudaSharedMemoryStatusResponse.RegionStatus(**region)
+            )
+        return response
 
-    CudaSharedMemoryStatus = _no_cuda
-    CudaSharedMemoryRegister = _no_cuda
-    CudaSharedMemoryUnregister = _no_cuda
+    @_guarded
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        self.dp.cuda_shared_memory.register(request.name, request.device_id, request.byte_size)
+        return service_pb2.CudaSharedMemoryRegisterResponse()
+
+    @_guarded
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self.dp.cuda_shared_memory.unregister(request.name)
+        return service_pb2.CudaSharedMemoryUnregisterResponse()
 
 
 _ADMIN_RPCS = {

@@ -182,6 +182,12 @@ async def repository_index(request: web.Request) -> web.Response:
     return _json(request.app[DATAPLANE].repository_index(ready_only))
 
 
+async def model_list(request: web.Request) -> web.Response:
+    """``GET /v2/models``: not a KServe route (Triton answers it with a bare 400);
+    here it lists the repository, as ``POST /v2/repository/index`` does."""
+    return _json({"models": request.app[DATAPLANE].repository_index()})
+
+
 async def repository_load(request: web.Request) -> web.Response:
     doc = await _json_body(request)
     params = doc.get("parameters") or {}
@@ -228,8 +234,40 @@ async def shm_unregister(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+# ---- CUDA shared memory (Triton's extension; see appliance.cuda_shared_memory) -------
+
+
+async def cuda_shm_status(request: web.Request) -> web.Response:
+    name = request.match_info.get("region", "")
+    return _json(request.app[DATAPLANE].cuda_shared_memory.status(name))
+
+
+async def cuda_shm_register(request: web.Request) -> web.Response:
+    name = request.match_info["region"]
+    doc = await _json_body(request)
+    device, size = doc.get("device_id", 0), doc.get("byte_size", 0)
+    if not isinstance(device, int) or not isinstance(size, int):
+        raise invalid(f"register CUDA shared-memory region '{name}': expected integers")
+    request.app[DATAPLANE].cuda_shared_memory.register(name, device, size)
+    return web.Response(status=200)
+
+
+async def cuda_shm_unregister(request: web.Request) -> web.Response:
+    await _json_body(request)
+    request.app[DATAPLANE].cuda_shared_memory.unregister(request.match_info.get("region", ""))
+    return web.Response(status=200)
+
+
 _ADMIN_ROUTES: dict[Any, Scope] = {
-    h: Scope.ADMIN for h in (repository_load, repository_unload, shm_register, shm_unregister)
+    h: Scope.ADMIN
+    for h in (
+        repository_load,
+        repository_unload,
+        shm_register,
+        shm_unregister,
+        cuda_shm_register,
+        cuda_shm_unregister,
+    )
 }
 _PUBLIC_ROUTES: dict[Any, Scope] = {h: Scope.PUBLIC for h in (live, ready, server_metadata)}
 
@@ -245,6 +283,7 @@ def create_app(
     r.add_get("/v2", server_metadata)
     r.add_get("/v2/health/live", live)
     r.add_get("/v2/health/ready", ready)
+    r.add_get("/v2/models", model_list)
     r.add_get("/v2/models/stats", model_stats)  # before /v2/models/{model}
     for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
         r.add_get(base, model_metadata)
@@ -261,4 +300,10 @@ def create_app(
     r.add_post(shm + "/region/{region}/register", shm_register)
     r.add_post(shm + "/unregister", shm_unregister)
     r.add_post(shm + "/region/{region}/unregister", shm_unregister)
+    cuda = "/v2/cudasharedmemory"
+    r.add_get(cuda + "/status", cuda_shm_status)
+    r.add_get(cuda + "/region/{region}/status", cuda_shm_status)
+    r.add_post(cuda + "/region/{region}/register", cuda_shm_register)
+    r.add_post(cuda + "/unregister", cuda_shm_unregister)
+    r.add_post(cuda + "/region/{region}/unregister", cuda_shm_unregister)
     return app

@@ -46,6 +46,16 @@ SWAP_HINT = (
 )
 
 
+def parse_version(version: str) -> int:
+    """A request's version string -> the version number, with Triton's error."""
+    if not (version.isascii() and version.isdigit()):
+        raise invalid(
+            f"failed to get model version from specified version string '{version}' "
+            "(details: not an integer), version should be an integral value > 0"
+        )
+    return int(version)
+
+
 @dataclass(slots=True, eq=False)
 class ModelEntry:
     """Everything known about one model name."""
@@ -132,7 +142,10 @@ class ModelLifeCycle:
         """
         model_dir = self.repository / name
         if name.startswith(".") or not model_dir.is_dir():
-            raise not_found(f"model '{name}' is not in the model repository")
+            raise not_found(
+                f"failed to load '{name}', failed to poll from model repository: "
+                f"model '{name}' is not in the model repository"
+            )
         async with self._locks.setdefault(name, asyncio.Lock()):
             entry = self._models.setdefault(name, ModelEntry(name))
             entry.busy, entry.unloaded = "loading", False
@@ -347,35 +360,39 @@ class ModelLifeCycle:
     # ---- routing and reporting ------------------------------------------------------------
 
     def get(self, name: str, version: str = "") -> ModelVersion:
-        """The version that serves a request; NOT_FOUND or UNAVAILABLE otherwise."""
-        entry = self._models.get(name)
-        if entry is None:
-            raise not_found(f"unknown model '{name}'")
+        """The version that serves a request, or Triton's error for it: INVALID_ARG for
+        an unknown model or a version string that is not a number, NOT_FOUND for a
+        version the model lacks, UNAVAILABLE for one not ready."""
+        entry = self.entry(name)
         if not version:
             mv = entry.newest()
             if mv is None:
                 raise unavailable(
-                    f"model '{name}' is not ready ({entry.state.value}"
+                    f"Request for unknown model: '{name}' has no available versions: it is "
+                    f"not ready ({entry.state.value}"
                     f"{': ' + entry.reason if entry.reason else ''})"
                 )
             return mv
-        if not version.isdigit():
-            raise not_found(f"model '{name}' has no version '{version}'")
-        mv = entry.versions.get(int(version))
+        number = parse_version(version)
+        mv = entry.versions.get(number)
         if mv is None:
-            if int(version) in entry.failed:
+            if number in entry.failed:
                 raise unavailable(
-                    f"model '{name}' version {version} is not ready: {entry.failed[int(version)]}"
+                    f"Request for unknown model: '{name}' version {number} is not ready: "
+                    f"{entry.failed[number]}"
                 )
-            if int(version) in entry.loading:
-                raise unavailable(f"model '{name}' version {version} is loading")
-            raise not_found(f"model '{name}' has no version '{version}'")
+            if number in entry.loading:
+                raise unavailable(
+                    f"Request for unknown model: '{name}' version {number} is not ready "
+                    "(loading)"
+                )
+            raise not_found(f"Request for unknown model: '{name}' version {number} is not found")
         return mv
 
     def entry(self, name: str) -> ModelEntry:
         entry = self._models.get(name)
         if entry is None:
-            raise not_found(f"unknown model '{name}'")
+            raise invalid(f"Request for unknown model: '{name}' is not found")
         return entry
 
     def loaded(self) -> list[ModelVersion]:

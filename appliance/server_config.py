@@ -64,6 +64,9 @@ class ServerConfig:
     require_admin_token: bool = False  # admin needs the token on loopback too
     tls_cert: Path | None = None  # HTTPS on the HTTP endpoint: certificate and key
     tls_key: Path | None = None
+    # the name server metadata reports (Triton reports "triton"; a client that checks
+    # the name can be served by setting it)
+    server_name: str = "appliance"
 
 
 def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerConfig:
@@ -117,8 +120,16 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         log_level=level,
         event_loop=_choice(f, "event_loop", "auto", ("auto", "asyncio", "uvloop")),
         mqtt=_mqtt(f, path, broker),
+        server_name=_server_name(f),
         **_control(f, path),
     )
+
+
+def _server_name(f: Fields) -> str:
+    name = f.text("server_name", "appliance")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+        raise f.fail("server_name", f"expected 1-64 letters, digits, '.', '_' or '-', got {name!r}")
+    return name
 
 
 def _choice(f: Fields, key: str, default: str, allowed: tuple[str, ...]) -> str:
