@@ -13,6 +13,7 @@ auto-complete does.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -41,6 +42,16 @@ class TensorConfig:
     datatype: str  # KServe name
     dims: tuple[int, ...]  # without the batch dim; -1 = any size
     optional: bool = False
+    # Triton's reshape: the shape the model sees (dims: what the client sees); None: dims
+    reshape: tuple[int, ...] | None = None
+    format: str = "FORMAT_NONE"  # inputs: FORMAT_NCHW / FORMAT_NHWC, reported back only
+    label_filename: str = ""  # outputs: class labels for the classification extension
+    labels: tuple[str, ...] = ()  # read from label_filename when the config is loaded
+
+    @property
+    def model_dims(self) -> tuple[int, ...]:
+        """The dims the engine sees (``reshape`` where given)."""
+        return self.dims if self.reshape is None else self.reshape
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +134,7 @@ class ModelConfig:
     model_warmup: tuple[WarmupSample, ...] = ()
     memory_limit: int | None = None  # parameters.memory_limit: one copy's cap, bytes
     ensemble_steps: tuple[EnsembleStep, ...] = ()  # platform "ensemble" only
+    decoupled: bool = False  # model_transaction_policy.decoupled: 0..N responses a request
     source: str = "<auto-complete>"
 
     @property
@@ -139,7 +151,6 @@ _UNSUPPORTED = {
     "sequence_batching",
     "optimization",
     "response_cache",
-    "model_transaction_policy",
     "batch_input",
     "batch_output",
     "model_operations",
@@ -163,6 +174,7 @@ _MODEL_FIELDS = {
     "parameters",
     "model_warmup",
     "ensemble_scheduling",
+    "model_transaction_policy",
 } | _UNSUPPORTED
 
 
@@ -232,8 +244,6 @@ class Fields:
 
 # Triton tensor fields accepted but not acted on yet (warned about, like model fields).
 _UNSUPPORTED_TENSOR = (
-    "reshape",
-    "label_filename",
     "is_shape_tensor",
     "allow_ragged_batch",
     "is_non_linear_format_io",
@@ -241,7 +251,10 @@ _UNSUPPORTED_TENSOR = (
 
 
 def _tensor(f: Fields) -> TensorConfig:
-    f.check_keys({"name", "data_type", "dims", "optional", "format", *_UNSUPPORTED_TENSOR})
+    f.check_keys(
+        {"name", "data_type", "dims", "optional", "format", "reshape", "label_filename"}
+        | set(_UNSUPPORTED_TENSOR)
+    )
     name = f.text("name")
     if not name:
         raise f.fail("name", "expected a non-empty tensor name")
@@ -254,7 +267,63 @@ def _tensor(f: Fields) -> TensorConfig:
     for key in _UNSUPPORTED_TENSOR:
         if key in f.data:
             log.warning("%s: %s: '%s' is not supported and is ignored", f.source, f.path, key)
-    return TensorConfig(name, datatype, f.ints("dims", -1), f.flag("optional", False))
+    reshape = f.sub("reshape")
+    if reshape is not None:
+        reshape.check_keys({"shape"})
+    fmt = f.text("format", "FORMAT_NONE")
+    if fmt not in _FORMATS:
+        raise f.fail("format", f"expected one of {', '.join(_FORMATS)}, got {fmt!r}")
+    label_file = f.text("label_filename")
+    if label_file and (Path(label_file).name != label_file or label_file in (".", "..")):
+        raise f.fail(
+            "label_filename", f"expected a file name in the model folder, got {label_file!r}"
+        )
+    dims = f.ints("dims", -1)
+    shape = reshape.ints("shape", -1) if reshape is not None else None
+    if shape is not None and -1 not in (*dims, *shape) and math.prod(dims) != math.prod(shape):
+        raise f.fail(
+            "reshape", f"shape {list(shape)} does not hold the elements of dims {list(dims)}"
+        )
+    return TensorConfig(
+        name,
+        datatype,
+        dims,
+        f.flag("optional", False),
+        # protobuf JSON leaves an empty shape out: "reshape: { shape: [] }" is {}
+        shape,
+        fmt,
+        label_file,
+    )
+
+
+_FORMATS = ("FORMAT_NONE", "FORMAT_NHWC", "FORMAT_NCHW")
+_MAX_LABELS_BYTES = 16 * 2**20
+
+
+def with_labels(config: ModelConfig, model_dir: Path) -> ModelConfig:
+    """Read each output's ``label_filename`` (one label a line) from the model folder."""
+    outputs = []
+    for t in config.outputs:
+        if t.label_filename:
+            path = model_dir / t.label_filename
+            where = f"output '{t.name}'.label_filename"
+            try:
+                if path.is_symlink() or path.stat().st_size > _MAX_LABELS_BYTES:
+                    raise ConfigError(config.source, where, "expected a regular file under 16 MiB")
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(config.source, where, f"cannot read {path}: {exc}") from None
+            t = replace(t, labels=tuple(text.splitlines()))
+        outputs.append(t)
+    return replace(config, outputs=tuple(outputs))
+
+
+def _transaction_policy(f: Fields) -> bool:
+    policy = f.sub("model_transaction_policy")
+    if policy is None:
+        return False
+    policy.check_keys({"decoupled"})
+    return policy.flag("decoupled", False)
 
 
 def _dynamic_batching(f: Fields) -> DynamicBatching:
@@ -399,6 +468,7 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
         model_warmup=warmup,
         memory_limit=_memory_limit(parameters, source),
         ensemble_steps=steps,
+        decoupled=_transaction_policy(f),
         source=source,
     )
 
@@ -523,7 +593,7 @@ def load_model_config(model_dir: Path) -> ModelConfig:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise ConfigError(str(path), "", f"not valid YAML: {exc}") from None
-    return parse_model_config(data, model_dir.name, str(path))
+    return with_labels(parse_model_config(data, model_dir.name, str(path)), model_dir)
 
 
 def _check_against(
@@ -542,10 +612,11 @@ def _check_against(
             "max_batch_size > 0 needs a dynamic first dim, but the model's shape is "
             f"{list(spec.shape)}",
         )
-    if len(model_dims) != len(cfg.dims) or any(
-        m != -1 and c != -1 and m != c for m, c in zip(model_dims, cfg.dims, strict=True)
+    dims = cfg.model_dims
+    if len(model_dims) != len(dims) or any(
+        m != -1 and c != -1 and m != c for m, c in zip(model_dims, dims, strict=True)
     ):
-        full = ([-1] if batched else []) + list(cfg.dims)
+        full = ([-1] if batched else []) + list(dims)
         raise ConfigError(
             source, where, f"config dims {full} do not match the model's shape {list(spec.shape)}"
         )

@@ -8,14 +8,17 @@ its own. Everything raises :class:`ApplianceError`, never a protocol status.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 
-from appliance import __version__
+from appliance import __version__, reshape
 from appliance.cuda_shared_memory import CudaSharedMemory
-from appliance.errors import invalid, unavailable
+from appliance.decoupled import RequestInputs, ResponseStream
+from appliance.errors import ApplianceError, invalid, unavailable
 from appliance.lifecycle import ModelLifeCycle
 from appliance.model import State
 from appliance.request import InferenceRequest, InferenceResponse
@@ -32,9 +35,12 @@ EXTENSIONS = [
 ]
 
 
-def classify(arr: np.ndarray, k: int, batched: bool) -> np.ndarray:
+def classify(
+    arr: np.ndarray, k: int, batched: bool, labels: tuple[str, ...] = ()
+) -> np.ndarray:
     """Triton's classification extension: the top-k entries of each batch row as
-    BYTES "value:index" strings, highest first."""
+    BYTES "value:index" strings, highest first ("value:index:label" where the output
+    has a ``label_filename``)."""
     rows = arr.reshape(arr.shape[0] if batched else 1, -1)
     if rows.dtype.kind not in "biuf":
         raise invalid(f"classification needs a numeric output, got {rows.dtype}")
@@ -42,7 +48,10 @@ def classify(arr: np.ndarray, k: int, batched: bool) -> np.ndarray:
     top = np.argsort(-rows.astype(np.float64), axis=1, kind="stable")[:, :k]
     out = np.empty((rows.shape[0], k), dtype=object)
     for r in range(rows.shape[0]):
-        out[r] = [f"{rows[r, i]:f}:{i}".encode() for i in top[r]]
+        out[r] = [
+            (f"{rows[r, i]:f}:{i}" + (f":{labels[i]}" if i < len(labels) else "")).encode()
+            for i in top[r]
+        ]
     return out if batched else out[0]
 
 
@@ -61,6 +70,8 @@ class DataPlane:
 
     def server_metadata(self) -> dict[str, Any]:
         extensions = EXTENSIONS + (["system_shared_memory"] if self.shared_memory.enabled else [])
+        if self.cuda_shared_memory.supported:
+            extensions.append("cuda_shared_memory")
         name = self.lifecycle.server.server_name
         return {"name": name, "version": __version__, "extensions": extensions}
 
@@ -78,16 +89,80 @@ class DataPlane:
     def model_config(self, name: str, version: str = "") -> dict[str, Any]:
         return to_triton_json(self.lifecycle.get(name, version).config)
 
+    def is_decoupled(self, name: str, version: str = "") -> bool:
+        """Whether the model may send 0..N responses a request (False if unknown)."""
+        try:
+            return self.lifecycle.get(name, version).config.decoupled
+        except ApplianceError:
+            return False
+
     # ---- inference ---------------------------------------------------------------------
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+    async def infer(
+        self, request: InferenceRequest, endpoint: str = "this endpoint"
+    ) -> InferenceResponse:
+        """One request, one response. A decoupled model is refused with Triton's text
+        (``endpoint`` names the caller: "HTTP end point", "ModelInfer RPC")."""
         if not self.accepting:
             raise unavailable("the server is shutting down")
         mv = self.lifecycle.get(request.model_name, request.model_version)
+        if mv.config.decoupled:
+            raise invalid(
+                f"{endpoint} doesn't support models with decoupled transaction policy "
+                f"(model '{mv.config.name}' may send any number of responses a request: "
+                "call it over a stream, e.g. gRPC ModelStreamInfer)"
+            )
         response = await mv.infer(request)
-        for name, k in request.classification.items():
-            response.outputs[name] = classify(response.outputs[name], k, mv.config.batch_size > 0)
+        self._classify(request, response, mv.config)
         return response
+
+    @staticmethod
+    def _classify(request: InferenceRequest, response: InferenceResponse, config: Any) -> None:
+        labels = {t.name: t.labels for t in config.outputs}
+        for name, k in request.classification.items():
+            response.outputs[name] = classify(
+                response.outputs[name], k, config.batch_size > 0, labels.get(name, ())
+            )
+
+    async def infer_stream(
+        self, request: InferenceRequest
+    ) -> AsyncIterator[tuple[InferenceResponse | ApplianceError, bool]]:
+        """The responses of one request with their "final" flag: exactly one for a
+        regular model; 0..N for a decoupled one, the last flagged final (its response
+        may be empty: the model sent only the flag). An error the model sent comes
+        as an :class:`ApplianceError` item and the stream goes on; a request that
+        fails before the model ran raises. Closing the iterator early cancels the
+        execution if it has not started."""
+        if not self.accepting:
+            raise unavailable("the server is shutting down")
+        mv = self.lifecycle.get(request.model_name, request.model_version)
+        if not mv.config.decoupled:
+            response = await mv.infer(request)
+            self._classify(request, response, mv.config)
+            yield response, True
+            return
+        stream = ResponseStream(asyncio.get_running_loop(), mv.config.name)
+        request.inputs = RequestInputs(request.inputs, stream)
+        task = asyncio.get_running_loop().create_task(mv.infer(request))
+
+        def ended(t: asyncio.Task[InferenceResponse]) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                error = t.exception()
+                stream.fail(error if isinstance(error, ApplianceError) else unavailable(str(error)))
+
+        task.add_done_callback(ended)
+        try:
+            async for item, final in stream:
+                if isinstance(item, ApplianceError):
+                    yield item, final
+                    continue
+                outputs = reshape.outputs_for_client(mv.config, item or {})
+                response = InferenceResponse(mv.config.name, str(mv.version), outputs, request.id)
+                self._classify(request, response, mv.config)
+                yield response, final
+        finally:
+            if not task.done():
+                task.cancel()
 
     # ---- statistics and repository -----------------------------------------------------
 

@@ -146,83 +146,108 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[
 
     # ---- inference ---------------------------------------------------------------------
 
-    async def _infer(self, request: Any) -> Any:
+    async def _decode(self, request: Any) -> Any:
         shm = self.dp.shared_memory
         # estimated from the declared shapes: ByteSize() walks the whole message and each
         # read of a raw_input_contents entry copies it (~1.4 ms per 6 MB frame)
         if _declared_bytes(request) > _OFFLOAD_BYTES:
-            decoded = await asyncio.to_thread(grpc_codec.decode_request, request, shm)
-        else:
-            decoded = grpc_codec.decode_request(request, shm)
-        inference, shm_outputs = decoded
-        response: InferenceResponse = await self.dp.infer(inference)
+            return await asyncio.to_thread(grpc_codec.decode_request, request, shm)
+        return grpc_codec.decode_request(request, shm)
+
+    async def _encode(self, response: InferenceResponse, shm_outputs: Any) -> Any:
+        shm = self.dp.shared_memory
         if sum(a.nbytes for a in response.outputs.values()) > _OFFLOAD_BYTES:
             return await asyncio.to_thread(grpc_codec.encode_response, response, shm_outputs, shm)
         return grpc_codec.encode_response(response, shm_outputs, shm)
 
     @_guarded
     async def ModelInfer(self, request: Any, context: Any) -> Any:
-        return await self._infer(request)
+        inference, shm_outputs = await self._decode(request)
+        response = await self.dp.infer(inference, "ModelInfer RPC")
+        return await self._encode(response, shm_outputs)
 
-    async def _stream_one(self, request: Any) -> Any:
-        """One stream request -> its response; a failure becomes ``error_message`` so the
-        stream goes on (Triton's behaviour), never an exception."""
-        try:
-            # tritonclient's enable_empty_final_response: mark the (only) response final
-            final = grpc_codec.param(
-                request.parameters, "triton_enable_empty_final_response", "bool_param", "request"
-            )
-            response = await self._infer(request)
-        except ApplianceError as exc:
-            message = exc.message
-        except Exception as exc:  # a bug: report it in-stream and keep serving
-            log.exception("unhandled error in gRPC ModelStreamInfer")
-            message = f"internal error: {exc}"
-        else:
-            if final:
-                response.parameters["triton_final_response"].bool_param = True
-            return service_pb2.ModelStreamInferResponse(infer_response=response)
+    def _stream_error(self, request: Any, message: str) -> Any:
         echo = service_pb2.ModelInferResponse(
             model_name=request.model_name, model_version=request.model_version, id=request.id
         )
         return service_pb2.ModelStreamInferResponse(error_message=message, infer_response=echo)
 
+    async def _stream_one(self, request: Any, out: asyncio.Queue[Any]) -> None:
+        """One stream request -> its responses, put on ``out`` then ``None``. A failure
+        becomes ``error_message`` so the stream goes on (Triton's behaviour).
+
+        A decoupled model's responses each carry ``triton_final_response`` (true on
+        the last); a final flag sent without a response is answered with an empty
+        response only when the request sets ``triton_enable_empty_final_response``
+        (as Triton). A regular model's one response carries the flag only then.
+        """
+        try:
+            empty_final = grpc_codec.param(
+                request.parameters, "triton_enable_empty_final_response", "bool_param", "request"
+            )
+            inference, shm_outputs = await self._decode(request)
+            decoupled = self.dp.is_decoupled(inference.model_name, inference.model_version)
+            async for item, final in self.dp.infer_stream(inference):
+                if isinstance(item, ApplianceError):
+                    out.put_nowait(self._stream_error(request, item.message))
+                    continue
+                if decoupled and final and not item.outputs and not empty_final:
+                    continue  # only the final flag, and the client did not ask for it
+                response = await self._encode(item, shm_outputs)
+                if decoupled or empty_final:
+                    response.parameters["triton_final_response"].bool_param = final
+                out.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+        except ApplianceError as exc:
+            out.put_nowait(self._stream_error(request, exc.message))
+        except Exception as exc:  # a bug: report it in-stream and keep serving
+            log.exception("unhandled error in gRPC ModelStreamInfer")
+            out.put_nowait(self._stream_error(request, f"internal error: {exc}"))
+        finally:
+            out.put_nowait(None)
+
     async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
         """Bidirectional stream: requests run concurrently (up to ``STREAM_WINDOW``), and
-        responses go back in request order.
+        responses go back grouped by request, in request order.
 
-        A reader task takes requests off the stream and queues one task per request;
-        this generator awaits them in queue order. The window semaphore is released by
-        this generator after each response, so a slow model stops the reading, not the
-        memory. When the call ends (the client cancels, or the server stops after its
-        grace), the reader and every queued task are cancelled.
+        A reader task takes requests off the stream and starts one task per request,
+        which puts that request's responses (one, or 0..N for a decoupled model) on a
+        queue of its own; this generator drains the queues in request order. The
+        window semaphore is released by this generator once a request's responses are
+        all sent, so a slow model stops the reading, not the memory. When the call
+        ends (the client cancels, or the server stops after its grace), the reader
+        and every running task are cancelled.
         """
         window = asyncio.Semaphore(STREAM_WINDOW)
-        pending: asyncio.Queue[asyncio.Task[Any] | None] = asyncio.Queue()
+        pending: asyncio.Queue[tuple[asyncio.Task[None], asyncio.Queue[Any]] | None]
+        pending = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
                     await window.acquire()
-                    pending.put_nowait(asyncio.create_task(self._stream_one(request)))
+                    out: asyncio.Queue[Any] = asyncio.Queue()
+                    task = asyncio.create_task(self._stream_one(request, out))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                    pending.put_nowait((task, out))
             finally:
                 pending.put_nowait(None)  # unbounded queue: never blocks
 
         reader = asyncio.create_task(read())  # referenced until the finally below
         try:
-            while (task := await pending.get()) is not None:
-                response = await task
+            while (entry := await pending.get()) is not None:
+                _, out = entry
+                while (response := await out.get()) is not None:
+                    yield response
                 window.release()
-                yield response
             await reader  # re-raises a broken read
         finally:
             reader.cancel()
             # a read that broke after this generator stopped must not log "never retrieved"
             reader.add_done_callback(lambda t: t.cancelled() or t.exception())
-            while not pending.empty():
-                queued = pending.get_nowait()
-                if queued is not None:
-                    queued.cancel()
+            for task in list(running):
+                task.cancel()
 
     # ---- repository ---------------------------------------------------------------------
 

@@ -154,7 +154,7 @@ async def infer(request: web.Request) -> web.Response:
     else:
         decoded = http_codec.decode_request(body, header_length, model, version, shm)
     inference, fmt = decoded
-    response = await dataplane.infer(inference)
+    response = await dataplane.infer(inference, "HTTP end point")
     text_bytes = copy_bytes = 0
     for name, arr in response.outputs.items():
         if name in fmt.shared_memory:

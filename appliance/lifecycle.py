@@ -30,7 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from appliance import repository
-from appliance.config import ConfigError, ModelConfig, load_model_config, parse_model_config
+from appliance.config import (
+    ConfigError,
+    ModelConfig,
+    load_model_config,
+    parse_model_config,
+    with_labels,
+)
 from appliance.ensemble import EnsembleVersion
 from appliance.errors import ApplianceError, invalid, not_found, unavailable
 from appliance.memory import BudgetRefused, MemoryBudget, fmt
@@ -161,7 +167,10 @@ class ModelLifeCycle:
         name = entry.name
         try:
             if override is not None:
-                config = parse_model_config(override, name, "load request parameter 'config'")
+                config = with_labels(
+                    parse_model_config(override, name, "load request parameter 'config'"),
+                    model_dir,
+                )
             else:
                 config = load_model_config(model_dir)
             wanted = config.version_policy.select(repository.version_dirs(model_dir))

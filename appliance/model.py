@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 import backends
-from appliance import datatypes, memory, warmup
+from appliance import datatypes, memory, reshape, warmup
 from appliance.batcher import BatchPolicy, DynamicBatcher
 from appliance.config import ConfigError, ModelConfig, TensorConfig, complete
 from appliance.config import InstanceGroup as GroupConfig
@@ -85,7 +85,9 @@ def declared_tensors(
     batch = (-1,) if config.batch_size > 0 else ()
 
     def specs(tensors: tuple[TensorConfig, ...]) -> tuple[TensorSpec, ...]:
-        return tuple(TensorSpec(t.name, t.datatype, batch + t.dims) for t in tensors)
+        return tuple(
+            TensorSpec(t.name, t.datatype, batch + t.model_dims, t.optional) for t in tensors
+        )
 
     return specs(config.inputs), specs(config.outputs)
 
@@ -141,7 +143,8 @@ class ModelVersion:
             max_batch_size=config.batch_size,
             preferred_batch_sizes=db.preferred_batch_size if db else (),
             max_queue_delay_s=(db.max_queue_delay_us / 1e6) if db else 0.0,
-            dynamic=db is not None and config.batch_size > 0,
+            # a decoupled request runs alone: its response stream rides on its inputs
+            dynamic=db is not None and config.batch_size > 0 and not config.decoupled,
         )
         self._timeout_s = db.default_timeout_us / 1e6 if db and db.default_timeout_us else None
         self._allow_override = db.allow_timeout_override if db else True
@@ -360,7 +363,8 @@ class ModelVersion:
         start = time.perf_counter_ns()
         try:
             outputs, rows, signature, timeout = self._prepare(request)
-            result = await self.batcher.submit(request.inputs, outputs, rows, signature, timeout)
+            inputs = reshape.inputs_for_model(self.config, request.inputs)
+            result = await self.batcher.submit(inputs, outputs, rows, signature, timeout)
         except ApplianceError as exc:
             self.stats.record_failure(exc.reason, time.perf_counter_ns() - start)
             raise
@@ -374,7 +378,8 @@ class ModelVersion:
             result.infer_ns,
             result.output_ns,
         )
-        return InferenceResponse(self.config.name, str(self.version), result.outputs, request.id)
+        outputs_ = reshape.outputs_for_client(self.config, result.outputs)
+        return InferenceResponse(self.config.name, str(self.version), outputs_, request.id)
 
     def metadata(self, versions: list[str]) -> dict[str, Any]:
         """KServe v2 model metadata."""

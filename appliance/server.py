@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from appliance import http_api, metrics
+from appliance import bls, http_api, metrics
 from appliance.access import AccessPolicy, is_loopback
 from appliance.config import ConfigError
 from appliance.dataplane import DataPlane
@@ -57,6 +57,7 @@ class Server:
         self._grpc: GrpcEndpoint | None = None
         self._metrics: web.AppRunner | None = None
         self.mqtt: MqttBridge | None = None
+        self._bls: bls.Binding | None = None
         self.http_port = 0
         self.grpc_port = 0
         self.metrics_port = 0
@@ -131,6 +132,8 @@ class Server:
                 host,
                 "set tls_cert and tls_key" if tls is None else "gRPC has no TLS",
             )
+        # Python models calling other models (BLS) reach them through this data plane
+        self._bls = bls.register(self.repository, asyncio.get_running_loop(), self.dataplane)
         await self.lifecycle.start()
         log.info(
             "ready in %.2fs: %d model version(s) from %s",
@@ -191,6 +194,9 @@ class Server:
             *([grpc.stop(self.config.drain_timeout_s)] if grpc else []),
         )
         await self.lifecycle.stop(self.config.drain_timeout_s)
+        if self._bls is not None:
+            bls.unregister(self.repository, self._bls)
+            self._bls = None
         if metrics_runner is not None:
             await metrics_runner.cleanup()
         log.info("stopped")

@@ -25,6 +25,7 @@ class TensorSpec:
     name: str
     datatype: str  # KServe name: FP32, INT64, BYTES, ...
     shape: tuple[int, ...]
+    optional: bool = False  # a config's optional input: a request may leave it out
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +144,8 @@ def check_inputs(model: str, specs: Sequence[TensorSpec], inputs: dict[str, np.n
         arr = inputs.get(spec.name)
         where = f"input '{spec.name}' of model '{model}'"
         if arr is None:
+            if spec.optional:
+                continue
             raise invalid(f"{where} is missing")
         got = datatypes.from_numpy_dtype(arr.dtype)
         if got != spec.datatype:
