@@ -133,7 +133,10 @@ name: "bls"
 backend: "python"
 max_batch_size: 0
 input [ { name: "X" data_type: TYPE_FP32 dims: [ 4 ] } ]
-output [ { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "Z" data_type: TYPE_INT32 dims: [ 16 ] } ]
+output [
+  { name: "Y" data_type: TYPE_FP32 dims: [ 4 ] },
+  { name: "Z" data_type: TYPE_INT32 dims: [ 16 ] }
+]
 """
 
 BLS_PY = '''
@@ -175,7 +178,13 @@ name: "reshaped"
 platform: "onnxruntime_onnx"
 max_batch_size: 8
 input [
-  { name: "INPUT0" data_type: TYPE_INT32 format: FORMAT_NCHW dims: [ 1, 4, 4 ] reshape: { shape: [ 16 ] } },
+  {
+    name: "INPUT0"
+    data_type: TYPE_INT32
+    format: FORMAT_NCHW
+    dims: [ 1, 4, 4 ]
+    reshape: { shape: [ 16 ] }
+  },
   { name: "INPUT1" data_type: TYPE_INT32 dims: [ 16 ] }
 ]
 output [
