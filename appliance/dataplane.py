@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,9 +21,11 @@ from appliance.cuda_shared_memory import CudaSharedMemory
 from appliance.decoupled import RequestInputs, ResponseStream
 from appliance.errors import ApplianceError, invalid, unavailable
 from appliance.lifecycle import ModelLifeCycle
+from appliance.log_settings import LogSettings
 from appliance.model import State
 from appliance.request import InferenceRequest, InferenceResponse
 from appliance.shared_memory import SharedMemoryRegistry
+from appliance.trace import Tracer
 from appliance.triton_config import json_to_dict, to_triton_json
 
 EXTENSIONS = [
@@ -32,6 +35,8 @@ EXTENSIONS = [
     "statistics",
     "binary_tensor_data",
     "parameters",
+    "trace",
+    "logging",
 ]
 
 
@@ -60,6 +65,8 @@ class DataPlane:
         self.lifecycle = lifecycle
         self.shared_memory = shared_memory
         self.cuda_shared_memory = CudaSharedMemory()
+        self.tracer = Tracer(lifecycle.server.trace_file)
+        self.log_settings = LogSettings(lifecycle.server.log_level)
         self.live = True
         self.accepting = True  # False once shutdown began: readiness goes false first
 
@@ -112,7 +119,14 @@ class DataPlane:
                 f"(model '{mv.config.name}' may send any number of responses a request: "
                 "call it over a stream, e.g. gRPC ModelStreamInfer)"
             )
+        trace = None
+        if self.tracer.active:  # one attribute read when tracing is off
+            trace = self.tracer.begin(mv.config.name, time.perf_counter_ns())
         response = await mv.infer(request)
+        if trace is not None:
+            self.tracer.finish(
+                trace, response.model_version, request.id, response.timing, time.perf_counter_ns()
+            )
         self._classify(request, response, mv.config)
         return response
 

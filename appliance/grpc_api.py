@@ -20,7 +20,7 @@ import grpc
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from appliance import datatypes, grpc_codec
+from appliance import datatypes, grpc_codec, grpc_settings
 from appliance.access import AccessPolicy, Scope
 from appliance.config import ConfigError
 from appliance.dataplane import DataPlane
@@ -90,8 +90,7 @@ def _declared_bytes(request: Any) -> int:
 
 
 class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
-    """One method per RPC; those not overridden (trace and log settings) answer
-    UNIMPLEMENTED through the generated base class."""
+    """One method per RPC of ``inference.GRPCInferenceService``."""
 
     def __init__(self, dataplane: DataPlane) -> None:
         self.dp = dataplane
@@ -249,6 +248,26 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[
             for task in list(running):
                 task.cancel()
 
+    # ---- trace and log settings ----------------------------------------------------------
+
+    @_guarded
+    async def TraceSetting(self, request: Any, context: Any) -> Any:
+        if request.model_name:
+            self.dp.lifecycle.entry(request.model_name)  # Triton's error for an unknown model
+        changes = grpc_settings.trace_changes(request)
+        tracer = self.dp.tracer
+        if changes:
+            return grpc_settings.trace_response(tracer.update(changes, request.model_name))
+        return grpc_settings.trace_response(tracer.settings(request.model_name))
+
+    @_guarded
+    async def LogSettings(self, request: Any, context: Any) -> Any:
+        changes = grpc_settings.log_changes(request)
+        settings = self.dp.log_settings
+        return grpc_settings.log_response(
+            settings.update(changes) if changes else settings.settings()
+        )
+
     # ---- repository ---------------------------------------------------------------------
 
     @_guarded
@@ -322,6 +341,8 @@ _ADMIN_RPCS = {
     "SystemSharedMemoryUnregister",
     "CudaSharedMemoryRegister",
     "CudaSharedMemoryUnregister",
+    "TraceSetting",
+    "LogSettings",
 }
 _PUBLIC_RPCS = {"ServerLive", "ServerReady", "ServerMetadata"}
 

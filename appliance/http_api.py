@@ -234,6 +234,26 @@ async def shm_unregister(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+# ---- trace and logging (Triton's extensions) -----------------------------------------
+
+
+async def trace_setting(request: web.Request) -> web.Response:
+    model = request.match_info.get("model", "")
+    tracer = request.app[DATAPLANE].tracer
+    if model:
+        request.app[DATAPLANE].lifecycle.entry(model)  # Triton's error for an unknown model
+    if request.method == "GET":
+        return _json(tracer.settings(model))
+    return _json(tracer.update(await _json_body(request), model))
+
+
+async def log_setting(request: web.Request) -> web.Response:
+    settings = request.app[DATAPLANE].log_settings
+    if request.method == "GET":
+        return _json(settings.settings())
+    return _json(settings.update(await _json_body(request)))
+
+
 # ---- CUDA shared memory (Triton's extension; see appliance.cuda_shared_memory) -------
 
 
@@ -267,6 +287,8 @@ _ADMIN_ROUTES: dict[Any, Scope] = {
         shm_unregister,
         cuda_shm_register,
         cuda_shm_unregister,
+        trace_setting,
+        log_setting,
     )
 }
 _PUBLIC_ROUTES: dict[Any, Scope] = {h: Scope.PUBLIC for h in (live, ready, server_metadata)}
@@ -291,6 +313,12 @@ def create_app(
         r.add_get(base + "/config", model_config)
         r.add_get(base + "/stats", model_stats)
         r.add_post(base + "/infer", infer)
+        r.add_get(base + "/trace/setting", trace_setting)
+        r.add_post(base + "/trace/setting", trace_setting)
+    r.add_get("/v2/trace/setting", trace_setting)
+    r.add_post("/v2/trace/setting", trace_setting)
+    r.add_get("/v2/logging", log_setting)
+    r.add_post("/v2/logging", log_setting)
     r.add_post("/v2/repository/index", repository_index)
     r.add_post("/v2/repository/models/{model}/load", repository_load)
     r.add_post("/v2/repository/models/{model}/unload", repository_unload)

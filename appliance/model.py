@@ -379,7 +379,15 @@ class ModelVersion:
             result.output_ns,
         )
         outputs_ = reshape.outputs_for_client(self.config, result.outputs)
-        return InferenceResponse(self.config.name, str(self.version), outputs_, request.id)
+        timing = (
+            start,
+            result.queue_ns,
+            result.input_ns,
+            result.infer_ns,
+            result.output_ns,
+            time.perf_counter_ns(),
+        )
+        return InferenceResponse(self.config.name, str(self.version), outputs_, request.id, timing)
 
     def metadata(self, versions: list[str]) -> dict[str, Any]:
         """KServe v2 model metadata."""

@@ -194,6 +194,7 @@ class Server:
             *([grpc.stop(self.config.drain_timeout_s)] if grpc else []),
         )
         await self.lifecycle.stop(self.config.drain_timeout_s)
+        await self.dataplane.tracer.stop()
         if self._bls is not None:
             bls.unregister(self.repository, self._bls)
             self._bls = None

@@ -67,6 +67,8 @@ class ServerConfig:
     # the name server metadata reports (Triton reports "triton"; a client that checks
     # the name can be served by setting it)
     server_name: str = "appliance"
+    # Triton's trace extension: where traces go (the folder must exist); None: no tracing
+    trace_file: Path | None = None
 
 
 def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerConfig:
@@ -121,8 +123,23 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         event_loop=_choice(f, "event_loop", "auto", ("auto", "asyncio", "uvloop")),
         mqtt=_mqtt(f, path, broker),
         server_name=_server_name(f),
+        trace_file=_trace_file(f, path),
         **_control(f, path),
     )
+
+
+def _trace_file(f: Fields, base: Path | None) -> Path | None:
+    value = f.data.get("trace_file")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise f.fail("trace_file", f"expected a path, got {value!r}")
+    path = Path(os.path.expanduser(value))
+    if base is not None and not path.is_absolute():
+        path = base.parent / path  # relative to the config file
+    if not path.parent.is_dir() or path.is_dir():
+        raise f.fail("trace_file", f"expected a file in an existing folder, got {str(path)!r}")
+    return path
 
 
 def _server_name(f: Fields) -> str:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import queue
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -280,9 +282,7 @@ def test_errors_as_triton_words_them(server: Any, triton_repo: Path) -> None:
     http = httpclient.InferenceServerClient(server.url)
     grpc = grpcclient.InferenceServerClient(server.grpc_url)
     inputs = _http_inputs(INPUT0=X, INPUT1=Y)
-    _fails(
-        lambda: http.infer("nope", inputs), "Request for unknown model: 'nope' is not found"
-    )
+    _fails(lambda: http.infer("nope", inputs), "Request for unknown model: 'nope' is not found")
     body_doc = {"inputs": [{"name": "A", "datatype": "FP32", "shape": [1], "data": [1.0]}]}
     status, body = post_json(f"http://{server.url}/v2/models/nope/infer", body_doc)
     assert status == 400 and json.loads(body) == {
@@ -351,3 +351,102 @@ def test_model_list_route(server: Any) -> None:
         doc = json.loads(response.read())
     names = {row["name"] for row in doc["models"]}
     assert {"add_sub", "repeat_int32", "bls", "reshaped", "labelled", "simple"} <= names
+
+
+# ---- trace and logging ----------------------------------------------------------------------
+
+
+def _wait_for(path: Path, timeout_s: float = 20.0) -> list[dict[str, Any]]:
+    """The trace file's records once it is written (written on a worker thread)."""
+    for _ in range(int(timeout_s / 0.05)):
+        if path.is_file():
+            try:
+                records: list[dict[str, Any]] = json.loads(path.read_text())
+                return records
+            except json.JSONDecodeError:
+                pass  # being written
+        time.sleep(0.05)
+    raise AssertionError(f"{path} was not written")
+
+
+def test_trace_settings_and_trace_files(
+    run_appliance: Any, triton_repo: Path, tmp_path: Path
+) -> None:
+    trace_file = tmp_path / "trace.json"
+    srv = run_appliance(triton_repo, trace_file=str(trace_file))
+    http = httpclient.InferenceServerClient(srv.url)
+    assert http.get_trace_settings()["trace_level"] == ["OFF"]
+    assert http.get_trace_settings()["trace_file"] == str(trace_file)
+    settings = http.update_trace_settings(
+        settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "log_frequency": "2"}
+    )
+    assert settings["trace_level"] == ["TIMESTAMPS"] and settings["trace_rate"] == "1"
+    # a model of its own: add_sub not traced; then back to the server's settings
+    grpc = grpcclient.InferenceServerClient(srv.grpc_url)
+    own = grpc.update_trace_settings("add_sub", {"trace_level": ["OFF"]}, as_json=True)
+    assert own["settings"]["trace_level"]["value"] == ["OFF"]
+    ones = np.ones((1, 16), np.int32)
+    for i in range(4):
+        http.infer("simple", _http_inputs(INPUT0=ones, INPUT1=ones), request_id=f"r{i}")
+        http.infer("add_sub", _http_inputs(INPUT0=X, INPUT1=Y))
+    first, second = _wait_for(Path(f"{trace_file}.0")), _wait_for(Path(f"{trace_file}.1"))
+    records = first + second
+    heads = [r for r in records if "model_name" in r]
+    assert [(h["model_name"], h["model_version"], h["request_id"]) for h in heads] == [
+        ("simple", 1, f"r{i}") for i in range(4)
+    ]
+    names = [
+        "REQUEST_START",
+        "QUEUE_START",
+        "COMPUTE_START",
+        "COMPUTE_INPUT_END",
+        "COMPUTE_OUTPUT_START",
+        "COMPUTE_END",
+        "REQUEST_END",
+    ]
+    for r in records:
+        if "timestamps" in r:
+            assert [t["name"] for t in r["timestamps"]] == names
+            stamps = [t["ns"] for t in r["timestamps"]]
+            assert stamps == sorted(stamps)  # one monotonic clock, in Triton's order
+    cleared = http.update_trace_settings("add_sub", {"trace_level": None})
+    assert cleared["trace_level"] == ["TIMESTAMPS"]  # the server's again
+    _fails(lambda: http.update_trace_settings(settings={"trace_file": "/tmp/x"}), "trace_file")
+    _fails(lambda: http.update_trace_settings(settings={"trace_level": ["TENSORS"]}), "TENSORS")
+    _fails(lambda: http.get_trace_settings("nope"), "Request for unknown model: 'nope'")
+    count = http.update_trace_settings(settings={"trace_count": "1", "log_frequency": "0"})
+    assert count["trace_count"] == "1"
+    http.infer("simple", _http_inputs(INPUT0=ones, INPUT1=ones))
+    assert http.get_trace_settings()["trace_count"] == "0"  # one trace taken, then none
+    http.update_trace_settings(settings={"trace_level": ["OFF"]})  # writes the last file
+    assert len([r for r in _wait_for(trace_file) if "model_name" in r]) == 1
+
+
+def test_tracing_needs_a_trace_file(server: Any) -> None:
+    http = httpclient.InferenceServerClient(server.url)
+    _fails(
+        lambda: http.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]}),
+        "set trace_file in the server config",
+    )
+    assert http.get_trace_settings()["trace_level"] == ["OFF"]
+
+
+def test_log_settings_change_the_level_at_run_time(server: Any) -> None:
+    root = logging.getLogger()
+    before = root.level
+    http = httpclient.InferenceServerClient(server.url)
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        settings = http.get_log_settings()
+        assert settings["log_file"] == "" and settings["log_error"] is True
+        assert http.update_log_settings({"log_verbose_level": 1})["log_verbose_level"] == 1
+        assert root.level == logging.DEBUG
+        reply = grpc.update_log_settings({"log_verbose_level": 0, "log_info": False}, as_json=True)
+        assert reply["settings"]["log_info"]["bool_param"] is False
+        assert root.level == logging.WARNING
+        got = grpc.get_log_settings(as_json=True)["settings"]
+        assert got["log_warning"]["bool_param"] is True
+        _fails(lambda: http.update_log_settings({"log_file": "/tmp/x.log"}), "log_file")
+        _fails(lambda: http.update_log_settings({"log_info": "yes"}), "true or false")
+    finally:
+        root.setLevel(before)

@@ -26,7 +26,7 @@ output [
 instance_group [ { kind: KIND_CPU } ]
 """
 
-ADD_SUB_PY = '''
+ADD_SUB_PY = """
 import json
 
 import numpy as np
@@ -57,7 +57,7 @@ class TritonPythonModel:
 
     def finalize(self):
         pb_utils.Logger.log_info("add_sub: cleaning up")
-'''
+"""
 
 # python_backend's decoupled example, in its shape: one response per element of IN,
 # sent from a thread of the model's own after execute returned, then the final flag
@@ -78,7 +78,7 @@ output [
 instance_group [ { count: 1 kind: KIND_CPU } ]
 """
 
-REPEAT_PY = '''
+REPEAT_PY = """
 import json
 import threading
 import time
@@ -125,7 +125,7 @@ class TritonPythonModel:
     def finalize(self):
         for thread in self.threads:
             thread.join()
-'''
+"""
 
 # BLS: one request to add_sub with exec(), one to the ONNX "simple" with async_exec()
 BLS_CONFIG = """
@@ -139,7 +139,7 @@ output [
 ]
 """
 
-BLS_PY = '''
+BLS_PY = """
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -170,7 +170,7 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse([
                 pb_utils.Tensor("Y", doubled), pb_utils.Tensor("Z", summed[0])]))
         return responses
-'''
+"""
 
 # NVIDIA's image examples reshape [1, N] to [N]-style: the client sees dims, the model reshape
 RESHAPE_CONFIG = """
@@ -213,7 +213,7 @@ input [
 output [ { name: "SUM" data_type: TYPE_FP32 dims: [ 2 ] } ]
 """
 
-OPTIONAL_PY = '''
+OPTIONAL_PY = """
 import triton_python_backend_utils as pb_utils
 
 
@@ -226,7 +226,7 @@ class TritonPythonModel:
             total = a if b is None else a + b.as_numpy()
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("SUM", total)]))
         return responses
-'''
+"""
 
 
 def _python_model(repo: Path, name: str, config: str, source: str) -> None:
