@@ -338,6 +338,10 @@ def _dynamic_batching(f: Fields) -> DynamicBatching:
             "priority_queue_policy",
         }
     )
+    ignored = ("preserve_ordering", "priority_levels", "default_priority_level")
+    for key in (*ignored, "priority_queue_policy"):
+        if key in f.data:
+            log.warning("%s: %s: '%s' is not supported and is ignored", f.source, f.path, key)
     policy = f.sub("default_queue_policy")
     size, timeout, override = 0, 0, True
     if policy is not None:
