@@ -22,7 +22,7 @@ from appliance.decoupled import RequestInputs, ResponseStream
 from appliance.errors import ApplianceError, invalid, unavailable
 from appliance.lifecycle import ModelLifeCycle
 from appliance.log_settings import LogSettings
-from appliance.model import State
+from appliance.model import ModelVersion, State
 from appliance.request import InferenceRequest, InferenceResponse
 from appliance.shared_memory import SharedMemoryRegistry
 from appliance.trace import Tracer
@@ -119,10 +119,14 @@ class DataPlane:
                 f"(model '{mv.config.name}' may send any number of responses a request: "
                 "call it over a stream, e.g. gRPC ModelStreamInfer)"
             )
+        return await self._infer_one(mv, request)
+
+    async def _infer_one(self, mv: ModelVersion, request: InferenceRequest) -> InferenceResponse:
+        """Run a request on its model version, traced when tracing picks it."""
         trace = None
         if self.tracer.active:  # one attribute read when tracing is off
             trace = self.tracer.begin(mv.config.name, time.perf_counter_ns())
-        response = await mv.infer(request)
+        response: InferenceResponse = await mv.infer(request)
         if trace is not None:
             self.tracer.finish(
                 trace, response.model_version, request.id, response.timing, time.perf_counter_ns()
@@ -151,9 +155,7 @@ class DataPlane:
             raise unavailable("the server is shutting down")
         mv = self.lifecycle.get(request.model_name, request.model_version)
         if not mv.config.decoupled:
-            response = await mv.infer(request)
-            self._classify(request, response, mv.config)
-            yield response, True
+            yield await self._infer_one(mv, request), True
             return
         stream = ResponseStream(asyncio.get_running_loop(), mv.config.name)
         request.inputs = RequestInputs(request.inputs, stream)
