@@ -8,8 +8,8 @@ Who runs where: ``execute`` runs on its instance's worker thread; :func:`call`
 hands the request to the server's event loop with ``run_coroutine_threadsafe``
 and blocks that worker thread (never the loop) until the answer comes. The loop
 stays free, so the called model is batched and run by its own instances as
-usual. A model calling itself with one instance would wait for itself: that is
-refused up front (the same deadlock Triton has, reported instead of hanging).
+usual. A model calling itself could wait for its own instance: that call is
+refused up front (INVALID_ARG) instead of hanging.
 :func:`call_async` is the same call as an awaitable, for ``async def execute``.
 
 Binding: the server registers its data plane here for its model repository when
@@ -84,10 +84,11 @@ def lookup(repository: Path | None) -> Binding | None:
 _current = threading.local()  # the binding of the model whose execute runs on this thread
 
 
-def bind_thread(binding: Binding | None) -> None:
-    """Set the binding BLS calls made on this thread use (the Python backend does it
-    on its instance thread before ``initialize``/``execute``)."""
+def bind_thread(binding: Binding | None, model: str = "") -> None:
+    """Set the binding BLS calls made on this thread use, and the calling model (the
+    Python backend does it on its instance thread before ``initialize``/``execute``)."""
     _current.binding = binding
+    _current.model = model
 
 
 def _binding() -> Binding:
@@ -97,7 +98,12 @@ def _binding() -> Binding:
     return binding
 
 
-def _check_thread(binding: Binding) -> None:
+def _check_thread(binding: Binding, request: InferenceRequest) -> None:
+    if request.model_name and request.model_name == getattr(_current, "model", ""):
+        raise invalid(
+            f"BLS: model '{request.model_name}' cannot call itself: its instance would "
+            "wait for itself"
+        )
     try:
         running = asyncio.get_running_loop()
     except RuntimeError:
@@ -112,7 +118,7 @@ def _check_thread(binding: Binding) -> None:
 def call(request: InferenceRequest, timeout_s: float | None = None) -> InferenceResponse:
     """Run ``request`` through the data plane and wait (blocking this thread)."""
     binding = _binding()
-    _check_thread(binding)
+    _check_thread(binding, request)
     future: Future[InferenceResponse] = asyncio.run_coroutine_threadsafe(
         binding.executor.infer(request), binding.loop
     )
@@ -126,7 +132,7 @@ def call(request: InferenceRequest, timeout_s: float | None = None) -> Inference
 async def call_async(request: InferenceRequest) -> InferenceResponse:
     """:func:`call` as an awaitable on the caller's own event loop."""
     binding = _binding()
-    _check_thread(binding)
+    _check_thread(binding, request)
     future = asyncio.run_coroutine_threadsafe(binding.executor.infer(request), binding.loop)
     return await asyncio.wrap_future(future)
 
@@ -137,7 +143,7 @@ def call_stream(
     """Run a (decoupled) model and yield its responses as they come (blocking); an
     error the model sent comes as an :class:`ApplianceError` item."""
     binding = _binding()
-    _check_thread(binding)
+    _check_thread(binding, request)
     results: list[tuple[InferenceResponse | ApplianceError, bool]] = []
     ready = threading.Condition()
 

@@ -107,7 +107,7 @@ class PythonBackend:
         self._decoupled = pb.using_decoupled_model_transaction_policy(config)
         self._loop: asyncio.AbstractEventLoop | None = None  # for ``async def execute``
         self._bls = bls.lookup(options.model_path.parent.parent.parent)
-        bls.bind_thread(self._bls)
+        bls.bind_thread(self._bls, self._name)
         module = _load_module(options)
         cls = getattr(module, "TritonPythonModel", None)
         if cls is None:
@@ -131,7 +131,7 @@ class PythonBackend:
 
     def infer(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
         check_inputs(self._name, self.inputs, inputs)
-        bls.bind_thread(self._bls)
+        bls.bind_thread(self._bls, self._name)
         tensors = [pb.Tensor(n, a) for n, a in inputs.items()]
         if self._decoupled:
             return self._infer_decoupled(tensors, outputs, decoupled.stream_of(inputs, self._name))
@@ -192,7 +192,7 @@ class PythonBackend:
         if inspect.iscoroutine(result):
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
-            bls.bind_thread(self._bls)  # also for a watchdog thread
+            bls.bind_thread(self._bls, self._name)  # also for a watchdog thread
             return self._loop.run_until_complete(result)
         return result
 
@@ -211,7 +211,7 @@ class PythonBackend:
 
         def call() -> None:
             try:
-                bls.bind_thread(self._bls)
+                bls.bind_thread(self._bls, self._name)
                 box["result"] = self._call_execute(requests)
             except BaseException as exc:  # handed to the waiting instance thread
                 box["error"] = exc

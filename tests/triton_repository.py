@@ -166,6 +166,10 @@ class TritonPythonModel:
             missing = pb_utils.InferenceRequest(
                 model_name="no_such_model", requested_output_names=[], inputs=[]).exec()
             assert missing.has_error() and "unknown model" in missing.error().message()
+            itself = pb_utils.InferenceRequest(
+                model_name="bls", requested_output_names=["Y"], inputs=[request.inputs()[0]]
+            ).exec()
+            assert itself.has_error() and "cannot call itself" in itself.error().message()
             summed = pb_utils.get_output_tensor_by_name(second, "OUTPUT0").as_numpy()
             responses.append(pb_utils.InferenceResponse([
                 pb_utils.Tensor("Y", doubled), pb_utils.Tensor("Z", summed[0])]))
