@@ -181,6 +181,9 @@ class InferenceRequest:
         response_sender: InferenceResponseSender | None = None,
         **_ignored: Any,  # preferred_memory, trace: no meaning on a CPU device
     ) -> None:
+        if isinstance(inputs, str):  # Triton's positional order: (model_name, inputs, outputs)
+            given: Any = (inputs, requested_output_names, model_name)
+            model_name, inputs, requested_output_names = given
         self._inputs = list(inputs or [])
         self._outputs = list(requested_output_names or [])
         self._model_name = model_name
