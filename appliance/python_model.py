@@ -88,7 +88,23 @@ class Tensor:
 
     @staticmethod
     def from_dlpack(name: str, capsule: Any) -> Tensor:
-        return Tensor(name, np.from_dlpack(capsule))
+        """From any object with ``__dlpack__`` (a CPU torch tensor, ...) or a bare
+        DLPack capsule of CPU memory."""
+        source = capsule if hasattr(capsule, "__dlpack__") else _Capsule(capsule)
+        return Tensor(name, np.from_dlpack(source))
+
+
+class _Capsule:
+    """A bare DLPack capsule dressed as the protocol numpy reads (CPU memory only)."""
+
+    def __init__(self, capsule: Any) -> None:
+        self._capsule = capsule
+
+    def __dlpack__(self, **_: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU
 
 
 class InferenceResponse:
