@@ -177,7 +177,12 @@ def main() -> None:
     if not pa:
         sys.exit("perf_analyzer not found: pass --perf-analyzer PATH")
     wanted = {c.strip() for c in args.cases.split(",") if c.strip()}
-    machine = describe("perf-analyzer", "onnxruntime", "grpcio", "aiohttp")
+    machine = describe("onnxruntime", "grpcio", "aiohttp")
+    try:
+        version = subprocess.run([pa, "--version"], capture_output=True, text=True, timeout=60)
+        machine["perf_analyzer"] = (version.stdout or version.stderr).strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.TimeoutExpired):
+        machine["perf_analyzer"] = "unknown"
     results: dict[str, dict[int, tuple[float, int]]] = {}
     failures: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
