@@ -113,6 +113,13 @@ def test_bls_calls_other_models_from_async_execute(server: Any) -> None:
     assert add_sub_count() == before + 3  # through the data plane, counted
 
 
+def test_bls_collects_the_responses_of_a_decoupled_model(server: Any) -> None:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    values = np.array([3, 1, 4, 1, 5], np.int32)
+    result = client.infer("bls_repeat", _grpc_inputs(IN=values))
+    np.testing.assert_array_equal(result.as_numpy("OUT"), values)
+
+
 def test_optional_input_may_be_left_out(server: Any) -> None:
     client = grpcclient.InferenceServerClient(server.grpc_url)
     a = np.array([1.0, 2.0], np.float32)
@@ -210,6 +217,30 @@ def test_decoupled_stream_with_aio_client(server: Any) -> None:
         return values
 
     assert asyncio.run(run()) == [5, 6, 7]
+
+
+ENSEMBLE_OF_DECOUPLED = """
+name: "ens"
+platform: "ensemble"
+max_batch_size: 1
+input [ { name: "X" data_type: TYPE_INT32 dims: [ -1 ] } ]
+output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]
+ensemble_scheduling { step [ {
+  model_name: "repeat_int32"
+  model_version: -1
+  input_map { key: "IN" value: "X" }
+  output_map { key: "OUT" value: "Y" }
+} ] }
+"""
+
+
+def test_a_decoupled_model_cannot_be_an_ensemble_step(run_appliance: Any, tmp_path: Path) -> None:
+    repo = write_triton_repository(tmp_path / "repo")
+    (repo / "ens" / "1").mkdir(parents=True)
+    (repo / "ens" / "config.pbtxt").write_text(ENSEMBLE_OF_DECOUPLED)
+    srv = run_appliance(repo, load_model=["repeat_int32"])
+    client = httpclient.InferenceServerClient(srv.url)
+    _fails(lambda: client.load_model("ens"), "failed to load 'ens'", "is decoupled")
 
 
 def test_decoupled_model_is_refused_on_unary_calls(server: Any) -> None:

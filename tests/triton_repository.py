@@ -176,6 +176,46 @@ class TritonPythonModel:
         return responses
 """
 
+# BLS to a decoupled model: exec(decoupled=True) yields its responses, the last empty
+BLS_REPEAT_CONFIG = """
+name: "bls_repeat"
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ -1 ] } ]
+"""
+
+BLS_REPEAT_PY = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            call = pb_utils.InferenceRequest(
+                model_name="repeat_int32",
+                requested_output_names=["OUT"],
+                inputs=[
+                    pb_utils.Tensor("IN", values),
+                    pb_utils.Tensor("DELAY", np.zeros(values.shape, np.uint32)),
+                    pb_utils.Tensor("WAIT", np.zeros([1], np.uint32)),
+                ],
+            )
+            got = []
+            for response in call.exec(decoupled=True):
+                if response.has_error():
+                    raise pb_utils.TritonModelException(response.error().message())
+                out = pb_utils.get_output_tensor_by_name(response, "OUT")
+                if out is not None:
+                    got.append(int(out.as_numpy()[0]))
+            responses.append(
+                pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array(got, np.int32))]))
+        return responses
+'''
+
 # NVIDIA's image examples reshape [1, N] to [N]-style: the client sees dims, the model reshape
 RESHAPE_CONFIG = """
 name: "reshaped"
@@ -251,6 +291,7 @@ def write_triton_repository(repo: Path) -> Path:
     _python_model(repo, "repeat_int32", REPEAT_CONFIG, REPEAT_PY)
     _python_model(repo, "bls", BLS_CONFIG, BLS_PY)
     _python_model(repo, "optional_in", OPTIONAL_CONFIG, OPTIONAL_PY)
+    _python_model(repo, "bls_repeat", BLS_REPEAT_CONFIG, BLS_REPEAT_PY)
     _onnx_model(repo, "reshaped", modelgen.simple_add_sub(), RESHAPE_CONFIG)
     folder = _onnx_model(repo, "labelled", modelgen.identity("FP32", [5]), LABELLED_CONFIG)
     (folder / "labels.txt").write_text("\n".join(LABELS) + "\n")
