@@ -451,11 +451,12 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
                 + ("" if max_batch else " (a model that does not batch warms up one sample)"),
             )
     steps = _ensemble(f)
-    if steps and not (max_batch is not None and f.data.get("input") and f.data.get("output")):
+    if steps and max_batch is None:
+        max_batch = 0  # Triton's default; config.pbtxt cannot spell an explicit 0
+    if steps and not (f.data.get("input") and f.data.get("output")):
         raise f.fail(
             "ensemble_scheduling",
-            "an ensemble has no engine to complete its config from: "
-            "declare max_batch_size, input and output",
+            "an ensemble has no engine to complete its config from: declare input and output",
         )
     return ModelConfig(
         name=name,

@@ -222,7 +222,7 @@ def test_decoupled_stream_with_aio_client(server: Any) -> None:
 ENSEMBLE_OF_DECOUPLED = """
 name: "ens"
 platform: "ensemble"
-max_batch_size: 1
+max_batch_size: 0
 input [ { name: "X" data_type: TYPE_INT32 dims: [ -1 ] } ]
 output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]
 ensemble_scheduling { step [ {
@@ -234,13 +234,35 @@ ensemble_scheduling { step [ {
 """
 
 
-def test_a_decoupled_model_cannot_be_an_ensemble_step(run_appliance: Any, tmp_path: Path) -> None:
+ENSEMBLE_NO_BATCH = """
+name: "ens_ok"
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "A" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "SUM" data_type: TYPE_FP32 dims: [ 4 ] } ]
+ensemble_scheduling { step [ {
+  model_name: "add_sub"
+  model_version: -1
+  input_map [ { key: "INPUT0" value: "A" }, { key: "INPUT1" value: "A" } ]
+  output_map { key: "OUTPUT0" value: "SUM" }
+} ] }
+"""
+
+
+def test_pbtxt_ensembles_without_batching_and_no_decoupled_steps(
+    run_appliance: Any, tmp_path: Path
+) -> None:
     repo = write_triton_repository(tmp_path / "repo")
-    (repo / "ens" / "1").mkdir(parents=True)
-    (repo / "ens" / "config.pbtxt").write_text(ENSEMBLE_OF_DECOUPLED)
-    srv = run_appliance(repo, load_model=["repeat_int32"])
+    for name, text in (("ens", ENSEMBLE_OF_DECOUPLED), ("ens_ok", ENSEMBLE_NO_BATCH)):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "config.pbtxt").write_text(text)
+    srv = run_appliance(repo, load_model=["repeat_int32", "add_sub"])
     client = httpclient.InferenceServerClient(srv.url)
     _fails(lambda: client.load_model("ens"), "failed to load 'ens'", "is decoupled")
+    # "max_batch_size: 0" is what protobuf text leaves out: an ensemble then does not batch
+    client.load_model("ens_ok")
+    result = client.infer("ens_ok", _http_inputs(A=X))
+    np.testing.assert_array_equal(result.as_numpy("SUM"), X * 2)
 
 
 def test_decoupled_model_is_refused_on_unary_calls(server: Any) -> None:
