@@ -228,8 +228,9 @@ class DataPlane:
                     f"together with model files {files}"
                 )
             raise invalid(
-                f"failed to load '{name}': model files in a load request {files} are not "
-                "accepted by this server; place them in the model repository"
+                f"failed to load '{name}', failed to poll from model repository: model files "
+                f"in a load request {files} are not accepted by this server; place them in "
+                "the model repository"
             )
         override = None
         if "config" in params:
@@ -238,7 +239,10 @@ class DataPlane:
                 raw = json.dumps(raw)
             if not isinstance(raw, str):
                 raise invalid("load parameter 'config' must be the model config as a JSON string")
-            override = json_to_dict(raw, f"load request for model '{name}': parameter 'config'")
+            try:
+                override = json_to_dict(raw, "load request parameter 'config'")
+            except ApplianceError as exc:  # Triton's clients look for "failed to load"
+                raise invalid(f"failed to load '{name}': {exc.message}") from None
         in_place = params.pop("in_place", False)
         if isinstance(in_place, str) and in_place.lower() in ("true", "false"):
             in_place = in_place.lower() == "true"

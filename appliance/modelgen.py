@@ -69,9 +69,9 @@ CLASSIFIER_CONFIG = """\
 backend: onnxruntime
 max_batch_size: 32
 input:
-  - {name: input, data_type: TYPE_FP32, dims: [3, 224, 224]}
+  - {name: input, data_type: TYPE_FP32, format: FORMAT_NCHW, dims: [3, 224, 224]}
 output:
-  - {name: output, data_type: TYPE_FP32, dims: [1000]}
+  - {name: output, data_type: TYPE_FP32, dims: [1000], label_filename: labels.txt}
 dynamic_batching:
   preferred_batch_size: [8, 16, 32]
   max_queue_delay_microseconds: 2000
@@ -295,11 +295,17 @@ PIPELINE_MODELS = ("preprocess", "postprocess", "image_classifier")
 DEMO_DIR = Path(__file__).resolve().parent / "demo_models"
 
 
+# the classifier's labels (Triton's label_filename: "score:index:label" classification)
+CLASSIFIER_LABELS = "".join(f"class_{i}\n" for i in range(1000))
+
+
 def write_demo_repository(repo: Path) -> None:
     """Write the ``simple`` and ``classifier`` demo models and their config.yaml, and
     copy the ``image_classifier`` pipeline (preprocess -> classifier -> postprocess)."""
     for name, (build, config) in DEMO_MODELS.items():
         write_model(repo, name, build(), config)
+    with open(Path(repo) / "classifier" / "labels.txt", "w", encoding="utf-8", newline="\n") as f:
+        f.write(CLASSIFIER_LABELS)
     for name in PIPELINE_MODELS:
         source, target = DEMO_DIR / name, Path(repo) / name
         if source.resolve() != target.resolve():
