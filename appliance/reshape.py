@@ -43,7 +43,8 @@ def inputs_for_model(config: ModelConfig, inputs: dict[str, np.ndarray]) -> dict
 def outputs_for_client(
     config: ModelConfig, outputs: dict[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
-    """The engine's outputs in the shapes the config's ``dims`` promise clients."""
-    if all(t.reshape is None for t in config.outputs):
+    """The engine's outputs in the shapes the config's ``dims`` promise clients (a
+    decoupled model's responses are reshaped as they stream, not here)."""
+    if config.decoupled or all(t.reshape is None for t in config.outputs):
         return outputs
     return _apply(outputs, config.outputs, config.batch_size > 0, False)
