@@ -71,7 +71,7 @@ max_batch_size: 32
 input:
   - {name: input, data_type: TYPE_FP32, format: FORMAT_NCHW, dims: [3, 224, 224]}
 output:
-  - {name: output, data_type: TYPE_FP32, dims: [1000], label_filename: labels.txt}
+  - {name: output, data_type: TYPE_FP32, dims: [1000]}
 dynamic_batching:
   preferred_batch_size: [8, 16, 32]
   max_queue_delay_microseconds: 2000
@@ -281,10 +281,18 @@ def write_model(
     return folder
 
 
+# the shipped demo classifier also names class labels (Triton's label_filename, for
+# "score:index:label" classification, as Triton's image_client prints); its labels.txt
+# is written next to it by write_demo_repository
+CLASSIFIER_LABELS = "".join(f"class_{i}\n" for i in range(1000))
+CLASSIFIER_DEMO_CONFIG = CLASSIFIER_CONFIG.replace(
+    "dims: [1000]}", "dims: [1000], label_filename: labels.txt}"
+)
+
 # Demo repository contents: model name -> (builder, config.yaml text).
 DEMO_MODELS: dict[str, tuple[Callable[[], bytes], str]] = {
     "simple": (simple_add_sub, SIMPLE_CONFIG),
-    "classifier": (classifier, CLASSIFIER_CONFIG),
+    "classifier": (classifier, CLASSIFIER_DEMO_CONFIG),
 }
 
 
@@ -295,8 +303,6 @@ PIPELINE_MODELS = ("preprocess", "postprocess", "image_classifier")
 DEMO_DIR = Path(__file__).resolve().parent / "demo_models"
 
 
-# the classifier's labels (Triton's label_filename: "score:index:label" classification)
-CLASSIFIER_LABELS = "".join(f"class_{i}\n" for i in range(1000))
 
 
 def write_demo_repository(repo: Path) -> None:
