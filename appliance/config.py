@@ -13,6 +13,7 @@ auto-complete does.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,6 +41,16 @@ class TensorConfig:
     datatype: str  # KServe name
     dims: tuple[int, ...]  # without the batch dim; -1 = any size
     optional: bool = False
+    # Triton's reshape: the shape the model sees (dims: what the client sees); None: dims
+    reshape: tuple[int, ...] | None = None
+    format: str = "FORMAT_NONE"  # inputs: FORMAT_NCHW / FORMAT_NHWC, reported back only
+    label_filename: str = ""  # outputs: class labels for the classification extension
+    labels: tuple[str, ...] = ()  # read from label_filename when the config is loaded
+
+    @property
+    def model_dims(self) -> tuple[int, ...]:
+        """The dims the engine sees (``reshape`` where given)."""
+        return self.dims if self.reshape is None else self.reshape
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +134,7 @@ class ModelConfig:
     memory_limit: int | None = None  # parameters.memory_limit: one copy's cap, bytes
     ensemble_steps: tuple[EnsembleStep, ...] = ()  # platform "ensemble" only
     sequence_batching: SequenceBatching | None = None  # stateful models
+    decoupled: bool = False  # model_transaction_policy.decoupled: 0..N responses a request
     source: str = "<auto-complete>"
 
     @property
@@ -138,7 +150,6 @@ class ModelConfig:
 _UNSUPPORTED = {
     "optimization",
     "response_cache",
-    "model_transaction_policy",
     "batch_input",
     "batch_output",
     "model_operations",
@@ -163,13 +174,12 @@ _MODEL_FIELDS = {
     "model_warmup",
     "ensemble_scheduling",
     "sequence_batching",
+    "model_transaction_policy",
 } | _UNSUPPORTED
 
 
 # Triton tensor fields accepted but not acted on yet (warned about, like model fields).
 _UNSUPPORTED_TENSOR = (
-    "reshape",
-    "label_filename",
     "is_shape_tensor",
     "allow_ragged_batch",
     "is_non_linear_format_io",
@@ -177,7 +187,10 @@ _UNSUPPORTED_TENSOR = (
 
 
 def _tensor(f: Fields) -> TensorConfig:
-    f.check_keys({"name", "data_type", "dims", "optional", "format", *_UNSUPPORTED_TENSOR})
+    f.check_keys(
+        {"name", "data_type", "dims", "optional", "format", "reshape", "label_filename"}
+        | set(_UNSUPPORTED_TENSOR)
+    )
     name = f.text("name")
     if not name:
         raise f.fail("name", "expected a non-empty tensor name")
@@ -187,11 +200,43 @@ def _tensor(f: Fields) -> TensorConfig:
     except ValueError:
         expected = ", ".join(datatypes.to_config_type(d) for d in datatypes.DATATYPES)
         raise f.fail("data_type", f"expected one of {expected}, got {raw_type!r}") from None
-    f.file_name("label_filename")  # ignored, but never a path
     for key in _UNSUPPORTED_TENSOR:
         if key in f.data:
             log.warning("%s: %s: '%s' is not supported and is ignored", f.source, f.path, key)
-    return TensorConfig(name, datatype, f.ints("dims", -1), f.flag("optional", False))
+    reshape = f.sub("reshape")
+    if reshape is not None:
+        reshape.check_keys({"shape"})
+    fmt = f.text("format", "FORMAT_NONE")
+    if fmt not in _FORMATS:
+        raise f.fail("format", f"expected one of {', '.join(_FORMATS)}, got {fmt!r}")
+    label_file = f.file_name("label_filename")  # a file of the model folder, never a path
+    dims = f.ints("dims", -1)
+    shape = reshape.ints("shape", -1) if reshape is not None else None
+    if shape is not None and -1 not in (*dims, *shape) and math.prod(dims) != math.prod(shape):
+        raise f.fail(
+            "reshape", f"shape {list(shape)} does not hold the elements of dims {list(dims)}"
+        )
+    return TensorConfig(
+        name,
+        datatype,
+        dims,
+        f.flag("optional", False),
+        # protobuf JSON leaves an empty shape out: "reshape: { shape: [] }" is {}
+        shape,
+        fmt,
+        label_file,
+    )
+
+
+_FORMATS = ("FORMAT_NONE", "FORMAT_NHWC", "FORMAT_NCHW")
+
+
+def _transaction_policy(f: Fields) -> bool:
+    policy = f.sub("model_transaction_policy")
+    if policy is None:
+        return False
+    policy.check_keys({"decoupled"})
+    return policy.flag("decoupled", False)
 
 
 def _dynamic_batching(f: Fields) -> DynamicBatching:
@@ -206,6 +251,10 @@ def _dynamic_batching(f: Fields) -> DynamicBatching:
             "priority_queue_policy",
         }
     )
+    ignored = ("preserve_ordering", "priority_levels", "default_priority_level")
+    for key in (*ignored, "priority_queue_policy"):
+        if key in f.data:
+            log.warning("%s: %s: '%s' is not supported and is ignored", f.source, f.path, key)
     policy = f.sub("default_queue_policy")
     size, timeout, override = 0, 0, True
     if policy is not None:
@@ -321,11 +370,12 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
             "sequence_batching",
             "a model has one scheduler: not also dynamic_batching or ensemble_scheduling",
         )
-    if steps and not (max_batch is not None and f.data.get("input") and f.data.get("output")):
+    if steps and max_batch is None:
+        max_batch = 0  # Triton's default; config.pbtxt cannot spell an explicit 0
+    if steps and not (f.data.get("input") and f.data.get("output")):
         raise f.fail(
             "ensemble_scheduling",
-            "an ensemble has no engine to complete its config from: "
-            "declare max_batch_size, input and output",
+            "an ensemble has no engine to complete its config from: declare input and output",
         )
     inputs = tuple(_tensor(t) for t in f.entries("input"))
     outputs = tuple(_tensor(t) for t in f.entries("output"))
@@ -358,6 +408,7 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
         memory_limit=_memory_limit(parameters, source),
         ensemble_steps=steps,
         sequence_batching=sequence,
+        decoupled=_transaction_policy(f),
         source=source,
     )
 
@@ -603,10 +654,11 @@ def _check_against(
             "max_batch_size > 0 needs a dynamic first dim, but the model's shape is "
             f"{list(spec.shape)}",
         )
-    if len(model_dims) != len(cfg.dims) or any(
-        m != -1 and c != -1 and m != c for m, c in zip(model_dims, cfg.dims, strict=True)
+    dims = cfg.model_dims
+    if len(model_dims) != len(dims) or any(
+        m != -1 and c != -1 and m != c for m, c in zip(model_dims, dims, strict=True)
     ):
-        full = ([-1] if batched else []) + list(cfg.dims)
+        full = ([-1] if batched else []) + list(dims)
         raise ConfigError(
             source, where, f"config dims {full} do not match the model's shape {list(spec.shape)}"
         )

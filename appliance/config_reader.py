@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -41,4 +42,25 @@ def load_model_config(model_dir: Path) -> ModelConfig:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise ConfigError(str(path), "", f"not valid YAML: {exc}") from None
-    return parse_model_config(data, model_dir.name, str(path))
+    return with_labels(parse_model_config(data, model_dir.name, str(path)), model_dir)
+
+
+_MAX_LABELS_BYTES = 16 * 2**20
+
+
+def with_labels(config: ModelConfig, model_dir: Path) -> ModelConfig:
+    """Read each output's ``label_filename`` (one label a line) from the model folder."""
+    outputs = []
+    for t in config.outputs:
+        if t.label_filename:
+            path = model_dir / t.label_filename
+            where = f"output '{t.name}'.label_filename"
+            try:
+                if path.is_symlink() or path.stat().st_size > _MAX_LABELS_BYTES:
+                    raise ConfigError(config.source, where, "expected a regular file under 16 MiB")
+                text = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(config.source, where, f"cannot read {path}: {exc}") from None
+            t = replace(t, labels=tuple(text.splitlines()))
+        outputs.append(t)
+    return replace(config, outputs=tuple(outputs))

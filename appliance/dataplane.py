@@ -14,17 +14,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 
-from appliance import names
+from appliance import names, reshape
+from appliance.cuda_shared_memory import CudaSharedMemory
+from appliance.decoupled import RequestInputs, ResponseStream
 from appliance.errors import ApplianceError, Code, invalid, unavailable
 from appliance.lifecycle import ModelLifeCycle
 from appliance.limits import InputGate
-from appliance.model import State
+from appliance.log_settings import LogSettings
 from appliance.request import InferenceRequest, InferenceResponse
+from appliance.servable import Servable, State
 from appliance.shared_memory import SharedMemoryRegistry
+from appliance.trace import Tracer
 from appliance.triton_config import json_to_dict, to_triton_json
 from appliance.version import __version__
 
@@ -36,12 +42,15 @@ EXTENSIONS = [
     "binary_tensor_data",
     "parameters",
     "sequence",
+    "trace",
+    "logging",
 ]
 
 
-def classify(arr: np.ndarray, k: int, batched: bool) -> np.ndarray:
+def classify(arr: np.ndarray, k: int, batched: bool, labels: tuple[str, ...] = ()) -> np.ndarray:
     """Triton's classification extension: the top-k entries of each batch row as
-    BYTES "value:index" strings, highest first."""
+    BYTES "value:index" strings, highest first ("value:index:label" where the output
+    has a ``label_filename``)."""
     rows = arr.reshape(arr.shape[0] if batched else 1, -1)
     if rows.dtype.kind not in "biuf":
         raise invalid(f"classification needs a numeric output, got {rows.dtype}")
@@ -49,7 +58,10 @@ def classify(arr: np.ndarray, k: int, batched: bool) -> np.ndarray:
     top = np.argsort(-rows.astype(np.float64), axis=1, kind="stable")[:, :k]
     out = np.empty((rows.shape[0], k), dtype=object)
     for r in range(rows.shape[0]):
-        out[r] = [f"{rows[r, i]:f}:{i}".encode() for i in top[r]]
+        out[r] = [
+            (f"{rows[r, i]:f}:{i}" + (f":{labels[i]}" if i < len(labels) else "")).encode()
+            for i in top[r]
+        ]
     return out if batched else out[0]
 
 
@@ -69,6 +81,9 @@ class DataPlane:
     def __init__(self, lifecycle: ModelLifeCycle, shared_memory: SharedMemoryRegistry) -> None:
         self.lifecycle = lifecycle
         self.shared_memory = shared_memory
+        self.cuda_shared_memory = CudaSharedMemory()
+        self.tracer = Tracer(lifecycle.server.trace_file)
+        self.log_settings = LogSettings(lifecycle.server.log_level)
         self.live = True
         self.accepting = True  # False once shutdown began: readiness goes false first
 
@@ -79,7 +94,10 @@ class DataPlane:
 
     def server_metadata(self) -> dict[str, Any]:
         extensions = EXTENSIONS + (["system_shared_memory"] if self.shared_memory.enabled else [])
-        return {"name": "appliance", "version": __version__, "extensions": extensions}
+        if self.cuda_shared_memory.supported:
+            extensions.append("cuda_shared_memory")
+        name = self.lifecycle.server.server_name
+        return {"name": name, "version": __version__, "extensions": extensions}
 
     def model_ready(self, name: str, version: str = "") -> bool:
         """False for an unknown or unready model; INVALID_ARG for a malformed name."""
@@ -91,7 +109,8 @@ class DataPlane:
             raise
 
     def model_unready_reason(self, name: str, version: str = "") -> str:
-        """Why the model is not ready ("" when it is); NOT_FOUND for an unknown model."""
+        """Why the model is not ready ("" when it is; an unknown model is not ready,
+        in Triton's words); NOT_FOUND for a version the model lacks."""
         _checked(name, version)
         try:
             mv = self.lifecycle.get(name, version)
@@ -125,16 +144,89 @@ class DataPlane:
 
         return InputGate(mv.config, self.lifecycle.server.max_request_elements, refused)
 
+    def is_decoupled(self, name: str, version: str = "") -> bool:
+        """Whether the model may send 0..N responses a request (False if unknown)."""
+        try:
+            return self.lifecycle.get(name, version).config.decoupled
+        except ApplianceError:
+            return False
+
     # ---- inference ---------------------------------------------------------------------
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+    async def infer(
+        self, request: InferenceRequest, endpoint: str = "this endpoint"
+    ) -> InferenceResponse:
+        """One request, one response. A decoupled model is refused with Triton's text
+        (``endpoint`` names the caller: "HTTP end point", "ModelInfer RPC")."""
         if not self.accepting:
             raise unavailable("the server is shutting down")
         mv = self.lifecycle.get(*_checked(request.model_name, request.model_version))
-        response = await mv.infer(request)
-        for name, k in request.classification.items():
-            response.outputs[name] = classify(response.outputs[name], k, mv.config.batch_size > 0)
+        if mv.config.decoupled:
+            raise invalid(
+                f"{endpoint} doesn't support models with decoupled transaction policy "
+                f"(model '{mv.config.name}' may send any number of responses a request: "
+                "call it over a stream, e.g. gRPC ModelStreamInfer)"
+            )
+        return await self._infer_one(mv, request)
+
+    async def _infer_one(self, mv: Servable, request: InferenceRequest) -> InferenceResponse:
+        """Run a request on its model version, traced when tracing picks it."""
+        trace = None
+        if self.tracer.active:  # one attribute read when tracing is off
+            trace = self.tracer.begin(mv.config.name, time.perf_counter_ns())
+        response: InferenceResponse = await mv.infer(request)
+        if trace is not None:
+            self.tracer.finish(
+                trace, response.model_version, request.id, response.timing, time.perf_counter_ns()
+            )
+        self._classify(request, response, mv.config)
         return response
+
+    @staticmethod
+    def _classify(request: InferenceRequest, response: InferenceResponse, config: Any) -> None:
+        labels = {t.name: t.labels for t in config.outputs}
+        for name, k in request.classification.items():
+            response.outputs[name] = classify(
+                response.outputs[name], k, config.batch_size > 0, labels.get(name, ())
+            )
+
+    async def infer_stream(
+        self, request: InferenceRequest
+    ) -> AsyncIterator[tuple[InferenceResponse | ApplianceError, bool]]:
+        """The responses of one request with their "final" flag: exactly one for a
+        regular model; 0..N for a decoupled one, the last flagged final (its response
+        may be empty: the model sent only the flag). An error the model sent comes
+        as an :class:`ApplianceError` item and the stream goes on; a request that
+        fails before the model ran raises. Closing the iterator early cancels the
+        execution if it has not started."""
+        if not self.accepting:
+            raise unavailable("the server is shutting down")
+        mv = self.lifecycle.get(*_checked(request.model_name, request.model_version))
+        if not mv.config.decoupled:
+            yield await self._infer_one(mv, request), True
+            return
+        stream = ResponseStream(asyncio.get_running_loop(), mv.config.name)
+        request.inputs = RequestInputs(request.inputs, stream)
+        task = asyncio.get_running_loop().create_task(mv.infer(request))
+
+        def ended(t: asyncio.Task[InferenceResponse]) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                error = t.exception()
+                stream.fail(error if isinstance(error, ApplianceError) else unavailable(str(error)))
+
+        task.add_done_callback(ended)
+        try:
+            async for item, final in stream:
+                if isinstance(item, ApplianceError):
+                    yield item, final
+                    continue
+                outputs = reshape.outputs_for_client(mv.config, item or {})
+                response = InferenceResponse(mv.config.name, str(mv.version), outputs, request.id)
+                self._classify(request, response, mv.config)
+                yield response, final
+        finally:
+            if not task.done():
+                task.cancel()
 
     # ---- statistics and repository -----------------------------------------------------
 
@@ -177,6 +269,21 @@ class DataPlane:
         names.check_model_name(name)
         self._check_control("load")
         params = dict(parameters or {})
+        files = sorted(k for k in params if k.startswith("file:"))
+        if files:
+            # Triton's override files: the model's files travel in the request. Not taken
+            # here: a Python model's files are code, and the appliance runs only what its
+            # own repository holds.
+            if "config" not in params:
+                raise invalid(
+                    f"failed to load '{name}': load parameter 'config' must be provided "
+                    f"together with model files {files}"
+                )
+            raise invalid(
+                f"failed to load '{name}', failed to poll from model repository: model files "
+                f"in a load request {files} are not accepted by this server; place them in "
+                "the model repository"
+            )
         override = None
         if "config" in params:
             raw = params.pop("config")
@@ -184,7 +291,10 @@ class DataPlane:
                 raw = json.dumps(raw)
             if not isinstance(raw, str):
                 raise invalid("load parameter 'config' must be the model config as a JSON string")
-            override = json_to_dict(raw, f"load request for model '{name}': parameter 'config'")
+            try:
+                override = json_to_dict(raw, "load request parameter 'config'")
+            except ApplianceError as exc:  # Triton's clients look for "failed to load"
+                raise invalid(f"failed to load '{name}': {exc.message}") from None
         in_place = params.pop("in_place", False)
         if isinstance(in_place, str) and in_place.lower() in ("true", "false"):
             in_place = in_place.lower() == "true"
@@ -204,7 +314,7 @@ class DataPlane:
             )
         entry = await self.lifecycle.load(name, override, in_place, default)
         if entry.state != State.READY or entry.reason:  # a failed reload keeps the old copy
-            raise invalid(f"failed to load model '{name}': {entry.reason}")
+            raise invalid(f"failed to load '{name}': {entry.reason}")
 
     async def unload_model(self, name: str) -> None:
         names.check_model_name(name)

@@ -260,3 +260,4 @@ class TensorSpec:
     name: str
     datatype: str  # KServe name: FP32, INT64, BYTES, ...
     shape: tuple[int, ...]
+    optional: bool = False  # a config's optional input: a request may leave it out

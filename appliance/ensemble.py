@@ -61,6 +61,13 @@ def validate(config: ModelConfig, resolve: Resolver) -> None:
             step_config = resolve(step.model_name, _version(step)).config
         except ApplianceError as exc:
             raise ConfigError(src, where + ".model_name", str(exc)) from None
+        if step_config.decoupled:
+            raise ConfigError(
+                src,
+                where,
+                f"model '{step.model_name}' is decoupled (0..N responses a request); "
+                "an ensemble step must answer each request once",
+            )
         if config.batch_size > 0 and step_config.batch_size == 0:
             raise ConfigError(
                 src,

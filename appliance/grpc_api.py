@@ -20,7 +20,7 @@ import grpc
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from appliance import datatypes, grpc_codec
+from appliance import datatypes, grpc_codec, grpc_settings
 from appliance.access import AccessPolicy, Scope
 from appliance.dataplane import DataPlane
 from appliance.errors import ApplianceError, Code
@@ -91,8 +91,7 @@ def _declared_bytes(request: Any) -> int:
 
 
 class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
-    """One method per RPC; those not overridden (trace and log settings) answer
-    UNIMPLEMENTED through the generated base class."""
+    """One method per RPC of ``inference.GRPCInferenceService``."""
 
     def __init__(self, dataplane: DataPlane) -> None:
         self.dp = dataplane
@@ -147,85 +146,130 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[
 
     # ---- inference ---------------------------------------------------------------------
 
-    async def _infer(self, request: Any) -> Any:
+    async def _decode(self, request: Any) -> Any:
         shm = self.dp.shared_memory
         # the model's limits, checked on every declaration before any data is decoded
         gate = self.dp.input_gate(request.model_name, request.model_version)
         # estimated from the declared shapes: ByteSize() walks the whole message and each
         # read of a raw_input_contents entry copies it (~1.4 ms per 6 MB frame)
         if _declared_bytes(request) > _OFFLOAD_BYTES:
-            decoded = await asyncio.to_thread(grpc_codec.decode_request, request, shm, gate)
-        else:
-            decoded = grpc_codec.decode_request(request, shm, gate)
-        inference, shm_outputs = decoded
-        response: InferenceResponse = await self.dp.infer(inference)
+            return await asyncio.to_thread(grpc_codec.decode_request, request, shm, gate)
+        return grpc_codec.decode_request(request, shm, gate)
+
+    async def _encode(self, response: InferenceResponse, shm_outputs: Any) -> Any:
+        shm = self.dp.shared_memory
         if sum(a.nbytes for a in response.outputs.values()) > _OFFLOAD_BYTES:
             return await asyncio.to_thread(grpc_codec.encode_response, response, shm_outputs, shm)
         return grpc_codec.encode_response(response, shm_outputs, shm)
 
     @_guarded
     async def ModelInfer(self, request: Any, context: Any) -> Any:
-        return await self._infer(request)
+        inference, shm_outputs = await self._decode(request)
+        response = await self.dp.infer(inference, "ModelInfer RPC")
+        return await self._encode(response, shm_outputs)
 
-    async def _stream_one(self, request: Any) -> Any:
-        """One stream request -> its response; a failure becomes ``error_message`` so the
-        stream goes on (Triton's behaviour), never an exception."""
-        try:
-            # tritonclient's enable_empty_final_response: mark the (only) response final
-            final = grpc_codec.param(
-                request.parameters, "triton_enable_empty_final_response", "bool_param", "request"
-            )
-            response = await self._infer(request)
-        except ApplianceError as exc:
-            message = exc.message
-        except Exception as exc:  # a bug: report it in-stream and keep serving
-            log.exception("unhandled error in gRPC ModelStreamInfer")
-            message = f"internal error: {exc}"
-        else:
-            if final:
-                response.parameters["triton_final_response"].bool_param = True
-            return service_pb2.ModelStreamInferResponse(infer_response=response)
+    def _stream_error(self, request: Any, message: str) -> Any:
         echo = service_pb2.ModelInferResponse(
             model_name=request.model_name, model_version=request.model_version, id=request.id
         )
         return service_pb2.ModelStreamInferResponse(error_message=message, infer_response=echo)
 
+    async def _stream_one(self, request: Any, out: asyncio.Queue[Any]) -> None:
+        """One stream request -> its responses, put on ``out`` then ``None``. A failure
+        becomes ``error_message`` so the stream goes on (Triton's behaviour).
+
+        A decoupled model's responses each carry ``triton_final_response`` (true on
+        the last); a final flag sent without a response is answered with an empty
+        response only when the request sets ``triton_enable_empty_final_response``
+        (as Triton). A regular model's one response carries the flag only then.
+        """
+        try:
+            empty_final = grpc_codec.param(
+                request.parameters, "triton_enable_empty_final_response", "bool_param", "request"
+            )
+            inference, shm_outputs = await self._decode(request)
+            decoupled = self.dp.is_decoupled(inference.model_name, inference.model_version)
+            async for item, final in self.dp.infer_stream(inference):
+                if isinstance(item, ApplianceError):
+                    out.put_nowait(self._stream_error(request, item.message))
+                    continue
+                if decoupled and final and not item.outputs and not empty_final:
+                    continue  # only the final flag, and the client did not ask for it
+                response = await self._encode(item, shm_outputs)
+                if decoupled or empty_final:
+                    response.parameters["triton_final_response"].bool_param = final
+                out.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+        except ApplianceError as exc:
+            out.put_nowait(self._stream_error(request, exc.message))
+        except Exception as exc:  # a bug: report it in-stream and keep serving
+            log.exception("unhandled error in gRPC ModelStreamInfer")
+            out.put_nowait(self._stream_error(request, f"internal error: {exc}"))
+        finally:
+            out.put_nowait(None)
+
     async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
         """Bidirectional stream: requests run concurrently (up to ``STREAM_WINDOW``), and
-        responses go back in request order.
+        responses go back grouped by request, in request order.
 
-        A reader task takes requests off the stream and queues one task per request;
-        this generator awaits them in queue order. The window semaphore is released by
-        this generator after each response, so a slow model stops the reading, not the
-        memory. When the call ends (the client cancels, or the server stops after its
-        grace), the reader and every queued task are cancelled.
+        A reader task takes requests off the stream and starts one task per request,
+        which puts that request's responses (one, or 0..N for a decoupled model) on a
+        queue of its own; this generator drains the queues in request order. The
+        window semaphore is released by this generator once a request's responses are
+        all sent, so a slow model stops the reading, not the memory. When the call
+        ends (the client cancels, or the server stops after its grace), the reader
+        and every running task are cancelled.
         """
         window = asyncio.Semaphore(STREAM_WINDOW)
-        pending: asyncio.Queue[asyncio.Task[Any] | None] = asyncio.Queue()
+        pending: asyncio.Queue[tuple[asyncio.Task[None], asyncio.Queue[Any]] | None]
+        pending = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
                     await window.acquire()
-                    pending.put_nowait(asyncio.create_task(self._stream_one(request)))
+                    out: asyncio.Queue[Any] = asyncio.Queue()
+                    task = asyncio.create_task(self._stream_one(request, out))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                    pending.put_nowait((task, out))
             finally:
                 pending.put_nowait(None)  # unbounded queue: never blocks
 
         reader = asyncio.create_task(read())  # referenced until the finally below
         try:
-            while (task := await pending.get()) is not None:
-                response = await task
+            while (entry := await pending.get()) is not None:
+                _, out = entry
+                while (response := await out.get()) is not None:
+                    yield response
                 window.release()
-                yield response
             await reader  # re-raises a broken read
         finally:
             reader.cancel()
             # a read that broke after this generator stopped must not log "never retrieved"
             reader.add_done_callback(lambda t: t.cancelled() or t.exception())
-            while not pending.empty():
-                queued = pending.get_nowait()
-                if queued is not None:
-                    queued.cancel()
+            for task in list(running):
+                task.cancel()
+
+    # ---- trace and log settings ----------------------------------------------------------
+
+    @_guarded
+    async def TraceSetting(self, request: Any, context: Any) -> Any:
+        if request.model_name:
+            self.dp.lifecycle.entry(request.model_name)  # Triton's error for an unknown model
+        changes = grpc_settings.trace_changes(request)
+        tracer = self.dp.tracer
+        if changes:
+            return grpc_settings.trace_response(tracer.update(changes, request.model_name))
+        return grpc_settings.trace_response(tracer.settings(request.model_name))
+
+    @_guarded
+    async def LogSettings(self, request: Any, context: Any) -> Any:
+        changes = grpc_settings.log_changes(request)
+        settings = self.dp.log_settings
+        return grpc_settings.log_response(
+            settings.update(changes) if changes else settings.settings()
+        )
 
     # ---- repository ---------------------------------------------------------------------
 
@@ -273,15 +317,24 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[
         self.dp.shared_memory.unregister(request.name)
         return service_pb2.SystemSharedMemoryUnregisterResponse()
 
-    async def _no_cuda(self, request: Any, context: Any) -> Any:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "CUDA shared memory is not supported by this server; use system shared memory",
-        )
+    @_guarded
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        response = service_pb2.CudaSharedMemoryStatusResponse()
+        for region in self.dp.cuda_shared_memory.status(request.name):
+            response.regions[region["name"]].CopyFrom(
+                service_pb2.CudaSharedMemoryStatusResponse.RegionStatus(**region)
+            )
+        return response
 
-    CudaSharedMemoryStatus = _no_cuda
-    CudaSharedMemoryRegister = _no_cuda
-    CudaSharedMemoryUnregister = _no_cuda
+    @_guarded
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        self.dp.cuda_shared_memory.register(request.name, request.device_id, request.byte_size)
+        return service_pb2.CudaSharedMemoryRegisterResponse()
+
+    @_guarded
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self.dp.cuda_shared_memory.unregister(request.name)
+        return service_pb2.CudaSharedMemoryUnregisterResponse()
 
 
 _ADMIN_RPCS = {
@@ -291,6 +344,8 @@ _ADMIN_RPCS = {
     "SystemSharedMemoryUnregister",
     "CudaSharedMemoryRegister",
     "CudaSharedMemoryUnregister",
+    "TraceSetting",
+    "LogSettings",
 }
 _PUBLIC_RPCS = {"ServerLive", "ServerReady", "ServerMetadata"}
 

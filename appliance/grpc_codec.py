@@ -216,33 +216,24 @@ def encode_response(
     shm_outputs: dict[str, SharedMemoryRef],
     shm: SharedMemoryRegistry,
 ) -> Any:
-    """Response -> ``ModelInferResponse``. Shared-memory outputs are written to their
-    region; their tensors carry the region parameters (byte size: the bytes written),
-    as over HTTP, and no data.
+    """Response -> ``ModelInferResponse``, byte for byte as Triton writes it.
 
-    tritonclient finds an output's raw bytes by the output's position, so when some
-    outputs are raw and some in shared memory the latter get an empty raw entry.
+    There is one ``raw_output_contents`` entry per output, in output order (clients,
+    perf_analyzer among them, index them by the output's position); an output
+    written to its shared-memory region has an empty entry and no parameters.
     """
     msg = service_pb2.ModelInferResponse(
         model_name=response.model_name, model_version=response.model_version, id=response.id
     )
     raws: list[bytes] = []
-    any_raw = False
     for name, arr in response.outputs.items():
-        tensor = msg.outputs.add(
-            name=name, datatype=datatypes.from_numpy_dtype(arr.dtype), shape=arr.shape
-        )
+        msg.outputs.add(name=name, datatype=datatypes.from_numpy_dtype(arr.dtype), shape=arr.shape)
         data = datatypes.to_raw(arr)
         ref = shm_outputs.get(name)
         if ref is None:
             raws.append(bytes(data))  # protobuf takes bytes only: the one copy
-            any_raw = True
         else:
             shm.write(ref.region, ref.offset, ref.byte_size, data, f"output '{name}'")
-            tensor.parameters["shared_memory_region"].string_param = ref.region
-            tensor.parameters["shared_memory_offset"].int64_param = ref.offset
-            tensor.parameters["shared_memory_byte_size"].int64_param = len(memoryview(data))
             raws.append(b"")
-    if any_raw:
-        msg.raw_output_contents.extend(raws)
+    msg.raw_output_contents.extend(raws)
     return msg

@@ -135,7 +135,7 @@ async def server_metadata(request: web.Request) -> web.Response:
 
 
 async def model_ready(request: web.Request) -> web.Response:
-    # unknown model: 404 with the usual error; known but not ready: 400, as Triton
+    # not ready, unknown model: 400 with the reason, as Triton; unknown version: 404
     reason = request.app[DATAPLANE].model_unready_reason(*_model(request))
     return _error(400, reason) if reason else web.Response(status=200)
 
@@ -174,7 +174,7 @@ async def infer(request: web.Request) -> web.Response:
         else:
             decoded = prepared.build()
     inference, fmt = decoded
-    response = await dataplane.infer(inference)
+    response = await dataplane.infer(inference, "HTTP end point")
     text_bytes = copy_bytes = objects = 0
     for name, arr in response.outputs.items():
         if name in fmt.shared_memory:
@@ -183,11 +183,7 @@ async def infer(request: web.Request) -> web.Response:
             text_bytes += arr.nbytes
         if arr.dtype.kind in "OUS":  # BYTES: serialized element by element
             objects += arr.size
-    if (
-        text_bytes > _OFFLOAD_BYTES
-        or copy_bytes > _OFFLOAD_COPY_BYTES
-        or objects > _LOOP_OBJECTS
-    ):
+    if text_bytes > _OFFLOAD_BYTES or copy_bytes > _OFFLOAD_COPY_BYTES or objects > _LOOP_OBJECTS:
         out, length = await asyncio.to_thread(http_codec.encode_response, response, fmt, shm)
     else:
         out, length = http_codec.encode_response(response, fmt, shm)
@@ -206,6 +202,12 @@ async def repository_index(request: web.Request) -> web.Response:
     if not isinstance(ready_only, bool):
         raise invalid("'ready' must be true or false")
     return _json(request.app[DATAPLANE].repository_index(ready_only))
+
+
+async def model_list(request: web.Request) -> web.Response:
+    """``GET /v2/models``: not a KServe route (Triton answers it with a bare 400);
+    here it lists the repository, as ``POST /v2/repository/index`` does."""
+    return _json({"models": request.app[DATAPLANE].repository_index()})
 
 
 async def repository_load(request: web.Request) -> web.Response:
@@ -254,8 +256,62 @@ async def shm_unregister(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+# ---- trace and logging (Triton's extensions) -----------------------------------------
+
+
+async def trace_setting(request: web.Request) -> web.Response:
+    model = request.match_info.get("model", "")
+    tracer = request.app[DATAPLANE].tracer
+    if model:
+        request.app[DATAPLANE].lifecycle.entry(model)  # Triton's error for an unknown model
+    if request.method == "GET":
+        return _json(tracer.settings(model))
+    return _json(tracer.update(await _json_body(request), model))
+
+
+async def log_setting(request: web.Request) -> web.Response:
+    settings = request.app[DATAPLANE].log_settings
+    if request.method == "GET":
+        return _json(settings.settings())
+    return _json(settings.update(await _json_body(request)))
+
+
+# ---- CUDA shared memory (Triton's extension; see appliance.cuda_shared_memory) -------
+
+
+async def cuda_shm_status(request: web.Request) -> web.Response:
+    name = request.match_info.get("region", "")
+    return _json(request.app[DATAPLANE].cuda_shared_memory.status(name))
+
+
+async def cuda_shm_register(request: web.Request) -> web.Response:
+    name = request.match_info["region"]
+    doc = await _json_body(request)
+    device, size = doc.get("device_id", 0), doc.get("byte_size", 0)
+    if not isinstance(device, int) or not isinstance(size, int):
+        raise invalid(f"register CUDA shared-memory region '{name}': expected integers")
+    request.app[DATAPLANE].cuda_shared_memory.register(name, device, size)
+    return web.Response(status=200)
+
+
+async def cuda_shm_unregister(request: web.Request) -> web.Response:
+    await _json_body(request)
+    request.app[DATAPLANE].cuda_shared_memory.unregister(request.match_info.get("region", ""))
+    return web.Response(status=200)
+
+
 _ADMIN_ROUTES: dict[Any, Scope] = {
-    h: Scope.ADMIN for h in (repository_load, repository_unload, shm_register, shm_unregister)
+    h: Scope.ADMIN
+    for h in (
+        repository_load,
+        repository_unload,
+        shm_register,
+        shm_unregister,
+        cuda_shm_register,
+        cuda_shm_unregister,
+        trace_setting,
+        log_setting,
+    )
 }
 _PUBLIC_ROUTES: dict[Any, Scope] = {h: Scope.PUBLIC for h in (live, ready, server_metadata)}
 
@@ -267,9 +323,7 @@ def create_app(
     body_timeout_s: float = 60.0,
 ) -> web.Application:
     limits = http_limits.body_limits(max_request_size, body_timeout_s)
-    app = web.Application(
-        client_max_size=max_request_size, middlewares=[_errors, _access, limits]
-    )
+    app = web.Application(client_max_size=max_request_size, middlewares=[_errors, _access, limits])
     app[DATAPLANE] = dataplane
     app[MAX_REQUEST_SIZE] = max_request_size
     app[ACCESS] = access or AccessPolicy()
@@ -283,6 +337,7 @@ def create_app(
     r.add_get("/v2/", server_metadata)  # the KServe spec's spelling
     r.add_get("/v2/health/live", live)
     r.add_get("/v2/health/ready", ready)
+    r.add_get("/v2/models", model_list)
     r.add_get("/v2/models/stats", model_stats)  # before /v2/models/{model}
     for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
         r.add_get(base, model_metadata)
@@ -290,6 +345,12 @@ def create_app(
         r.add_get(base + "/config", model_config)
         r.add_get(base + "/stats", model_stats)
         post(base + "/infer", infer)
+        r.add_get(base + "/trace/setting", trace_setting)
+        post(base + "/trace/setting", trace_setting)
+    r.add_get("/v2/trace/setting", trace_setting)
+    post("/v2/trace/setting", trace_setting)
+    r.add_get("/v2/logging", log_setting)
+    post("/v2/logging", log_setting)
     post("/v2/repository/index", repository_index)
     post("/v2/repository/models/{model}/load", repository_load)
     post("/v2/repository/models/{model}/unload", repository_unload)
@@ -299,4 +360,10 @@ def create_app(
     post(shm + "/region/{region}/register", shm_register)
     post(shm + "/unregister", shm_unregister)
     post(shm + "/region/{region}/unregister", shm_unregister)
+    cuda = "/v2/cudasharedmemory"
+    r.add_get(cuda + "/status", cuda_shm_status)
+    r.add_get(cuda + "/region/{region}/status", cuda_shm_status)
+    post(cuda + "/region/{region}/register", cuda_shm_register)
+    post(cuda + "/unregister", cuda_shm_unregister)
+    post(cuda + "/region/{region}/unregister", cuda_shm_unregister)
     return app

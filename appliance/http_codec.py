@@ -8,8 +8,9 @@ from views of the result arrays, joined once into the response body.
 
 Triton's system shared-memory extension: an input whose parameters name a
 ``shared_memory_region`` is a zero-copy view of that registered region; an
-output that names one is written into it and its response entry carries the
-region parameters instead of data.
+output that names one is written into it and its response entry carries no data
+and no parameters, as Triton writes it (Triton's C++ client reads any ``parameters``
+object of an output as binary data and fails without ``binary_data_size``).
 """
 
 from __future__ import annotations
@@ -282,8 +283,8 @@ def encode_response(
     """Response -> (body, JSON header length when binary outputs follow, else None).
 
     Outputs in ``fmt.shared_memory`` are written into their regions first; their
-    entries carry ``shared_memory_region``/``_offset``/``_byte_size`` (the bytes
-    written) and no data. An output larger than its window is an INVALID_ARG.
+    entries carry name, datatype and shape only (Triton's form). An output larger
+    than its window is an INVALID_ARG.
     """
     outputs = []
     chunks: list[bytes | memoryview] = []
@@ -299,11 +300,6 @@ def encode_response(
                 raise internal(f"output '{name}' is bound for shared memory but no registry")
             raw = datatypes.to_raw(arr)
             shared_memory.write(shm.region, shm.offset, shm.byte_size, raw, f"output '{name}'")
-            entry["parameters"] = {
-                "shared_memory_region": shm.region,
-                "shared_memory_offset": shm.offset,
-                "shared_memory_byte_size": len(raw) if isinstance(raw, bytes) else raw.nbytes,
-            }
         elif fmt.is_binary(name):
             raw = datatypes.to_raw(arr)
             entry["parameters"] = {

@@ -31,7 +31,7 @@ from typing import Any
 
 from appliance import loader, names, repository
 from appliance.config import ModelConfig, parse_model_config
-from appliance.config_reader import load_model_config
+from appliance.config_reader import load_model_config, with_labels
 from appliance.errors import ApplianceError, invalid, not_found, unavailable
 from appliance.fields import ConfigError
 from appliance.memory import BudgetRefused, MemoryBudget, fmt
@@ -148,7 +148,10 @@ class ModelLifeCycle:
         names.check_model_name(name)
         model_dir = self.repository / name
         if not model_dir.is_dir():
-            raise not_found(f"model '{name}' is not in the model repository")
+            raise not_found(
+                f"failed to load '{name}', failed to poll from model repository: "
+                f"model '{name}' is not in the model repository"
+            )
         async with self._locks.setdefault(name, asyncio.Lock()):
             entry = self._models.setdefault(name, ModelEntry(name))
             entry.busy, entry.unloaded = "loading", False
@@ -171,7 +174,10 @@ class ModelLifeCycle:
         try:
             names.confine(self.repository, model_dir, allow, f"the folder of model '{name}'")
             if override is not None:
-                config = parse_model_config(override, name, "load request parameter 'config'")
+                config = with_labels(
+                    parse_model_config(override, name, "load request parameter 'config'"),
+                    model_dir,
+                )
             else:
                 config = load_model_config(model_dir)
             wanted = config.version_policy.select(repository.version_dirs(model_dir))
@@ -374,34 +380,38 @@ class ModelLifeCycle:
     # ---- routing and reporting ------------------------------------------------------------
 
     def get(self, name: str, version: str = "") -> Servable:
-        """The version that serves a request; NOT_FOUND or UNAVAILABLE otherwise."""
-        entry = self._models.get(name)
-        if entry is None:
-            raise not_found(f"unknown model '{name}'")
+        """The version that serves a request, or Triton's error for it: INVALID_ARG for
+        an unknown model or a version string that is not a number, NOT_FOUND for a
+        version the model lacks, UNAVAILABLE for one not ready."""
+        entry = self.entry(name)
         if not version:
             mv = entry.versions.get(entry.default) or entry.newest()
             if mv is None:
                 raise unavailable(
-                    f"model '{name}' is not ready ({entry.state.value}"
+                    f"Request for unknown model: '{name}' has no available versions: it is "
+                    f"not ready ({entry.state.value}"
                     f"{': ' + entry.reason if entry.reason else ''})"
                 )
             return mv
-        names.check_version(version)
-        mv = entry.versions.get(int(version))
+        number = int(names.check_version(version))
+        mv = entry.versions.get(number)
         if mv is None:
-            if int(version) in entry.failed:
+            if number in entry.failed:
                 raise unavailable(
-                    f"model '{name}' version {version} is not ready: {entry.failed[int(version)]}"
+                    f"Request for unknown model: '{name}' version {number} is not ready: "
+                    f"{entry.failed[number]}"
                 )
-            if int(version) in entry.loading:
-                raise unavailable(f"model '{name}' version {version} is loading")
-            raise not_found(f"model '{name}' has no version '{version}'")
+            if number in entry.loading:
+                raise unavailable(
+                    f"Request for unknown model: '{name}' version {number} is not ready (loading)"
+                )
+            raise not_found(f"Request for unknown model: '{name}' version {number} is not found")
         return mv
 
     def entry(self, name: str) -> ModelEntry:
         entry = self._models.get(name)
         if entry is None:
-            raise not_found(f"unknown model '{name}'")
+            raise invalid(f"Request for unknown model: '{name}' is not found")
         return entry
 
     def loaded(self) -> list[Servable]:

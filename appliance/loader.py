@@ -111,7 +111,9 @@ def declared_tensors(
     def specs(
         tensors: tuple[TensorConfig, ...], implicit: dict[str, tuple[str, tuple[int, ...]]]
     ) -> tuple[TensorSpec, ...]:
-        declared = [TensorSpec(t.name, t.datatype, batch + t.dims) for t in tensors]
+        declared = [
+            TensorSpec(t.name, t.datatype, batch + t.model_dims, t.optional) for t in tensors
+        ]
         # the sequence batcher's control and state tensors are the model's too
         declared += [TensorSpec(n, d, batch + dims) for n, (d, dims) in implicit.items()]
         return tuple(declared)

@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Hashable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from appliance import datatypes, limits, memory, scheduler
+from appliance import datatypes, limits, memory, reshape, scheduler
 from appliance.config import ModelConfig, TensorConfig
 from appliance.errors import invalid
 from appliance.instances import InstanceGroup
@@ -92,15 +93,22 @@ class ModelVersion:
             timeout = self._timeout_s
             if request.timeout_us and self._allow_override:
                 timeout = request.timeout_us / 1e6
+            inputs = reshape.inputs_for_model(self.config, request.inputs)
+            if inputs is not request.inputs:  # the engine sees the config's reshape
+                request = replace(request, inputs=inputs)
             result = await self.scheduler.enqueue(request, outputs, rows, signature, timeout)
+        end = time.perf_counter_ns()
         self.stats.record_success(
-            time.perf_counter_ns() - start,
-            result.queue_ns,
-            result.input_ns,
-            result.infer_ns,
-            result.output_ns,
+            end - start, result.queue_ns, result.input_ns, result.infer_ns, result.output_ns
         )
-        return InferenceResponse(self.config.name, str(self.version), result.outputs, request.id)
+        timing = (start, result.queue_ns, result.input_ns, result.infer_ns, result.output_ns, end)
+        return InferenceResponse(
+            self.config.name,
+            str(self.version),
+            reshape.outputs_for_client(self.config, result.outputs),
+            request.id,
+            timing,
+        )
 
     def metadata(self, versions: list[str]) -> dict[str, Any]:
         """KServe v2 model metadata."""

@@ -69,7 +69,7 @@ CLASSIFIER_CONFIG = """\
 backend: onnxruntime
 max_batch_size: 32
 input:
-  - {name: input, data_type: TYPE_FP32, dims: [3, 224, 224]}
+  - {name: input, data_type: TYPE_FP32, format: FORMAT_NCHW, dims: [3, 224, 224]}
 output:
   - {name: output, data_type: TYPE_FP32, dims: [1000]}
 dynamic_batching:
@@ -301,10 +301,18 @@ def write_model(
     return folder
 
 
+# the shipped demo classifier also names class labels (Triton's label_filename, for
+# "score:index:label" classification, as Triton's image_client prints); its labels.txt
+# is written next to it by write_demo_repository
+CLASSIFIER_LABELS = "".join(f"class_{i}\n" for i in range(1000))
+CLASSIFIER_DEMO_CONFIG = CLASSIFIER_CONFIG.replace(
+    "dims: [1000]}", "dims: [1000], label_filename: labels.txt}"
+)
+
 # Demo repository contents: model name -> (builder, config.yaml text).
 DEMO_MODELS: dict[str, tuple[Callable[[], bytes], str]] = {
     "simple": (simple_add_sub, SIMPLE_CONFIG),
-    "classifier": (classifier, CLASSIFIER_CONFIG),
+    "classifier": (classifier, CLASSIFIER_DEMO_CONFIG),
 }
 
 
@@ -315,11 +323,15 @@ PIPELINE_MODELS = ("preprocess", "postprocess", "image_classifier")
 DEMO_DIR = Path(__file__).resolve().parent / "demo_models"
 
 
+
+
 def write_demo_repository(repo: Path) -> None:
     """Write the ``simple`` and ``classifier`` demo models and their config.yaml, and
     copy the ``image_classifier`` pipeline (preprocess -> classifier -> postprocess)."""
     for name, (build, config) in DEMO_MODELS.items():
         write_model(repo, name, build(), config)
+    with open(Path(repo) / "classifier" / "labels.txt", "w", encoding="utf-8", newline="\n") as f:
+        f.write(CLASSIFIER_LABELS)
     for name in PIPELINE_MODELS:
         source, target = DEMO_DIR / name, Path(repo) / name
         if source.resolve() != target.resolve():

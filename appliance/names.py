@@ -97,7 +97,12 @@ def check_version(version: object) -> str:
     """``version`` when it is a version number or empty; INVALID_ARG otherwise."""
     problem = version_problem(version)
     if problem:
-        raise invalid(f"invalid model version {_shown(version)}: {problem}")
+        # Triton's words, which clients test for, then ours
+        raise invalid(
+            f"failed to get model version from specified version string {_shown(version)} "
+            f"(details: invalid model version: {problem}), version should be an integral "
+            "value > 0"
+        )
     assert isinstance(version, str)
     return version
 

@@ -52,3 +52,6 @@ class InferenceResponse:
     model_version: str
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
     id: str = ""
+    # when the model ran: (start, queue, input, infer, output, end), monotonic ns
+    # (start, end) and durations in ns; for traces
+    timing: tuple[int, int, int, int, int, int] | None = None

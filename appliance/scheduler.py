@@ -56,7 +56,8 @@ def create(
         max_batch_size=config.batch_size,
         preferred_batch_sizes=db.preferred_batch_size if db else (),
         max_queue_delay_s=(db.max_queue_delay_us / 1e6) if db else 0.0,
-        dynamic=db is not None and config.batch_size > 0,
+        # a decoupled request runs alone: its response stream rides on its inputs
+        dynamic=db is not None and config.batch_size > 0 and not config.decoupled,
     )
     size = db.max_queue_size if db and db.max_queue_size else default_max_queue_size
     return DynamicBatcher(label, instances, policy, size, stats)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from appliance import http_api, http_limits, metrics
+from appliance import bls, http_api, http_limits, metrics
 from appliance.access import AccessPolicy, is_loopback
 from appliance.dataplane import DataPlane
 from appliance.fields import ConfigError
@@ -66,6 +66,7 @@ class Server:
                 mqtt=self._mqtt_counters,
             )
         )
+        self._bls: bls.Binding | None = None
         self.http_port = 0
         self.grpc_port = 0
         self.metrics_port = 0
@@ -136,6 +137,8 @@ class Server:
             log.warning(
                 "bearer tokens travel in clear text on %s: set tls_cert and tls_key", host
             )
+        # Python models calling other models (BLS) reach them through this data plane
+        self._bls = bls.register(self.repository, asyncio.get_running_loop(), self.dataplane)
         await self.lifecycle.start()
         log.info(
             "ready in %.2fs: %d model version(s) from %s",
@@ -198,6 +201,10 @@ class Server:
             *([grpc.stop(self.config.drain_timeout_s)] if grpc else []),
         )
         await self.lifecycle.stop(self.config.drain_timeout_s)
+        await self.dataplane.tracer.stop()
+        if self._bls is not None:
+            bls.unregister(self.repository, self._bls)
+            self._bls = None
         if metrics_runner is not None:
             await metrics_runner.cleanup()
         log.info("stopped")

@@ -7,6 +7,7 @@ e.g. ``appliance.yaml: http_port: expected an integer >= 0, got 'eighty'``.
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,11 @@ class ServerConfig:
     max_request_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS  # elements one request declares
     http_header_timeout_s: float = 30.0  # a complete request header, or idle keep-alive
     http_body_timeout_s: float = 60.0  # a complete request body
+    # the name server metadata reports (Triton reports "triton"; a client that checks
+    # the name can be served by setting it)
+    server_name: str = "appliance"
+    # Triton's trace extension: where traces go (the folder must exist); None: no tracing
+    trace_file: Path | None = None
 
 
 def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerConfig:
@@ -107,9 +113,32 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         log_level=level,
         event_loop=_choice(f, "event_loop", "auto", ("auto", "asyncio", "uvloop")),
         mqtt=_mqtt(f, path, broker),
+        server_name=_server_name(f),
+        trace_file=_trace_file(f, path),
         **_control(f, path),
         **_limits(f),
     )
+
+
+def _trace_file(f: Fields, base: Path | None) -> Path | None:
+    value = f.data.get("trace_file")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise f.fail("trace_file", f"expected a path, got {value!r}")
+    path = Path(os.path.expanduser(value))
+    if base is not None and not path.is_absolute():
+        path = base.parent / path  # relative to the config file
+    if not path.parent.is_dir() or path.is_dir():
+        raise f.fail("trace_file", f"expected a file in an existing folder, got {str(path)!r}")
+    return path
+
+
+def _server_name(f: Fields) -> str:
+    name = f.text("server_name", "appliance")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+        raise f.fail("server_name", f"expected 1-64 letters, digits, '.', '_' or '-', got {name!r}")
+    return name
 
 
 def _choice(f: Fields, key: str, default: str, allowed: tuple[str, ...]) -> str:

@@ -61,20 +61,27 @@ def to_triton_json(config: ModelConfig) -> dict[str, Any]:
     """The model config in Triton's JSON form (GET /v2/models/{m}/config)."""
 
     def tensor(t: TensorConfig) -> dict[str, Any]:
-        return {
+        doc = {
             "name": t.name,
             "data_type": datatypes.to_config_type(t.datatype),
-            "format": "FORMAT_NONE",
+            "format": t.format,
             "dims": list(t.dims),
             "optional": t.optional,
         }
+        if t.reshape is not None:
+            doc["reshape"] = {"shape": list(t.reshape)}
+        return doc
 
     def output(t: TensorConfig) -> dict[str, Any]:  # ModelOutput has no format or optional
-        return {
+        doc: dict[str, Any] = {
             "name": t.name,
             "data_type": datatypes.to_config_type(t.datatype),
             "dims": list(t.dims),
+            "label_filename": t.label_filename,
         }
+        if t.reshape is not None:
+            doc["reshape"] = {"shape": list(t.reshape)}
+        return doc
 
     policy: dict[str, Any]
     vp = config.version_policy
@@ -99,6 +106,8 @@ def to_triton_json(config: ModelConfig) -> dict[str, Any]:
         "default_model_filename": config.default_model_filename,
         "parameters": {k: {"string_value": v} for k, v in config.parameters.items()},
     }
+    if config.decoupled:
+        out["model_transaction_policy"] = {"decoupled": True}
     if config.ensemble_steps:
         out["ensemble_scheduling"] = {
             "step": [

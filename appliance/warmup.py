@@ -127,6 +127,8 @@ def samples(config: ModelConfig, model_dir: Path, allow_links: bool = False) -> 
                     f"dims {list(spec.dims)} do not fit the input's dims {list(tensor.dims)}",
                 )
             row = _one_row(spec, model_dir, where, config.source, allow_links)
+            if tensor.reshape is not None:  # the engine sees the reshaped tensor
+                row = row.reshape(tensor.reshape)
             inputs[spec.name] = np.stack([row] * w.batch_size) if batched else row
         out.append(Sample(w.name, inputs, w.count, required=True))
     return out
@@ -139,7 +141,7 @@ def probe(config: ModelConfig) -> Sample:
     for t in config.inputs:
         if t.optional:
             continue
-        shape = lead + [1 if d < 0 else d for d in t.dims]
+        shape = lead + [1 if d < 0 else d for d in t.model_dims]
         if t.datatype == "BYTES":
             inputs[t.name] = np.full(shape, b"", dtype=object)
         else:

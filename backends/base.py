@@ -135,6 +135,8 @@ def check_inputs(model: str, specs: Sequence[TensorSpec], inputs: dict[str, np.n
         arr = inputs.get(spec.name)
         where = f"input '{spec.name}' of model '{model}'"
         if arr is None:
+            if spec.optional:
+                continue
             raise invalid(f"{where} is missing")
         got = datatypes.from_numpy_dtype(arr.dtype)
         if got != spec.datatype:

@@ -12,12 +12,22 @@ instead of touching the model object from two threads. A crash of the
 interpreter itself (a segfault in an extension) is not contained.
 
 The model declares its tensors in its config (there is no graph to read).
+
+Triton compatibility: ``import triton_python_backend_utils as pb_utils`` resolves
+to :mod:`appliance.python_model`; BLS calls from ``execute`` go through the
+server's data plane (:mod:`appliance.bls`); ``async def execute`` runs on an event
+loop of the instance's own; a decoupled model (``model_transaction_policy {
+decoupled: true }``) answers through ``request.get_response_sender()`` into the
+request's :class:`~appliance.decoupled.ResponseStream`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import inspect
 import itertools
+import json
 import sys
 import threading
 from types import ModuleType
@@ -25,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from appliance import bls, decoupled
 from appliance import python_model as pb
 from appliance.errors import ApplianceError, FailureReason, internal, invalid, unavailable
 from appliance.fields import ConfigError
@@ -39,6 +50,8 @@ def _load_module(options: BackendOptions) -> ModuleType:
     if spec is None or spec.loader is None:
         raise invalid(f"model '{options.model_name}': cannot import {options.model_path}")
     module = importlib.util.module_from_spec(spec)
+    # Triton's name for the utilities: a Triton repository's model.py imports it as is
+    sys.modules.setdefault("triton_python_backend_utils", pb)
     # model.py may import helpers that sit next to it
     folder = str(options.model_path.parent)
     added = folder not in sys.path
@@ -90,6 +103,11 @@ class PythonBackend:
                 f"expected a number of seconds, got {timeout!r}",
             ) from None
         self._busy: threading.Thread | None = None  # an abandoned, timed-out execute
+        config = json.loads(options.model_config or "{}")
+        self._decoupled = pb.using_decoupled_model_transaction_policy(config)
+        self._loop: asyncio.AbstractEventLoop | None = None  # for ``async def execute``
+        self._bls = bls.lookup(options.model_path.parent.parent.parent)
+        bls.bind_thread(self._bls, self._name)
         module = _load_module(options)
         cls = getattr(module, "TritonPythonModel", None)
         if cls is None:
@@ -113,7 +131,11 @@ class PythonBackend:
 
     def infer(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
         check_inputs(self._name, self.inputs, inputs)
-        request = pb.InferenceRequest([pb.Tensor(n, a) for n, a in inputs.items()], outputs)
+        bls.bind_thread(self._bls, self._name)
+        tensors = [pb.Tensor(n, a) for n, a in inputs.items()]
+        if self._decoupled:
+            return self._infer_decoupled(tensors, outputs, decoupled.stream_of(inputs, self._name))
+        request = pb.InferenceRequest(tensors, outputs, model_name=self._name)
         responses = self._execute([request])
         if not isinstance(responses, list) or len(responses) != 1:
             raise internal(
@@ -127,10 +149,57 @@ class PythonBackend:
         result = {t.name(): t.as_numpy() for t in response.output_tensors()}
         return {n: result[n] for n in outputs if n in result}
 
+    def _infer_decoupled(
+        self, tensors: list[pb.Tensor], outputs: list[str], stream: decoupled.ResponseStream
+    ) -> dict[str, np.ndarray]:
+        """Run ``execute`` for one request whose responses go to ``stream``; what this
+        returns is a placeholder (every response travelled through the stream)."""
+
+        def deliver(response: pb.InferenceResponse | None, final: bool) -> None:
+            if response is None:
+                stream.put(None, final)
+                return
+            error = response.error()
+            if error is not None:
+                stream.put(_as_error(self._name, error), final)
+                return
+            result = {t.name(): t.as_numpy() for t in response.output_tensors()}
+            wanted = outputs or list(result)
+            stream.put({n: result[n] for n in wanted if n in result}, final)
+
+        sender = pb.InferenceResponseSender(deliver)
+        request = pb.InferenceRequest(
+            tensors, outputs, model_name=self._name, response_sender=sender
+        )
+        try:
+            returned = self._execute([request])
+        except ApplianceError as exc:
+            stream.fail(exc)
+            raise
+        if returned is not None and any(r is not None for r in returned):
+            stream.fail(
+                internal(
+                    f"decoupled model '{self._name}': execute must return None and answer "
+                    "through the response sender",
+                    FailureReason.BACKEND,
+                )
+            )
+        return {n: np.empty(0) for n in outputs}
+
+    def _call_execute(self, requests: list[pb.InferenceRequest]) -> Any:
+        """``execute``, run to completion on this thread's own loop when it is async."""
+        result = self._model.execute(requests)
+        if inspect.iscoroutine(result):
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            bls.bind_thread(self._bls, self._name)  # also for a watchdog thread
+            return self._loop.run_until_complete(result)
+        return result
+
     def _execute(self, requests: list[pb.InferenceRequest]) -> Any:
         if self._timeout is None:
             try:
-                return self._model.execute(requests)
+                return self._call_execute(requests)
             except Exception as exc:
                 raise _as_error(self._name, exc) from None
         if self._busy is not None and self._busy.is_alive():
@@ -142,7 +211,8 @@ class PythonBackend:
 
         def call() -> None:
             try:
-                box["result"] = self._model.execute(requests)
+                bls.bind_thread(self._bls, self._name)
+                box["result"] = self._call_execute(requests)
             except BaseException as exc:  # handed to the waiting instance thread
                 box["error"] = exc
 
@@ -164,3 +234,5 @@ class PythonBackend:
         finalize = getattr(self._model, "finalize", None)
         if finalize is not None and (self._busy is None or not self._busy.is_alive()):
             finalize()
+        if self._loop is not None:
+            self._loop.close()

@@ -222,16 +222,16 @@ def test_unsupported_fields_warn_instead_of_failing(caplog: pytest.LogCaptureFix
     data = {
         "response_cache": {},
         "optimization": {},
-        "input": [{"name": "a", "data_type": "TYPE_FP32", "dims": [1], "reshape": {"shape": []}}],
+        "input": [{"name": "a", "data_type": "TYPE_FP32", "dims": [1], "is_shape_tensor": False}],
         "output": [
-            {"name": "p", "data_type": "TYPE_FP32", "dims": [10], "label_filename": "labels.txt"}
+            {"name": "p", "data_type": "TYPE_FP32", "dims": [10], "allow_ragged_batch": True}
         ],
     }
     with caplog.at_level(logging.WARNING, logger="appliance.config"):
         cfg = parse_model_config(data, "m", SRC)
     assert cfg.inputs[0].name == "a" and cfg.outputs[0].dims == (10,)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    for field in ("response_cache", "optimization", "reshape", "label_filename"):
+    for field in ("response_cache", "optimization", "is_shape_tensor", "allow_ragged_batch"):
         assert any(SRC in w and field in w for w in warnings), field
 
 

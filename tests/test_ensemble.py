@@ -207,7 +207,7 @@ ONE_OUT = "  - {name: OUT, data_type: TYPE_INT32, dims: [16]}\n"
     [
         (
             _ensemble(INT_IN, ONE_OUT, _steps(_step("nope", "INPUT0: A", "OUTPUT0: OUT"))),
-            "step[0].model_name: unknown model 'nope'",
+            "step[0].model_name: Request for unknown model: 'nope' is not found",
         ),
         (
             _ensemble(INT_IN, ONE_OUT, _steps(_step("simple", "INPUT0: A", "OUTPUT0: OUT"))),

@@ -103,7 +103,11 @@ def test_health_metadata_config_and_statistics(run_appliance: Any) -> None:
     assert stats.batch_stats[0].batch_size == 2
     everything = client.get_inference_statistics().model_stats
     assert {s.name for s in everything} == {"simple", "classifier", *PIPELINE}
-    _fails(lambda: client.get_model_metadata("nope"), "NOT_FOUND", "unknown model 'nope'")
+    _fails(
+        lambda: client.get_model_metadata("nope"),
+        "INVALID_ARGUMENT",
+        "Request for unknown model: 'nope' is not found",
+    )
     with grpc.insecure_channel(srv.grpc_url) as channel:
         check = health_pb2_grpc.HealthStub(channel).Check
         for service in ("", "inference.GRPCInferenceService"):
@@ -276,14 +280,16 @@ def test_repository_index_load_and_unload(run_appliance: Any) -> None:
     _fails(
         lambda: client.load_model("simple", files={"file:1/model.onnx": b"x"}),
         "INVALID_ARGUMENT",
-        "unsupported load parameter(s) ['file:1/model.onnx']",
+        "failed to load 'simple': load parameter 'config' must be provided",
     )
 
 
 def test_inference_errors_keep_the_server_serving(stub: Any) -> None:
     raw, client = stub
     bad = _simple_inputs()
-    _fails(lambda: client.infer("nope", bad), "NOT_FOUND", "unknown model 'nope'")
+    _fails(
+        lambda: client.infer("nope", bad), "INVALID_ARGUMENT", "unknown model: 'nope' is not found"
+    )
     _assert_simple_ok(client)
     _fails(
         lambda: client.infer("simple", _simple_inputs(A, np.zeros((1, 15), np.int32))),
@@ -399,11 +405,9 @@ def test_shared_memory_inputs_and_outputs(run_appliance: Any, regions: Any) -> N
     outputs[0].set_shared_memory("grpc_out", 64)
     outputs[1].set_shared_memory("grpc_out", 64, offset=64)
     result = client.infer("simple", request(), outputs=outputs)
-    assert not result.get_response().raw_output_contents  # everything went to the region
-    params = result.get_output("OUTPUT1").parameters
-    assert params["shared_memory_region"].string_param == "grpc_out"
-    assert params["shared_memory_offset"].int64_param == 64
-    assert params["shared_memory_byte_size"].int64_param == 64  # the bytes written
+    # as Triton: one empty raw entry per output written to the region, no parameters
+    assert list(result.get_response().raw_output_contents) == [b"", b""]
+    assert not result.get_output("OUTPUT1").parameters
     np.testing.assert_array_equal(shm.get_contents_as_numpy(out, np.int32, [1, 16]), A + B)
     np.testing.assert_array_equal(
         shm.get_contents_as_numpy(out, np.int32, [1, 16], offset=64), A - B
@@ -469,5 +473,12 @@ def test_shared_memory_is_off_by_default(run_appliance: Any, regions: Any) -> No
     inputs = _simple_inputs()
     inputs[1].set_shared_memory("r", 64)
     _fails(lambda: client.infer("simple", inputs), "INVALID_ARGUMENT", "disabled")
-    _fails(lambda: client.get_cuda_shared_memory_status(), "UNIMPLEMENTED", "CUDA")
+    # CUDA shared memory: answered as a Triton without GPU support answers
+    assert not client.get_cuda_shared_memory_status().regions
+    client.unregister_cuda_shared_memory()
+    _fails(
+        lambda: client.register_cuda_shared_memory("c", b"", 0, 64),
+        "INVALID_ARGUMENT",
+        "not supported on this device",
+    )
     _assert_simple_ok(client)

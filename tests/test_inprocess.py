@@ -31,7 +31,7 @@ def test_async_use_matches_the_wire_behaviour() -> None:
             assert "expected datatype INT32, got FP32" in bad.value.message
             with pytest.raises(ApplianceError) as missing:
                 await server.infer("nope", {"x": a})
-            assert missing.value.code == Code.NOT_FOUND
+            assert missing.value.code == Code.INVALID_ARG  # as Triton: "Request for unknown model"
             stats = server.statistics("simple")["model_stats"][0]
             assert stats["inference_stats"]["success"]["count"] == 2
             assert stats["inference_stats"]["fail"]["count"] == 1

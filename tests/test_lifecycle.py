@@ -100,7 +100,7 @@ def test_mode_explicit_loads_only_what_is_asked(run_appliance, tmp_path: Path) -
         {"name": "simple", "version": "1", "state": "READY", "reason": ""},
     ]
     assert client.is_server_ready()  # ready: every model it was asked to load is
-    with pytest.raises(InferenceServerException, match="unknown model 'classifier'"):
+    with pytest.raises(InferenceServerException, match="unknown model: 'classifier' is not found"):
         client.get_model_metadata("classifier")
     client.load_model("classifier")
     assert client.is_model_ready("classifier")
@@ -138,7 +138,7 @@ def test_poll_mode_follows_the_repository(run_appliance, tmp_path: Path) -> None
     _until(lambda: not client.is_model_ready("added"))
     _until(lambda: _unknown(client, "added"))
     assert _rows(client, "added") == []
-    with pytest.raises(InferenceServerException, match="unknown model 'added'"):
+    with pytest.raises(InferenceServerException, match="unknown model: 'added' is not found"):
         _serves(client, "added")
 
     # a broken change is reported and the copy serving keeps serving
@@ -313,7 +313,7 @@ def test_bad_input_is_a_clear_client_error_and_disturbs_nothing(
     assert status == 400 and "preferred_batch_size: [8] exceed max_batch_size 4" in body
 
     for name, call, expected in [
-        ("nope", "load", (404, "not in the model repository")),
+        ("nope", "load", (404, "failed to load 'nope', failed to poll from model repository")),
         ("nope", "unload", (404, "is not loaded")),
         ("simple", "load", (400, "unsupported load parameter(s) ['colour']")),
         ("simple", "load", (400, "'in_place' must be true or false")),

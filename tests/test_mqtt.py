@@ -481,7 +481,7 @@ def test_malformed_payloads_each_get_an_error_and_the_bridge_goes_on(
     cases = [  # (model, payload, user properties, expected code, words in the message)
         ("simple", b'{"inputs": [', [], "INVALID_ARG", "malformed JSON"),
         ("simple", json_request(A[:, :8], A[:, :8]), [], "INVALID_ARG", "shape"),
-        ("no_such_model", good, [], "NOT_FOUND", "no_such_model"),
+        ("no_such_model", good, [], "INVALID_ARG", "no_such_model"),
         (
             "simple",
             header + A.tobytes()[:10],

@@ -46,7 +46,7 @@ def test_reload_picks_up_a_new_version_and_policy(run_appliance, tmp_path: Path)
     shutil.copytree(folder / "1", folder / "2")
     client.load_model("simple")
     assert _infer(client, "simple") == "2"  # no version asked: the newest ready one
-    with pytest.raises(InferenceServerException, match="no version '1'"):
+    with pytest.raises(InferenceServerException, match="version 1 is not found"):
         _infer(client, "simple", "1")  # latest {num_versions: 1} serves only version 2
     (folder / "config.yaml").write_text("version_policy: {all: {}}\n")
     client.load_model("simple")

@@ -236,7 +236,9 @@ def test_model_ready_answers_carry_the_usual_json_error(
 ) -> None:
     srv = run_appliance(test_repository)
     status, _, body = _get(f"http://{srv.url}/v2/models/nope/ready")
-    assert status == 404 and "unknown model 'nope'" in json.loads(body)["error"]
+    # Triton's answer for an unknown model: 400 with its usual text
+    assert status == 400
+    assert json.loads(body)["error"] == "Request for unknown model: 'nope' is not found"
     status, _, body = _get(f"http://{srv.url}/v2/models/broken_config/ready")
     assert status == 400 and "broken_config" in json.loads(body)["error"]
     status, _, body = _get(f"http://{srv.url}/v2/models/simple/versions/7/ready")
