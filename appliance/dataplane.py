@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 
 from appliance import __version__
-from appliance.errors import invalid, unavailable
+from appliance.errors import ApplianceError, FailureReason, invalid, unavailable
 from appliance.lifecycle import ModelLifeCycle
 from appliance.model import State
+from appliance.queue_bytes import Hold, QueuedBytes, default_limit, tensor_bytes
 from appliance.request import InferenceRequest, InferenceResponse
 from appliance.shared_memory import SharedMemoryRegistry
 from appliance.triton_config import json_to_dict, to_triton_json
@@ -51,6 +52,11 @@ class DataPlane:
         self.shared_memory = shared_memory
         self.live = True
         self.accepting = True  # False once shutdown began: readiness goes false first
+        server = lifecycle.server
+        self.queued = QueuedBytes(
+            server.max_queued_bytes or default_limit(server.memory_limit),
+            server.max_queued_bytes_per_model,
+        )
 
     # ---- health and metadata -----------------------------------------------------------
 
@@ -77,11 +83,41 @@ class DataPlane:
 
     # ---- inference ---------------------------------------------------------------------
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+    def reserve(self, name: str, version: str, nbytes: int) -> Hold:
+        """A hold of ``nbytes`` on the model's and the server's queued bytes, taken by an
+        adapter *before* it reads a request's payload (sized by what the request
+        declares); pass it to :meth:`infer`, and release it once answered. Raises
+        UNAVAILABLE when shutting down or when the bytes do not fit (nothing is held then)."""
+        if not self.accepting:
+            raise unavailable("the server is shutting down")
+        mv = self.lifecycle.get(name, version)
+        hold = self.queued.hold(mv.stats, mv.max_queued_bytes)
+        try:
+            hold.set(nbytes)
+        except ApplianceError:
+            mv.stats.record_failure(FailureReason.REJECTED, 0)
+            raise
+        return hold
+
+    async def infer(self, request: InferenceRequest, hold: Hold | None = None) -> InferenceResponse:
+        """Run one request. Its decoded inputs are held (``hold``, else a hold of its own)
+        until it is answered: beyond the queued-bytes limits it is refused UNAVAILABLE."""
         if not self.accepting:
             raise unavailable("the server is shutting down")
         mv = self.lifecycle.get(request.model_name, request.model_version)
-        response = await mv.infer(request)
+        own = hold is None
+        if hold is None:
+            hold = self.queued.hold(mv.stats, mv.max_queued_bytes)
+        try:
+            try:
+                hold.set(tensor_bytes(request.inputs))
+            except ApplianceError:
+                mv.stats.record_failure(FailureReason.REJECTED, 0)
+                raise
+            response = await mv.infer(request)
+        finally:
+            if own:
+                hold.release()
         for name, k in request.classification.items():
             response.outputs[name] = classify(response.outputs[name], k, mv.config.batch_size > 0)
         return response

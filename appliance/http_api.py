@@ -20,6 +20,7 @@ from appliance import http_codec
 from appliance.access import AccessPolicy, Scope
 from appliance.dataplane import DataPlane
 from appliance.errors import ApplianceError, Code, invalid
+from appliance.queue_bytes import Hold
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,18 @@ async def model_stats(request: web.Request) -> web.Response:
 async def infer(request: web.Request) -> web.Response:
     dataplane = request.app[DATAPLANE]
     model, version = _model(request)
+    # the body is held from before it is read: an overloaded model or server answers
+    # 503 without taking the payload into memory (appliance.queue_bytes)
+    hold = dataplane.reserve(model, version, request.content_length or 0)
+    try:
+        return await _infer(request, dataplane, model, version, hold)
+    finally:
+        hold.release()
+
+
+async def _infer(
+    request: web.Request, dataplane: DataPlane, model: str, version: str, hold: Hold
+) -> web.Response:
     body = await request.read()
     header_length = http_codec.parse_header_length(
         request.headers.get(http_codec.HEADER_LENGTH), len(body)
@@ -154,7 +167,7 @@ async def infer(request: web.Request) -> web.Response:
     else:
         decoded = http_codec.decode_request(body, header_length, model, version, shm)
     inference, fmt = decoded
-    response = await dataplane.infer(inference)
+    response = await dataplane.infer(inference, hold)
     text_bytes = copy_bytes = 0
     for name, arr in response.outputs.items():
         if name in fmt.shared_memory:

@@ -44,6 +44,13 @@ _MODEL_METRICS: list[tuple[str, str, str, Callable[[ModelStats], int]]] = [
         lambda s: s.pending,
     ),
     (
+        "nv_inference_pending_request_bytes",
+        "Instantaneous bytes of input tensors held by requests queued or executing per-model "
+        "(appliance; bounded by max_queued_bytes).",
+        "gauge",
+        lambda s: s.pending_bytes,
+    ),
+    (
         "nv_inference_request_duration_us",
         "Cumulative inference request duration in microseconds",
         "counter",

@@ -27,7 +27,7 @@ from appliance.config import InstanceGroup as GroupConfig
 from appliance.errors import ApplianceError, FailureReason, invalid
 from appliance.instances import InstanceGroup, ModelInstance, cpu_share
 from appliance.request import InferenceRequest, InferenceResponse
-from appliance.server_config import ServerConfig
+from appliance.server_config import ServerConfig, parse_size
 from appliance.stats import ModelStats
 from appliance.triton_config import to_triton_json
 from backends.base import BackendOptions, TensorSpec, memory_usage
@@ -135,6 +135,14 @@ class ModelVersion:
         self._owner = owner
         self._instances = instances
         self._inputs = {t.name: t for t in config.inputs}
+        # this model's bound on its queued requests' input bytes (None: the server's
+        # max_queued_bytes_per_model); see appliance.queue_bytes
+        limit = config.parameters.get("max_queued_bytes")
+        self.max_queued_bytes = (
+            None
+            if limit is None
+            else parse_size(limit, config.source, "parameters.max_queued_bytes")
+        )
         self._outputs = tuple(t.name for t in config.outputs)
         db = config.dynamic_batching
         policy = BatchPolicy(

@@ -51,6 +51,10 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     default_max_batch_size: int = 8
     default_max_queue_size: int = 1024
+    # input bytes queued requests may hold: whole server (None: derived from the memory
+    # budget, see queue_bytes.default_limit) and each model (None: the server's)
+    max_queued_bytes: int | None = None
+    max_queued_bytes_per_model: int | None = None
     log_level: str = "info"
     event_loop: str = "auto"  # auto (uvloop when installed) | asyncio | uvloop
     mqtt: MqttConfig | None = None  # None: no MQTT bridge
@@ -114,11 +118,21 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         drain_timeout_s=float(drain),
         default_max_batch_size=f.integer("default_max_batch_size", 8, minimum=1),
         default_max_queue_size=f.integer("default_max_queue_size", 1024, minimum=1),
+        max_queued_bytes=_optional_size(data, source, "max_queued_bytes"),
+        max_queued_bytes_per_model=_optional_size(data, source, "max_queued_bytes_per_model"),
         log_level=level,
         event_loop=_choice(f, "event_loop", "auto", ("auto", "asyncio", "uvloop")),
         mqtt=_mqtt(f, path, broker),
         **_control(f, path),
     )
+
+
+def _optional_size(data: dict[str, Any], source: str, key: str) -> int | None:
+    """A size, or None when absent or 'auto' (a default decided elsewhere)."""
+    value = data.get(key)
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    return parse_size(value, source, key)
 
 
 def _choice(f: Fields, key: str, default: str, allowed: tuple[str, ...]) -> str:
