@@ -87,9 +87,9 @@ class DataPlane:
         """A hold of ``nbytes`` on the model's and the server's queued bytes, taken by an
         adapter *before* it reads a request's payload (sized by what the request
         declares); pass it to :meth:`infer`, and release it once answered. Raises
-        UNAVAILABLE when shutting down or when the bytes do not fit (nothing is held then)."""
-        if not self.accepting:
-            raise unavailable("the server is shutting down")
+        UNAVAILABLE when the bytes do not fit (nothing is held then). Shutting down is
+        answered by :meth:`infer`, after the body was read: a connection whose request
+        body is left unread would hold the shutdown while the server drains it."""
         mv = self.lifecycle.get(name, version)
         hold = self.queued.hold(mv.stats, mv.max_queued_bytes)
         try:

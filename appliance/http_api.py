@@ -247,6 +247,13 @@ _ADMIN_ROUTES: dict[Any, Scope] = {
 _PUBLIC_ROUTES: dict[Any, Scope] = {h: Scope.PUBLIC for h in (live, ready, server_metadata)}
 
 
+async def _close_when_stopping(request: web.Request, response: web.StreamResponse) -> None:
+    """Shutting down: tell keep-alive clients not to send another request on this
+    connection (``Connection: close``); the server closes it after this answer."""
+    if not request.app[DATAPLANE].accepting:
+        response.force_close()
+
+
 def create_app(
     dataplane: DataPlane, max_request_size: int, access: AccessPolicy | None = None
 ) -> web.Application:
@@ -254,6 +261,7 @@ def create_app(
     app[DATAPLANE] = dataplane
     app[MAX_REQUEST_SIZE] = max_request_size
     app[ACCESS] = access or AccessPolicy()
+    app.on_response_prepare.append(_close_when_stopping)
     r = app.router
     r.add_get("/v2", server_metadata)
     r.add_get("/v2/health/live", live)
