@@ -191,11 +191,12 @@ class MqttConfig:
     tls: MqttTls | None = None
     keepalive_s: int = 30
     session_expiry_s: int = 300  # the broker keeps our subscriptions and QoS 1 requests
-    max_pending: int = 64  # requests held at once; beyond: "overloaded" reply
+    max_pending: int = 64  # requests held at once (v5 Receive Maximum); beyond: "overloaded"
     dedup_window_s: float = 60.0
     dedup_max_entries: int = 10000
-    reconnect_min_s: float = 1.0
-    reconnect_max_s: float = 60.0
+    # a device on the LAN of its broker is back within ~1-2 s of the broker's return
+    reconnect_min_s: float = 0.5
+    reconnect_max_s: float = 2.0
     file_directory: Path | None = None  # payloads may name files under it; None: refused
 
 
@@ -280,8 +281,8 @@ def _mqtt(f: Fields, path: Path | None, broker: str | None) -> MqttConfig | None
         tls = MqttTls(*files)
         if (tls.cert_file is None) != (tls.key_file is None):
             raise t.fail("cert_file", "a client certificate needs both cert_file and key_file")
-    low = _seconds(m, "reconnect_min_s", 1.0, 0.01)
-    high = _seconds(m, "reconnect_max_s", max(60.0, low), low)
+    low = _seconds(m, "reconnect_min_s", 0.5, 0.01)
+    high = _seconds(m, "reconnect_max_s", max(2.0, low), low)
     shared = data.get("shared_group") or ""
     return MqttConfig(
         host=host,

@@ -124,6 +124,13 @@ class Broker:
             process.kill()
             process.wait(5)
 
+    def kill(self) -> None:
+        """SIGKILL by PID: the broker dies without saving (what a power cut does)."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait(10)
+
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else "(no log)"
 
