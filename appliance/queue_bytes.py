@@ -19,10 +19,12 @@ Rules:
   for the whole server; ``max_queued_bytes_per_model`` (default: the server's) for
   each model, which a model config may lower or raise with the parameter
   ``max_queued_bytes``.
-- When the total falls back to zero after a burst that held at least
-  :data:`TRIM_AFTER_BYTES`, and stays zero for :data:`IDLE_S`, the freed heap is
-  handed back to the OS (``malloc_trim`` on a worker thread): glibc keeps freed
-  request buffers in its arenas otherwise, and the RSS stays at the burst's peak.
+- When the total falls back to zero after a burst in which requests of at least
+  :data:`TRIM_AFTER_BYTES` came and went (admitted or refused: a refused body still
+  passes through the connection's buffers), and stays zero for :data:`IDLE_S`, the
+  freed heap is handed back to the OS (``malloc_trim`` on a worker thread): glibc
+  keeps freed request buffers in its arenas otherwise, and the RSS stays near the
+  burst's peak.
 
 Concurrency: everything here runs on the event loop thread; no locks.
 """
@@ -72,7 +74,7 @@ class QueuedBytes:
         self.limit = limit
         self.per_model_limit = per_model_limit or limit
         self.held = 0
-        self._peak = 0  # most held since the last trim
+        self._seen = 0  # bytes of requests that came (admitted or not) since the last trim
         self._taken = 0  # holds made so far: tells an idle spell from a busy one
         self._trim_timer: asyncio.TimerHandle | None = None
         self._trimming: asyncio.Future[None] | None = None  # a reference until done
@@ -84,9 +86,10 @@ class QueuedBytes:
 
     def _changed(self, delta: int) -> None:
         self.held += delta
-        if self.held > self._peak:
-            self._peak = self.held
-        if self.held == 0 and self._peak >= TRIM_AFTER_BYTES and self._trim_timer is None:
+        self._maybe_trim()
+
+    def _maybe_trim(self) -> None:
+        if self.held == 0 and self._seen >= TRIM_AFTER_BYTES and self._trim_timer is None:
             loop = asyncio.get_running_loop()
             self._trim_timer = loop.call_later(IDLE_S, self._trim_if_idle, self._taken)
 
@@ -99,8 +102,8 @@ class QueuedBytes:
             return
         if self._trimming is not None and not self._trimming.done():
             return
-        log.debug("trimming the heap after a burst of %s held", memory.fmt(self._peak))
-        self._peak = 0
+        log.debug("trimming the heap after a burst of %s of requests", memory.fmt(self._seen))
+        self._seen = 0
         self._trimming = asyncio.ensure_future(asyncio.to_thread(memory.trim))
 
 
@@ -126,9 +129,11 @@ class Hold:
         shrinking always succeeds."""
         delta = nbytes - self.nbytes
         if delta > 0:
+            self._server._seen += delta
             model, server = self._stats.pending_bytes, self._server.held
             others_model, others_server = model - self.nbytes, server - self.nbytes
             if others_model > 0 and model + delta > self._limit:
+                self._server._maybe_trim()
                 raise unavailable(
                     f"model '{self._stats.name}' is overloaded: its queued requests hold "
                     f"{model} bytes, a request of {nbytes} more would pass its limit of "
@@ -136,6 +141,7 @@ class Hold:
                     FailureReason.REJECTED,
                 )
             if others_server > 0 and server + delta > self._server.limit:
+                self._server._maybe_trim()
                 raise unavailable(
                     f"the server is overloaded: queued requests hold {server} bytes, a "
                     f"request of {nbytes} more would pass its limit of {self._server.limit} "
