@@ -167,3 +167,25 @@ def test_queued_bytes_limit_sheds_with_503_and_returns_to_zero(
     assert 'nv_inference_pending_request_bytes{model="gate",version="1"} 0' in text
     assert 'nv_inference_request_failure{model="gate",reason="REJECTED",version="1"} 2' in text
     assert _infer(srv.url, 5)[0] == 6  # serving goes on
+
+
+# the snippet in the README's paragraph on overload (docs/overload.md): it must load
+README_SNIPPET = """\
+max_queued_bytes: 256MiB            # all models together; default: auto
+max_queued_bytes_per_model: 128MiB  # each model; default: the server's
+drain_timeout_s: 30                 # a bound only: shutdown lasts as long as the work
+mqtt:
+  host: 192.168.1.10
+  max_pending: 64                   # announced to the broker as the v5 Receive Maximum
+  reconnect_max_s: 2                # back within 1-2 s of the broker's return
+"""
+
+
+def test_readme_snippet_loads(tmp_path: Path) -> None:
+    path = tmp_path / "appliance.yaml"
+    path.write_text(README_SNIPPET)
+    config = load_server_config(path, {})
+    assert config.max_queued_bytes == 256 * 2**20
+    assert config.max_queued_bytes_per_model == 128 * 2**20
+    assert config.mqtt is not None and config.mqtt.max_pending == 64
+    assert config.mqtt.reconnect_max_s == 2.0 and config.mqtt.reconnect_min_s == 0.5

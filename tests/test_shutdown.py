@@ -22,6 +22,11 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from mosquitto import wait_until
 
 from appliance import modelgen
 
@@ -157,3 +162,39 @@ def test_sigterm_under_load_answers_every_accepted_request(tmp_path: Path) -> No
         o for o in accepted if o not in ("200", "503")
     ]
     assert "stopped" in "".join(lines)
+
+
+def test_grpc_call_in_flight_is_answered_and_stop_does_not_sit_out_the_timeout(
+    run_appliance: Any, tmp_path: Path
+) -> None:
+    # a lone request waits 2 s for a batch: it is in flight when the server stops
+    modelgen.write_model(
+        tmp_path,
+        "slow",
+        modelgen.identity("FP32", [-1]),
+        "max_batch_size: 8\ndynamic_batching: {max_queue_delay_microseconds: 2000000}\n",
+    )
+    srv = run_appliance(tmp_path, drain_timeout_s=600)
+    result: list[Any] = []
+
+    def call() -> None:
+        client = grpcclient.InferenceServerClient(srv.grpc_url)
+        x = grpcclient.InferInput("INPUT0", [1, 1], "FP32")
+        x.set_data_from_numpy(np.ones((1, 1), np.float32))
+        try:
+            result.append(client.infer("slow", [x], client_timeout=EXIT_WAIT_S))
+        except Exception as exc:  # reported by the assert below
+            result.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    wait_until(lambda: srv.call(_pending(srv)) == 1, what="the call to wait in the model's queue")
+    srv.call(srv.server.stop(), timeout=EXIT_WAIT_S)  # far below the 600 s drain timeout
+    caller.join(EXIT_WAIT_S)
+    assert result and not isinstance(result[0], Exception), result
+    np.testing.assert_array_equal(result[0].as_numpy("OUTPUT0"), [[1.0]])
+
+
+async def _pending(srv: Any) -> int:
+    stats = srv.server.dataplane.statistics("slow")["model_stats"][0]
+    return int(stats["pending_request_bytes"] > 0)
