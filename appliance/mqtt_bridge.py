@@ -128,6 +128,9 @@ class MqttBridge:
         self._held: dict[int, int] = {}
         self._accepting = False
         self._tasks: set[asyncio.Task[None]] = set()  # keep references: tasks are weak
+        # each admitted request's task -> its connection, until its room is released
+        # (exactly once: before its PUBACK, or when the task ends without one)
+        self._holding: dict[asyncio.Task[None], int] = {}
         self._generation = 0  # incremented on every accepted connection
         self._socket_up = False  # network thread's view
         self._link_up = False  # the loop's view: publish directly only when True
@@ -397,12 +400,19 @@ class MqttBridge:
         assert self._loop is not None
         task = self._loop.create_task(self._serve(inbound))
         self._tasks.add(task)
+        self._holding[task] = inbound.generation
         self.stats.set("in_flight", len(self._tasks))
         task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         self.stats.set("in_flight", len(self._tasks))
+        self._free(task)  # a task cancelled before it ran released nothing yet
+
+    def _free(self, task: asyncio.Task[Any] | None) -> None:
+        generation = self._holding.pop(task, None) if task is not None else None
+        if generation is not None:
+            self._release(generation)
 
     def _release(self, generation: int) -> None:
         with self._lock:
@@ -431,7 +441,6 @@ class MqttBridge:
                 key = await self._answer(msg, topic, key)
         except asyncio.CancelledError:
             self._forget(key)
-            self._release(msg.generation)
             raise
         except ApplianceError as exc:
             if exc.code is Code.UNAVAILABLE and _expired(msg):
@@ -447,7 +456,7 @@ class MqttBridge:
             self.stats.add("errors")
         # room first, then the PUBACK: the broker sends the next request as soon as
         # the acknowledgement reaches it, and that one must find the room free
-        self._release(msg.generation)
+        self._free(asyncio.current_task())
         self._ack(msg)
 
     async def _answer(
