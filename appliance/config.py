@@ -19,7 +19,7 @@ from typing import Any
 
 from appliance import datatypes
 from appliance.datatypes import TensorSpec
-from appliance.fields import ConfigError, Fields, parse_limit
+from appliance.fields import ConfigError, Fields, parse_limit, parse_size
 from appliance.sequence_config import (
     CORRID,
     CORRID_TYPES,
@@ -132,6 +132,9 @@ class ModelConfig:
     parameters: dict[str, str] = field(default_factory=dict)
     model_warmup: tuple[WarmupSample, ...] = ()
     memory_limit: int | None = None  # parameters.memory_limit: one copy's cap, bytes
+    # parameters.max_queued_bytes: bytes this model's queued requests may hold (None:
+    # the server's max_queued_bytes_per_model; see appliance.queue_bytes)
+    max_queued_bytes: int | None = None
     ensemble_steps: tuple[EnsembleStep, ...] = ()  # platform "ensemble" only
     sequence_batching: SequenceBatching | None = None  # stateful models
     decoupled: bool = False  # model_transaction_policy.decoupled: 0..N responses a request
@@ -406,6 +409,7 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
         parameters=parameters,
         model_warmup=warmup,
         memory_limit=_memory_limit(parameters, source),
+        max_queued_bytes=_queued_bytes(parameters, source),
         ensemble_steps=steps,
         sequence_batching=sequence,
         decoupled=_transaction_policy(f),
@@ -597,6 +601,12 @@ def _memory_limit(parameters: dict[str, str], source: str) -> int | None:
     if "memory_limit" not in parameters:
         return None
     return parse_limit(parameters["memory_limit"], source, "parameters.memory_limit")
+
+
+def _queued_bytes(parameters: dict[str, str], source: str) -> int | None:
+    if "max_queued_bytes" not in parameters:
+        return None
+    return parse_size(parameters["max_queued_bytes"], source, "parameters.max_queued_bytes")
 
 
 _WARMUP_DATA = ("zero_data", "random_data", "input_data_file")

@@ -23,10 +23,11 @@ import numpy as np
 from appliance import names, reshape
 from appliance.cuda_shared_memory import CudaSharedMemory
 from appliance.decoupled import RequestInputs, ResponseStream
-from appliance.errors import ApplianceError, Code, invalid, unavailable
+from appliance.errors import ApplianceError, Code, FailureReason, invalid, unavailable
 from appliance.lifecycle import ModelLifeCycle
 from appliance.limits import InputGate
 from appliance.log_settings import LogSettings
+from appliance.queue_bytes import Hold, QueuedBytes, default_limit, tensor_bytes
 from appliance.request import InferenceRequest, InferenceResponse
 from appliance.servable import Servable, State
 from appliance.shared_memory import SharedMemoryRegistry
@@ -86,6 +87,11 @@ class DataPlane:
         self.log_settings = LogSettings(lifecycle.server.log_level)
         self.live = True
         self.accepting = True  # False once shutdown began: readiness goes false first
+        server = lifecycle.server
+        self.queued = QueuedBytes(
+            server.max_queued_bytes or default_limit(server.memory_limit),
+            server.max_queued_bytes_per_model,
+        )
 
     # ---- health and metadata -----------------------------------------------------------
 
@@ -153,11 +159,29 @@ class DataPlane:
 
     # ---- inference ---------------------------------------------------------------------
 
+    def reserve(self, name: str, version: str, nbytes: int) -> Hold:
+        """A hold of ``nbytes`` on the model's and the server's queued bytes, taken by an
+        adapter *before* it reads a request's payload (sized by what the request
+        declares); pass it to :meth:`infer`, and release it once answered. Raises
+        UNAVAILABLE when the bytes do not fit (nothing is held then). Shutting down is
+        answered by :meth:`infer`, after the body was read: a connection whose request
+        body is left unread would hold the shutdown while the server drains it."""
+        mv = self.lifecycle.get(*_checked(name, version))
+        hold = self.queued.hold(mv.stats, mv.config.max_queued_bytes)
+        try:
+            hold.set(nbytes)
+        except ApplianceError:
+            mv.stats.record_failure(FailureReason.REJECTED, 0)
+            raise
+        return hold
+
     async def infer(
-        self, request: InferenceRequest, endpoint: str = "this endpoint"
+        self, request: InferenceRequest, endpoint: str = "this endpoint", hold: Hold | None = None
     ) -> InferenceResponse:
         """One request, one response. A decoupled model is refused with Triton's text
-        (``endpoint`` names the caller: "HTTP end point", "ModelInfer RPC")."""
+        (``endpoint`` names the caller: "HTTP end point", "ModelInfer RPC"). The decoded
+        inputs are held (``hold``, else a hold of its own) until the request is
+        answered: beyond the queued-bytes limits it is refused UNAVAILABLE."""
         if not self.accepting:
             raise unavailable("the server is shutting down")
         mv = self.lifecycle.get(*_checked(request.model_name, request.model_version))
@@ -167,7 +191,19 @@ class DataPlane:
                 f"(model '{mv.config.name}' may send any number of responses a request: "
                 "call it over a stream, e.g. gRPC ModelStreamInfer)"
             )
-        return await self._infer_one(mv, request)
+        own = hold is None
+        if hold is None:
+            hold = self.queued.hold(mv.stats, mv.config.max_queued_bytes)
+        try:
+            try:
+                hold.set(tensor_bytes(request.inputs))
+            except ApplianceError:
+                mv.stats.record_failure(FailureReason.REJECTED, 0)
+                raise
+            return await self._infer_one(mv, request)
+        finally:
+            if own:
+                hold.release()
 
     async def _infer_one(self, mv: Servable, request: InferenceRequest) -> InferenceResponse:
         """Run a request on its model version, traced when tracing picks it."""

@@ -23,6 +23,7 @@ from appliance import http_codec, http_limits
 from appliance.access import AccessPolicy, Scope
 from appliance.dataplane import DataPlane
 from appliance.errors import ApplianceError, Code, invalid
+from appliance.queue_bytes import Hold
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ def _model(request: web.Request) -> tuple[str, str]:
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
-    body = http_limits.body(request)
+    body = await http_limits.body(request)
     if not body:
         return {}
     try:
@@ -156,8 +157,20 @@ async def model_stats(request: web.Request) -> web.Response:
 async def infer(request: web.Request) -> web.Response:
     dataplane = request.app[DATAPLANE]
     model, version = _model(request)
+    # the body is held from before it is read: an overloaded model or server answers
+    # 503 without taking the payload into memory (appliance.queue_bytes)
+    hold = dataplane.reserve(model, version, request.content_length or 0)
+    try:
+        return await _infer(request, dataplane, model, version, hold)
+    finally:
+        hold.release()
+
+
+async def _infer(
+    request: web.Request, dataplane: DataPlane, model: str, version: str, hold: Hold
+) -> web.Response:
     gate = dataplane.input_gate(model, version)  # checked before any tensor is decoded
-    body = http_limits.body(request)
+    body = await http_limits.body(request)
     header_length = http_codec.parse_header_length(
         request.headers.get(http_codec.HEADER_LENGTH), len(body)
     )
@@ -174,7 +187,7 @@ async def infer(request: web.Request) -> web.Response:
         else:
             decoded = prepared.build()
     inference, fmt = decoded
-    response = await dataplane.infer(inference, "HTTP end point")
+    response = await dataplane.infer(inference, "HTTP end point", hold)
     text_bytes = copy_bytes = objects = 0
     for name, arr in response.outputs.items():
         if name in fmt.shared_memory:
@@ -316,6 +329,13 @@ _ADMIN_ROUTES: dict[Any, Scope] = {
 _PUBLIC_ROUTES: dict[Any, Scope] = {h: Scope.PUBLIC for h in (live, ready, server_metadata)}
 
 
+async def _close_when_stopping(request: web.Request, response: web.StreamResponse) -> None:
+    """Shutting down: tell keep-alive clients not to send another request on this
+    connection (``Connection: close``); the server closes it after this answer."""
+    if not request.app[DATAPLANE].accepting:
+        response.force_close()
+
+
 def create_app(
     dataplane: DataPlane,
     max_request_size: int,
@@ -327,6 +347,7 @@ def create_app(
     app[DATAPLANE] = dataplane
     app[MAX_REQUEST_SIZE] = max_request_size
     app[ACCESS] = access or AccessPolicy()
+    app.on_response_prepare.append(_close_when_stopping)
     r = app.router
     expect = http_limits.expect_handler(max_request_size)
 

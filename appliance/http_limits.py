@@ -38,8 +38,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # aiohttp's own lingering default: longer gives a slow client nothing
 _MAX_LINGER_S = 10.0
-# where body_limits leaves the body on the request
+# the body once read, and how long reading it may take (set by body_limits)
 _BODY: web.RequestKey[bytes | bytearray] = web.RequestKey("appliance.body")
+_BODY_TIMEOUT: web.RequestKey[float] = web.RequestKey("appliance.body_timeout_s")
 _YIELD_BYTES = 2**20  # bytes copied between two turns of the event loop
 
 
@@ -112,31 +113,47 @@ async def _read(request: web.Request) -> bytes | bytearray:
     return buffer
 
 
-def body(request: web.Request) -> bytes | bytearray:
-    """The request body, as read by the :func:`body_limits` middleware (b"" if none)."""
-    data: bytes | bytearray = request.get(_BODY, b"")
+class _BodyTimeout(Exception):
+    """The body did not arrive in time: :func:`body_limits` answers 408."""
+
+
+async def body(request: web.Request) -> bytes | bytearray:
+    """The request body (b"" if none), read on the first call within the body timeout.
+
+    Read by the handler, not up front, so a handler can refuse before the payload
+    is in memory (an overloaded model's 503: appliance.queue_bytes)."""
+    cached = request.get(_BODY)
+    if isinstance(cached, (bytes, bytearray)):
+        return cached
+    if not request.body_exists:
+        return b""
+    timeout: float | None = request.get(_BODY_TIMEOUT) or None
+    try:
+        data: bytes | bytearray = await asyncio.wait_for(_read(request), timeout)
+    except asyncio.TimeoutError:
+        raise _BodyTimeout(timeout) from None
+    request[_BODY] = data
     return data
 
 
 def body_limits(limit: int, body_timeout_s: float) -> Middleware:
-    """Middleware: refuse an oversized declared body (413), then read the body within
-    ``body_timeout_s`` (408 otherwise); handlers take it with :func:`body`."""
+    """Middleware: refuse an oversized declared body (413) at once; a body that a
+    handler reads (:func:`body`) must arrive within ``body_timeout_s`` (408)."""
 
     @web.middleware
     async def limits(request: web.Request, handler: Handler) -> web.StreamResponse:
         refusal = _too_large(request, limit)
         if refusal is not None:
             return refusal
-        if request.body_exists:
-            try:
-                request[_BODY] = await asyncio.wait_for(_read(request), body_timeout_s)
-            except asyncio.TimeoutError:
-                log.debug("body from %s not complete in %.1fs", request.remote, body_timeout_s)
-                return _refusal(
-                    408,
-                    f"the request body did not arrive within {body_timeout_s:g}s "
-                    f"(http_body_timeout_s)",
-                )
-        return await handler(request)
+        request[_BODY_TIMEOUT] = body_timeout_s
+        try:
+            return await handler(request)
+        except _BodyTimeout:
+            log.debug("body from %s not complete in %.1fs", request.remote, body_timeout_s)
+            return _refusal(
+                408,
+                f"the request body did not arrive within {body_timeout_s:g}s "
+                f"(http_body_timeout_s)",
+            )
 
     return limits

@@ -128,6 +128,8 @@ class Sources:
     models: Callable[[], Iterable[ModelStats]]
     budget: Callable[[], tuple[int | None, int] | None] = lambda: None
     mqtt: Callable[[], dict[str, int] | None] = lambda: None
+    # (bytes held by queued requests, the server-wide limit)
+    queued: Callable[[], tuple[int, int] | None] = lambda: None
 
 
 def _untyped(name: str, help_text: str) -> Metric:
@@ -168,9 +170,30 @@ class ApplianceCollector(Collector):
             "Instantaneous number of pending requests awaiting execution per-model.",
             labels=["model", "version"],
         )
+        held = GaugeMetricFamily(
+            "nv_inference_pending_request_bytes",
+            "Instantaneous bytes of input tensors held by requests queued or executing "
+            "per-model (appliance; bounded by max_queued_bytes_per_model).",
+            labels=["model", "version"],
+        )
         for s in stats:
             pending.add_metric([s.name, s.version], s.pending)
+            held.add_metric([s.name, s.version], s.pending_bytes)
         yield pending
+        yield held
+        queued = self.sources.queued()
+        if queued is not None:
+            held_total, limit = queued
+            yield GaugeMetricFamily(
+                "appliance_queued_bytes",
+                "Bytes of input tensors held by all queued or executing requests",
+                value=held_total,
+            )
+            yield GaugeMetricFamily(
+                "appliance_queued_bytes_limit",
+                "The server-wide bound on queued bytes (max_queued_bytes)",
+                value=limit,
+            )
 
     def _summaries(self, stats: list[ModelStats]) -> Iterator[Metric]:
         timed = [s for s in stats if s.latencies is not None]

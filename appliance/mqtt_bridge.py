@@ -15,9 +15,14 @@ Threads and ownership:
   reply); that task is the only party that answers and acknowledges its message.
   Publishing from the loop only queues the packet and wakes the network thread.
 
-Bounded inbound work: at most ``max_pending`` requests are held at once; a request
-beyond that is answered at once with an UNAVAILABLE "overloaded" error (and counted),
-never buffered. QoS 1 requests are acknowledged (PUBACK) only once answered, so a
+Bounded inbound work: the CONNECT announces ``max_pending`` as the MQTT v5 Receive
+Maximum, so the broker sends at most that many QoS 1 requests we have not
+acknowledged yet and keeps the rest of a backlog itself. At most ``max_pending``
+requests per connection are held at once (QoS 1: up to twice that when the broker
+overshoots its quota; requests still in flight from an earlier connection, which the
+broker no longer counts, do not take the new connection's room); a request beyond
+that is answered at once with an UNAVAILABLE "overloaded" error (and counted), never
+buffered. QoS 1 requests are acknowledged (PUBACK) only once answered, so a
 request in flight when the connection or the process dies is redelivered by the
 broker; the de-duplication window makes a redelivery that arrives while this
 process still remembers it a no-op. Replies produced while disconnected wait in a
@@ -68,6 +73,7 @@ log = logging.getLogger(__name__)
 # payloads and results above this are decoded/encoded on a worker thread (as over HTTP)
 _OFFLOAD_BYTES = 256 * 1024
 _GOODBYE_TIMEOUT_S = 2.0
+RECEIVE_MAXIMUM_LIMIT = 65535  # the largest value MQTT v5 allows
 
 class MqttBridge:
     """Serves inference over MQTT for one device. :meth:`start`, then :meth:`stop`."""
@@ -83,9 +89,14 @@ class MqttBridge:
         self._dedup = DedupWindow(config.dedup_window_s, config.dedup_max_entries)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()  # guards _held and _accepting
-        self._held = 0  # admitted requests not finished yet
+        # admitted requests not finished yet, by the connection (generation) that
+        # delivered them: the broker's Receive Maximum counts per connection
+        self._held: dict[int, int] = {}
         self._accepting = False
         self._tasks: set[asyncio.Task[None]] = set()  # keep references: tasks are weak
+        # each admitted request's task -> its connection, until its room is released
+        # (exactly once: before its PUBACK, or when the task ends without one)
+        self._holding: dict[asyncio.Task[None], int] = {}
         self._generation = 0  # incremented on every accepted connection
         self._socket_up = False  # network thread's view
         self._link_up = False  # the loop's view: publish directly only when True
@@ -195,6 +206,9 @@ class MqttBridge:
         while not self._halt.is_set():
             properties = _new_properties(PacketTypes.CONNECT)
             properties.SessionExpiryInterval = cfg.session_expiry_s
+            # the broker sends no more unacknowledged QoS 1 requests than we serve at
+            # once (we acknowledge once answered) and holds a backlog for us
+            properties.ReceiveMaximum = min(cfg.max_pending, RECEIVE_MAXIMUM_LIMIT)
             try:
                 if self._client.max_inflight_messages != self._inflight:  # after a clean close
                     self._client.max_inflight_messages_set(self._inflight)
@@ -299,9 +313,15 @@ class MqttBridge:
             return
         with self._lock:
             accepting = self._accepting
-            admitted = accepting and self._held < self.config.max_pending
+            held = self._held.get(inbound.generation, 0)
+            # QoS 1: the broker counts our unacknowledged requests against the Receive
+            # Maximum we announced; one that overshoots it (mosquitto 2.0 was seen
+            # sending one more right after an acknowledgement) is taken, up to twice
+            # max_pending, rather than answered "overloaded" while the model idles
+            room = self.config.max_pending * (2 if inbound.qos else 1)
+            admitted = accepting and held < room
             if admitted:
-                self._held += 1
+                self._held[inbound.generation] = held + 1
         if not accepting:  # stopping: leave it unacknowledged, the broker keeps it
             self._forget(key)
             return
@@ -319,7 +339,7 @@ class MqttBridge:
             client.ack(message.mid, message.qos)
             return
         if not self._call(self._admit, inbound):
-            self._release()
+            self._release(inbound.generation)
 
     # ---- the event loop -----------------------------------------------------------------
 
@@ -346,17 +366,27 @@ class MqttBridge:
         assert self._loop is not None
         task = self._loop.create_task(self._serve(inbound))
         self._tasks.add(task)
+        self._holding[task] = inbound.generation
         self.stats.set("in_flight", len(self._tasks))
         task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         self.stats.set("in_flight", len(self._tasks))
-        self._release()
+        self._free(task)  # a task cancelled before it ran released nothing yet
 
-    def _release(self) -> None:
+    def _free(self, task: asyncio.Task[Any] | None) -> None:
+        generation = self._holding.pop(task, None) if task is not None else None
+        if generation is not None:
+            self._release(generation)
+
+    def _release(self, generation: int) -> None:
         with self._lock:
-            self._held -= 1
+            left = self._held[generation] - 1
+            if left:
+                self._held[generation] = left
+            else:
+                del self._held[generation]
 
     def _forget(self, key: Hashable | None) -> None:
         if key is not None:
@@ -390,6 +420,9 @@ class MqttBridge:
             log.exception("mqtt: request on %s failed", msg.topic)
             self._reply(*self._error_reply(msg, model, ApplianceError(Code.INTERNAL, str(exc))))
             self.stats.add("errors")
+        # room first, then the PUBACK: the broker sends the next request as soon as
+        # the acknowledgement reaches it, and that one must find the room free
+        self._free(asyncio.current_task())
         self._ack(msg)
 
     async def _answer(

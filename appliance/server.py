@@ -26,6 +26,7 @@ from appliance import bls, http_api, http_limits, metrics
 from appliance.access import AccessPolicy, is_loopback
 from appliance.dataplane import DataPlane
 from appliance.fields import ConfigError
+from appliance.http_drain import close_http
 from appliance.lifecycle import ModelLifeCycle
 from appliance.shared_memory import SharedMemoryRegistry
 from appliance.tls import files as tls_files
@@ -64,6 +65,7 @@ class Server:
                 models=lambda: (mv.stats for mv in self.lifecycle.loaded()),
                 budget=self.dataplane.memory,
                 mqtt=self._mqtt_counters,
+                queued=lambda: (self.dataplane.queued.held, self.dataplane.queued.limit),
             )
         )
         self._bls: bls.Binding | None = None
@@ -195,9 +197,10 @@ class Server:
         self.dataplane.accepting = False
         http, grpc, metrics_runner = self._http, self._grpc, self._metrics
         self._http = self._grpc = self._metrics = None
-        # close both listeners; each waits for its in-flight requests
+        # close both listeners; each waits for its in-flight requests (HTTP: and for
+        # requests already received on keep-alive connections, see http_drain)
         await asyncio.gather(
-            *([http.cleanup()] if http else []),
+            *([close_http(http, self.config.drain_timeout_s)] if http else []),
             *([grpc.stop(self.config.drain_timeout_s)] if grpc else []),
         )
         await self.lifecycle.stop(self.config.drain_timeout_s)

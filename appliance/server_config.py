@@ -34,6 +34,10 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     default_max_batch_size: int = 8
     default_max_queue_size: int = 1024
+    # input bytes queued requests may hold: whole server (None: derived from the memory
+    # budget, see queue_bytes.default_limit) and each model (None: the server's)
+    max_queued_bytes: int | None = None
+    max_queued_bytes_per_model: int | None = None
     log_level: str = "info"
     event_loop: str = "auto"  # auto (uvloop when installed) | asyncio | uvloop
     mqtt: MqttConfig | None = None  # None: no MQTT bridge
@@ -110,6 +114,8 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         drain_timeout_s=float(drain),
         default_max_batch_size=f.integer("default_max_batch_size", 8, minimum=1),
         default_max_queue_size=f.integer("default_max_queue_size", 1024, minimum=1),
+        max_queued_bytes=_optional_size(data, source, "max_queued_bytes"),
+        max_queued_bytes_per_model=_optional_size(data, source, "max_queued_bytes_per_model"),
         log_level=level,
         event_loop=_choice(f, "event_loop", "auto", ("auto", "asyncio", "uvloop")),
         mqtt=_mqtt(f, path, broker),
@@ -139,6 +145,14 @@ def _server_name(f: Fields) -> str:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
         raise f.fail("server_name", f"expected 1-64 letters, digits, '.', '_' or '-', got {name!r}")
     return name
+
+
+def _optional_size(data: dict[str, Any], source: str, key: str) -> int | None:
+    """A size, or None when absent or 'auto' (a default decided elsewhere)."""
+    value = data.get(key)
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    return parse_size(value, source, key)
 
 
 def _choice(f: Fields, key: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -197,11 +211,12 @@ class MqttConfig:
     tls: MqttTls | None = None
     keepalive_s: int = 30
     session_expiry_s: int = 300  # the broker keeps our subscriptions and QoS 1 requests
-    max_pending: int = 64  # requests held at once; beyond: "overloaded" reply
+    max_pending: int = 64  # requests held at once (v5 Receive Maximum); beyond: "overloaded"
     dedup_window_s: float = 60.0
     dedup_max_entries: int = 10000
-    reconnect_min_s: float = 1.0
-    reconnect_max_s: float = 60.0
+    # a device on the LAN of its broker is back within ~1-2 s of the broker's return
+    reconnect_min_s: float = 0.5
+    reconnect_max_s: float = 2.0
     file_directory: Path | None = None  # payloads may name files under it; None: refused
 
 
@@ -286,8 +301,8 @@ def _mqtt(f: Fields, path: Path | None, broker: str | None) -> MqttConfig | None
         tls = MqttTls(*files)
         if (tls.cert_file is None) != (tls.key_file is None):
             raise t.fail("cert_file", "a client certificate needs both cert_file and key_file")
-    low = _seconds(m, "reconnect_min_s", 1.0, 0.01)
-    high = _seconds(m, "reconnect_max_s", max(60.0, low), low)
+    low = _seconds(m, "reconnect_min_s", 0.5, 0.01)
+    high = _seconds(m, "reconnect_max_s", max(2.0, low), low)
     shared = data.get("shared_group") or ""
     return MqttConfig(
         host=host,

@@ -94,6 +94,7 @@ class ModelStats:
     failures: dict[FailureReason, int] = field(default_factory=dict)
     batches: dict[int, BatchStats] = field(default_factory=dict)
     pending: int = 0  # requests queued, not yet executing
+    pending_bytes: int = 0  # input bytes held by requests queued or executing (queue_bytes)
     # the copy's measured memory in Triton's shape: [{type: CPU|GPU, id, byte_size}]
     memory_usage: list[dict[str, Any]] = field(default_factory=list)
     instances: int = 0  # admitted by the memory budget
@@ -161,6 +162,7 @@ class ModelStats:
                 for size, b in sorted(self.batches.items())
             ],
             "memory_usage": self.memory_usage,
+            "pending_request_bytes": self.pending_bytes,  # ours; Triton clients ignore it
         }
 
 

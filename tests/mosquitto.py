@@ -124,6 +124,17 @@ class Broker:
             process.kill()
             process.wait(5)
 
+    def kill(self) -> None:
+        """SIGKILL by PID: the broker dies without saving (what a power cut does)."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait(10)
+
+    def saves(self) -> int:
+        """How many times the broker has written its persistence file (from its log)."""
+        return self.log_text().count("Saving in-memory database")
+
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else "(no log)"
 
@@ -136,6 +147,7 @@ class Reply:
     user: dict[str, str] = field(default_factory=dict)
     content_type: str = ""
     retain: bool = False
+    dup: bool = False  # the broker sent it again (a redelivery after a reconnect)
 
 
 class Client:
@@ -181,6 +193,7 @@ class Client:
                 dict(getattr(props, "UserProperty", None) or []),
                 getattr(props, "ContentType", "") or "",
                 bool(message.retain),
+                bool(message.dup),
             )
         )
 

@@ -110,6 +110,7 @@ def mqtt_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     modelgen.write_model(repo, "simple", modelgen.simple_add_sub(), modelgen.SIMPLE_CONFIG)
     modelgen.write_model(repo, "identity_bytes", modelgen.identity("BYTES", [-1]))
     modelgen.write_model(repo, "slow", modelgen.identity("FP32", [-1]), SLOW_CONFIG)
+    modelgen.write_model(repo, "simple_fp32", modelgen.identity("FP32", [-1]))
     return repo
 
 
@@ -564,7 +565,37 @@ def test_expired_message_is_dropped_not_inferred(run_appliance, broker, client, 
     assert c.replies.empty()
 
 
+def test_qos1_backlog_waits_at_the_broker_not_overloaded(
+    run_appliance, broker, client, mqtt_repository
+):
+    # the bridge's CONNECT says Receive Maximum = max_pending: the broker sends two
+    # unacknowledged requests at a time and keeps the other three until answered
+    prefix = new_prefix()
+    srv = start(run_appliance, mqtt_repository, broker.port, "cam1", prefix, max_pending=2)
+    c = client(broker.port)
+    wait_online(c, prefix, "cam1")
+    c.subscribe(f"{prefix}/replies")
+    request = orjson.dumps(
+        {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 1], "data": [7]}]}
+    )
+    for i in range(5):
+        c.publish(
+            f"{prefix}/cam1/infer/simple_fp32",
+            request,
+            response_topic=f"{prefix}/replies",
+            correlation=b"%d" % i,
+            wait=False,
+        )
+    replies = c.collect(5, timeout=30)
+    assert all(outputs(r)["OUTPUT0"]["data"] == [7.0] for r in replies)
+    assert {r.correlation for r in replies} == {b"0", b"1", b"2", b"3", b"4"}
+    m = metrics(srv)
+    assert m['dropped{reason="overloaded"}'] == 0 and m["answered"] == 5
+
+
 def test_overload_is_answered_at_once_not_buffered(run_appliance, broker, client, mqtt_repository):
+    # QoS 0 requests are not counted by the broker's Receive Maximum: beyond
+    # max_pending the bridge answers "overloaded" at once
     prefix = new_prefix()
     srv = start(run_appliance, mqtt_repository, broker.port, "cam1", prefix, max_pending=2)
     c = client(broker.port)
@@ -580,6 +611,7 @@ def test_overload_is_answered_at_once_not_buffered(run_appliance, broker, client
             request,
             response_topic=f"{prefix}/replies",
             correlation=b"%d" % i,
+            qos=0,
         )
     first = c.collect(3, timeout=SLOW_DELAY_S)  # the three beyond max_pending, at once
     assert time.monotonic() - sent < SLOW_DELAY_S
