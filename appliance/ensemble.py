@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from appliance import memory
-from appliance.config import EnsembleStep, ModelConfig, TensorConfig
+from appliance.config import ModelConfig, TensorConfig
+from appliance.ensemble_config import EnsembleStep
 from appliance.errors import ApplianceError, FailureReason, unavailable
 from appliance.fields import ConfigError
 from appliance.model import check_request

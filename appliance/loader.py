@@ -22,7 +22,8 @@ from pathlib import Path
 import backends
 from appliance import memory, names, warmup
 from appliance.config import InstanceGroup as GroupConfig
-from appliance.config import ModelConfig, TensorConfig, complete
+from appliance.config import ModelConfig, TensorConfig
+from appliance.config_completion import complete
 from appliance.ensemble import EnsembleVersion, Resolver
 from appliance.errors import invalid
 from appliance.fields import ConfigError

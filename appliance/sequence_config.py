@@ -1,6 +1,6 @@
 """Triton's ``sequence_batching`` settings as typed values, and the tensors they imply.
 
-The config parser (:mod:`appliance.config`) reads the field into a
+:func:`parse_sequence_batching` reads the field (for :mod:`appliance.config`) into a
 :class:`SequenceBatching`; the sequence batcher (:mod:`appliance.sequence_batcher`)
 acts on it. Control inputs and implicit-state tensors are fed by the server, not
 sent by clients, so they are not among a model's declared ``input``/``output``;
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from appliance import datatypes
+from appliance.fields import ConfigError, Fields
 
 START = "CONTROL_SEQUENCE_START"
 END = "CONTROL_SEQUENCE_END"
@@ -151,3 +152,146 @@ def implicit_outputs(sb: SequenceBatching | None) -> dict[str, tuple[str, tuple[
     if sb is None:
         return {}
     return {s.output_name: (s.datatype, s.dims) for s in sb.states}
+
+
+# ---- reading the config field ------------------------------------------------------
+
+
+def _control(f: Fields) -> Control:
+    f.check_keys({"name", "control"})
+    name = f.text("name")
+    controls = f.entries("control")
+    if not name or len(controls) != 1:
+        raise ConfigError(f.source, f.path, "expected a tensor 'name' and one 'control'")
+    c = controls[0]
+    c.check_keys({"kind", "int32_false_true", "fp32_false_true", "bool_false_true", "data_type"})
+    kind = c.text("kind", START)  # protobuf leaves out its default (the first) kind
+    if kind not in KINDS:
+        raise c.fail("kind", f"expected one of {list(KINDS)}, got {kind!r}")
+    if kind == CORRID:
+        raw = c.text("data_type")
+        datatype = datatypes.from_config_type(raw) if raw.startswith("TYPE_") else ""
+        if datatype not in CORRID_TYPES:
+            raise c.fail(
+                "data_type",
+                "expected TYPE_UINT64, TYPE_INT64, TYPE_UINT32, TYPE_INT32 or TYPE_STRING, "
+                f"got {raw!r}",
+            )
+        return Control(name, kind, datatype)
+    given = [k for k in ("int32_false_true", "fp32_false_true", "bool_false_true") if k in c.data]
+    values = c.data.get(given[0]) if len(given) == 1 else None
+    if not isinstance(values, list) or len(values) != 2:
+        raise ConfigError(
+            c.source,
+            c.path,
+            f"{kind} needs exactly one of int32_false_true, fp32_false_true, "
+            "bool_false_true with two values (false, true)",
+        )
+    datatype = {"int32_false_true": "INT32", "fp32_false_true": "FP32"}.get(given[0], "BOOL")
+    kinds = {"INT32": (int,), "FP32": (int, float), "BOOL": (bool,)}[datatype]
+    typed = all(
+        isinstance(v, kinds) and (datatype == "BOOL") == isinstance(v, bool) for v in values
+    )
+    if not typed:
+        raise c.fail(given[0], f"expected two {datatype} values, got {values!r}")
+    if datatype == "FP32":
+        values = [float(v) for v in values]
+    return Control(name, kind, datatype, (values[0], values[1]))
+
+
+def _state(f: Fields) -> ImplicitState:
+    f.check_keys(
+        {"input_name", "output_name", "data_type", "dims", "initial_state"}
+        | {"use_same_buffer_for_input_output", "use_growable_memory"}
+    )
+    names = (f.text("input_name"), f.text("output_name"))
+    if not all(names):
+        raise ConfigError(f.source, f.path, "a state needs 'input_name' and 'output_name'")
+    raw = f.text("data_type")
+    try:
+        datatype = datatypes.from_config_type(raw)
+    except ValueError:
+        raise f.fail("data_type", f"expected a TYPE_* data type, got {raw!r}") from None
+    dims = f.ints("dims", -1)
+    if isinstance(f.data.get("initial_state"), dict):  # YAML may write the one entry bare
+        entries = [Fields(f.source, f.data["initial_state"], f.at("initial_state"))]
+    else:
+        entries = f.entries("initial_state")
+    if len(entries) > 1:
+        raise f.fail("initial_state", f"must hold one entry or none, got {len(entries)}")
+    if not entries:
+        return ImplicitState(names[0], names[1], datatype, dims)
+    i = entries[0]
+    i.check_keys({"data_type", "dims", "zero_data", "data_file", "name"})
+    if i.text("data_type", raw) != raw:
+        raise i.fail("data_type", "does not match the state data type")
+    if not i.text("name"):
+        raise i.fail("name", "must be set when using initial_state")
+    initial_dims = i.ints("dims", 0)
+    if len(initial_dims) != len(dims) or any(
+        d != -1 and d != n for d, n in zip(dims, initial_dims, strict=True)
+    ):
+        raise i.fail("dims", f"{list(initial_dims)} do not match the state dims {list(dims)}")
+    if ("zero_data" in i.data) == ("data_file" in i.data):
+        raise ConfigError(i.source, i.path, "expected one of zero_data or data_file")
+    data_file = i.text("data_file") if "data_file" in i.data else ""
+    if "data_file" in i.data and not data_file:
+        raise i.fail("data_file", "expected a file name")
+    return ImplicitState(
+        names[0], names[1], datatype, dims, initial_dims, i.text("name"), data_file
+    )
+
+
+def parse_sequence_batching(f: Fields) -> SequenceBatching:
+    """Triton's ``sequence_batching`` mapping, validated; errors name file and field."""
+    f.check_keys(
+        {"max_sequence_idle_microseconds", "control_input", "direct", "oldest", "state"}
+        | {"iterative_sequence"}
+    )
+    if f.data.get("iterative_sequence"):
+        raise f.fail("iterative_sequence", "iterative sequences are not supported")
+    if "direct" in f.data and "oldest" in f.data:
+        raise ConfigError(f.source, f.path, "expected one strategy: direct or oldest, not both")
+    controls = tuple(_control(c) for c in f.entries("control_input"))
+    kinds = [c.kind for c in controls]
+    names = [c.name for c in controls]
+    if len(set(kinds)) != len(kinds) or len(set(names)) != len(names):
+        raise f.fail("control_input", "each control kind and tensor name may appear only once")
+    states = tuple(_state(s) for s in f.entries("state"))
+    state_inputs = [s.input_name for s in states]
+    if len(set(state_inputs)) != len(state_inputs):
+        raise f.fail("state", "a state input name is specified more than once")
+    idle = f.integer("max_sequence_idle_microseconds", 0) or 1_000_000  # Triton's default
+    oldest = f.sub("oldest")
+    if "oldest" in f.data:
+        o = oldest or Fields(f.source, {}, f.at("oldest"))
+        o.check_keys(
+            {"max_candidate_sequences", "preferred_batch_size", "max_queue_delay_microseconds"}
+            | {"preserve_ordering"}
+        )
+        return SequenceBatching(
+            "oldest",
+            max_candidate_sequences=o.integer("max_candidate_sequences", 0),
+            preferred_batch_size=o.ints("preferred_batch_size", 1),
+            max_queue_delay_us=o.integer("max_queue_delay_microseconds", 0),
+            max_sequence_idle_us=idle,
+            controls=controls,
+            states=states,
+        )
+    d = f.sub("direct") or Fields(f.source, {}, f.at("direct"))
+    d.check_keys({"max_queue_delay_microseconds", "minimum_slot_utilization"})
+    utilization = d.data.get("minimum_slot_utilization", 0.0)
+    if (
+        not isinstance(utilization, (int, float))
+        or isinstance(utilization, bool)
+        or not (0 <= utilization <= 1)
+    ):
+        raise d.fail("minimum_slot_utilization", f"expected a number in 0..1, got {utilization!r}")
+    return SequenceBatching(
+        "direct",
+        max_queue_delay_us=d.integer("max_queue_delay_microseconds", 0),
+        minimum_slot_utilization=float(utilization),
+        max_sequence_idle_us=idle,
+        controls=controls,
+        states=states,
+    )

@@ -21,9 +21,10 @@ from typing import Any
 from google.protobuf import json_format, text_format
 
 from appliance import datatypes
-from appliance.config import ModelConfig, TensorConfig, WarmupInput, WarmupSample
+from appliance.config import ModelConfig, TensorConfig
 from appliance.fields import ConfigError
 from appliance.model_config_schema import model_config_pb2
+from appliance.warmup_config import WarmupInput, WarmupSample
 
 
 def _as_dict(message: Any) -> dict[str, Any]:

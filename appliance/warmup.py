@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from appliance import datatypes, names
-from appliance.config import ModelConfig, WarmupInput
+from appliance.config import ModelConfig
 from appliance.errors import ApplianceError, invalid
 from appliance.fields import ConfigError
+from appliance.warmup_config import WarmupInput
 from backends.base import Backend
 
 log = logging.getLogger(__name__)

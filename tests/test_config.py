@@ -14,9 +14,9 @@ from appliance.config import (
     ModelConfig,
     TensorConfig,
     VersionPolicy,
-    complete,
     parse_model_config,
 )
+from appliance.config_completion import complete
 from appliance.config_reader import load_model_config
 from appliance.errors import Code
 from appliance.fields import ConfigError, parse_size

@@ -21,7 +21,7 @@ import tritonclient.http as httpclient
 from mosquitto import wait_until
 from tritonclient.utils import InferenceServerException
 
-from appliance.config import ConfigError
+from appliance.fields import ConfigError
 from appliance.queue_bytes import QueuedBytes, default_limit, tensor_bytes
 from appliance.server_config import load_server_config
 from appliance.stats import ModelStats
