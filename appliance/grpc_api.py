@@ -1,10 +1,10 @@
-"""KServe v2 / Triton gRPC adapter (``inference.GRPCInferenceService``) over the data plane.
+"""KServe v2 / Triton gRPC service (``inference.GRPCInferenceService``) over the data plane.
 
-Runs on ``grpc.aio`` inside the server's event loop, next to the HTTP endpoint,
-with Triton's published service definitions (the generated modules tritonclient
-ships), plus the standard ``grpc.health.v1`` service. Every RPC is a thin call
-into :class:`DataPlane`; :class:`ApplianceError` codes become gRPC status codes
-as Triton maps them, and any other exception is logged and answered INTERNAL.
+The RPC handlers, with Triton's published service definitions (the generated
+modules tritonclient ships). Every RPC is a thin call into :class:`DataPlane`;
+:class:`ApplianceError` codes become gRPC status codes as Triton maps them, and
+any other exception is logged and answered INTERNAL. The listener that serves it
+(TLS, access control, health) is :mod:`appliance.grpc_server`.
 """
 
 from __future__ import annotations
@@ -20,18 +20,10 @@ import grpc
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from appliance import datatypes, grpc_codec, grpc_settings
-from appliance.access import AccessPolicy, Scope
+from appliance import datatypes, grpc_codec, grpc_settings, offload
 from appliance.dataplane import DataPlane
 from appliance.errors import ApplianceError, Code
-from appliance.fields import ConfigError
 from appliance.request import InferenceResponse
-from appliance.tls import TlsFiles
-
-try:  # grpcio-health-checking is a dependency; a trimmed image may lack it
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-except ImportError:  # pragma: no cover - exercised only on such images
-    health = None
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +36,6 @@ STATUS = {
 }
 # messages above this are decoded/encoded on a worker thread: BYTES tensors and typed
 # contents are parsed element by element, which would stall every other call
-_OFFLOAD_BYTES = 256 * 1024
 # requests of one stream in flight at once; past it the stream is not read further
 # (gRPC flow control then holds the client back)
 STREAM_WINDOW = 64
@@ -90,7 +81,7 @@ def _declared_bytes(request: Any) -> int:
     return total
 
 
-class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
     """One method per RPC of ``inference.GRPCInferenceService``."""
 
     def __init__(self, dataplane: DataPlane) -> None:
@@ -152,15 +143,13 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[
         gate = self.dp.input_gate(request.model_name, request.model_version)
         # estimated from the declared shapes: ByteSize() walks the whole message and each
         # read of a raw_input_contents entry copies it (~1.4 ms per 6 MB frame)
-        if _declared_bytes(request) > _OFFLOAD_BYTES:
-            return await asyncio.to_thread(grpc_codec.decode_request, request, shm, gate)
-        return grpc_codec.decode_request(request, shm, gate)
+        heavy = _declared_bytes(request) > offload.OFFLOAD_BYTES
+        return await offload.run(heavy, grpc_codec.decode_request, request, shm, gate)
 
     async def _encode(self, response: InferenceResponse, shm_outputs: Any) -> Any:
         shm = self.dp.shared_memory
-        if sum(a.nbytes for a in response.outputs.values()) > _OFFLOAD_BYTES:
-            return await asyncio.to_thread(grpc_codec.encode_response, response, shm_outputs, shm)
-        return grpc_codec.encode_response(response, shm_outputs, shm)
+        heavy = offload.tensor_bytes(response.outputs) > offload.OFFLOAD_BYTES
+        return await offload.run(heavy, grpc_codec.encode_response, response, shm_outputs, shm)
 
     @_guarded
     async def ModelInfer(self, request: Any, context: Any) -> Any:
@@ -335,136 +324,3 @@ class _Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[
     async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
         self.dp.cuda_shared_memory.unregister(request.name)
         return service_pb2.CudaSharedMemoryUnregisterResponse()
-
-
-_ADMIN_RPCS = {
-    "RepositoryModelLoad",
-    "RepositoryModelUnload",
-    "SystemSharedMemoryRegister",
-    "SystemSharedMemoryUnregister",
-    "CudaSharedMemoryRegister",
-    "CudaSharedMemoryUnregister",
-    "TraceSetting",
-    "LogSettings",
-}
-_PUBLIC_RPCS = {"ServerLive", "ServerReady", "ServerMetadata"}
-
-
-class _AccessInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """The HTTP endpoint's token rule (:mod:`appliance.access`) for gRPC: the token
-    comes as ``authorization: Bearer <token>`` metadata. A refused call ends with
-    UNAUTHENTICATED (no or wrong token) or PERMISSION_DENIED (admin calls disabled)."""
-
-    def __init__(self, policy: AccessPolicy) -> None:
-        self._policy = policy
-
-    async def intercept_service(self, continuation: Any, details: Any) -> Any:
-        service, _, method = details.method.lstrip("/").partition("/")
-        if service.startswith("grpc.health.") or method in _PUBLIC_RPCS:
-            scope = Scope.PUBLIC
-        else:
-            scope = Scope.ADMIN if method in _ADMIN_RPCS else Scope.INFERENCE
-        tokens = [v for k, v in details.invocation_metadata or () if k == "authorization"]
-        denial = self._policy.check_all(scope, tokens)
-        handler = await continuation(details)
-        if denial is None or handler is None:
-            return handler
-        code = grpc.StatusCode.UNAUTHENTICATED
-        if denial.forbidden:
-            code = grpc.StatusCode.PERMISSION_DENIED
-
-        async def deny(request: Any, context: Any) -> None:
-            await context.abort(code, denial.message)
-
-        make = {
-            (False, False): grpc.unary_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler,
-        }[(handler.request_streaming, handler.response_streaming)]
-        return make(
-            deny,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
-
-
-class GrpcEndpoint:
-    """The gRPC listener: owns one ``grpc.aio`` server in the running event loop."""
-
-    def __init__(
-        self,
-        dataplane: DataPlane,
-        host: str,
-        port: int,
-        max_message_size: int,
-        access: AccessPolicy | None = None,
-        tls: TlsFiles | None = None,
-    ) -> None:
-        self._dataplane = dataplane
-        self._tls = tls
-        self._host = host
-        self._port = port
-        self._max_message_size = max_message_size
-        self._access = access
-        self._server: Any = None
-        self._health: Any = None
-
-    async def start(self) -> int:
-        """Bind ``host:port`` (port 0: a free port) and serve; returns the bound port.
-
-        Raises :class:`ConfigError` when the address cannot be bound.
-        """
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", self._max_message_size),
-                ("grpc.max_send_message_length", self._max_message_size),
-                # without this a second server could silently share the port
-                ("grpc.so_reuseport", 0),
-            ],
-            interceptors=[_AccessInterceptor(self._access)] if self._access else None,
-        )
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            _Servicer(self._dataplane), server
-        )
-        if health is not None:
-            self._health = health.aio.HealthServicer()
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        else:
-            log.warning("grpc.health.v1 disabled: pip install grpcio-health-checking")
-        address = (
-            f"[{self._host}]:{self._port}" if ":" in self._host else f"{self._host}:{self._port}"
-        )
-        try:
-            if self._tls is None:
-                port = server.add_insecure_port(address)
-            else:  # the HTTPS settings; a client CA makes client certificates mandatory
-                credentials = grpc.ssl_server_credentials(
-                    [(self._tls.key, self._tls.cert)],
-                    root_certificates=self._tls.client_ca,
-                    require_client_auth=self._tls.client_ca is not None,
-                )
-                port = server.add_secure_port(address, credentials)
-        except RuntimeError as exc:  # grpcio raises where older versions returned 0
-            port, reason = 0, str(exc)
-        else:
-            reason = "the address is in use or not local"
-        if port == 0:
-            raise ConfigError("<server>", "grpc_port", f"cannot listen on {address}: {reason}")
-        if self._health is not None:
-            serving = health_pb2.HealthCheckResponse.SERVING
-            for service in ("", "inference.GRPCInferenceService"):
-                await self._health.set(service, serving)
-        await server.start()
-        self._server = server
-        return int(port)
-
-    async def stop(self, grace_s: float) -> None:
-        """Stop accepting at once; in-flight RPCs (streams included) get ``grace_s``
-        seconds to finish, then are cancelled. Health turns NOT_SERVING first."""
-        server, self._server = self._server, None
-        if server is None:
-            return
-        if self._health is not None:
-            await self._health.enter_graceful_shutdown()
-        await server.stop(grace_s)

@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 from aiohttp import web, web_protocol
 
-from appliance import http_codec, http_limits
+from appliance import http_codec, http_limits, offload
 from appliance.access import AccessPolicy, Scope
 from appliance.dataplane import DataPlane
 from appliance.errors import ApplianceError, Code, invalid
@@ -37,14 +37,6 @@ STATUS = {
     Code.TOO_LARGE: 413,
     Code.INTERNAL: 500,
 }
-# bodies above this are decoded/encoded on a worker thread: parsing megabytes of
-# JSON on the event loop would stall every other connection
-_OFFLOAD_BYTES = 256 * 1024
-# copying outputs into shared memory is a plain memcpy (~10 GB/s): worth a thread hop
-# only for big tensors
-_OFFLOAD_COPY_BYTES = 4 * 1024 * 1024
-# BYTES elements decoded or encoded on the event loop at most: each is a Python object
-_LOOP_OBJECTS = 4096
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -176,16 +168,13 @@ async def _infer(
     )
     json_bytes = len(body) if header_length is None else header_length
     shm = dataplane.shared_memory
-    if json_bytes > _OFFLOAD_BYTES:
+    if json_bytes > offload.OFFLOAD_BYTES:
         decoded = await asyncio.to_thread(
             http_codec.decode_request, body, header_length, model, version, shm, gate
         )
     else:
         prepared = http_codec.prepare_request(body, header_length, model, version, shm, gate)
-        if prepared.object_elements > _LOOP_OBJECTS:
-            decoded = await asyncio.to_thread(prepared.build)
-        else:
-            decoded = prepared.build()
+        decoded = await offload.run(prepared.object_elements > offload.LOOP_OBJECTS, prepared.build)
     inference, fmt = decoded
     response = await dataplane.infer(inference, "HTTP end point", hold)
     text_bytes = copy_bytes = objects = 0
@@ -196,10 +185,12 @@ async def _infer(
             text_bytes += arr.nbytes
         if arr.dtype.kind in "OUS":  # BYTES: serialized element by element
             objects += arr.size
-    if text_bytes > _OFFLOAD_BYTES or copy_bytes > _OFFLOAD_COPY_BYTES or objects > _LOOP_OBJECTS:
-        out, length = await asyncio.to_thread(http_codec.encode_response, response, fmt, shm)
-    else:
-        out, length = http_codec.encode_response(response, fmt, shm)
+    heavy = (
+        text_bytes > offload.OFFLOAD_BYTES
+        or copy_bytes > offload.OFFLOAD_COPY_BYTES
+        or objects > offload.LOOP_OBJECTS
+    )
+    out, length = await offload.run(heavy, http_codec.encode_response, response, fmt, shm)
     if length is None:
         return web.Response(body=out, content_type="application/json")
     return web.Response(

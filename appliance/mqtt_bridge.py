@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import socket
 import threading
 import time
 from collections import deque
@@ -46,22 +45,28 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
-from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.enums import MQTTErrorCode
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from appliance import http_codec
+from appliance import http_codec, offload
 from appliance.dataplane import DataPlane
 from appliance.errors import ApplianceError, Code
+from appliance.mqtt_client import (
+    connect_properties,
+    inbound_message,
+    make_client,
+    reply_properties,
+)
 from appliance.mqtt_protocol import (
-    HEADER_LENGTH,
     DedupWindow,
     Inbound,
     RequestTopic,
     Topics,
     backoff_delay,
     decode,
+    expired,
+    model_guess,
     payload_form,
     raw_request,
 )
@@ -70,10 +75,8 @@ from appliance.stats import MqttStats
 
 log = logging.getLogger(__name__)
 
-# payloads and results above this are decoded/encoded on a worker thread (as over HTTP)
-_OFFLOAD_BYTES = 256 * 1024
 _GOODBYE_TIMEOUT_S = 2.0
-RECEIVE_MAXIMUM_LIMIT = 65535  # the largest value MQTT v5 allows
+
 
 class MqttBridge:
     """Serves inference over MQTT for one device. :meth:`start`, then :meth:`stop`."""
@@ -167,48 +170,22 @@ class MqttBridge:
     # ---- the network thread -------------------------------------------------------------
 
     def _make_client(self) -> mqtt.Client:
-        cfg = self.config
-        client = mqtt.Client(
-            CallbackAPIVersion.VERSION2,
-            client_id=cfg.client_id,
-            protocol=MQTTProtocolVersion.MQTTv5,
-            manual_ack=True,  # PUBACK once answered: an unanswered request is redelivered
-            reconnect_on_failure=False,  # our thread reconnects, with jitter
+        return make_client(
+            self.config,
+            self.topics.status,
+            self._outbox_limit,
+            on_connect=self._on_connect,
+            on_disconnect=self._on_disconnect,
+            on_message=self._on_message,
+            on_subscribe=self._on_subscribe,
         )
-        client.enable_logger(logging.getLogger("appliance.mqtt_bridge.paho"))
-        client.suppress_exceptions = True  # a failing callback is logged, the thread lives
-        client.will_set(self.topics.status, b"offline", qos=1, retain=True)
-        if cfg.username:
-            client.username_pw_set(cfg.username, cfg.password or None)
-        if cfg.tls is not None:
-            t = cfg.tls
-            client.tls_set(
-                ca_certs=str(t.ca_file) if t.ca_file else None,
-                certfile=str(t.cert_file) if t.cert_file else None,
-                keyfile=str(t.key_file) if t.key_file else None,
-            )
-        client.max_queued_messages_set(self._outbox_limit)
-        client.on_connect = self._on_connect
-        client.on_disconnect = self._on_disconnect
-        client.on_message = self._on_message
-        client.on_subscribe = self._on_subscribe
-        # with a write callback registered, publish() from the event loop only queues
-        # the packet and wakes the network thread, which alone touches the socket
-        client.on_socket_register_write = _ignore
-        client.on_socket_unregister_write = _ignore
-        client.on_socket_open = _no_delay
-        return client
 
     def _network(self) -> None:
         """Connect, serve the connection until it ends, back off, repeat until stop()."""
         cfg = self.config
         attempt = 0
         while not self._halt.is_set():
-            properties = _new_properties(PacketTypes.CONNECT)
-            properties.SessionExpiryInterval = cfg.session_expiry_s
-            # the broker sends no more unacknowledged QoS 1 requests than we serve at
-            # once (we acknowledge once answered) and holds a backlog for us
-            properties.ReceiveMaximum = min(cfg.max_pending, RECEIVE_MAXIMUM_LIMIT)
+            properties = connect_properties(cfg)
             try:
                 if self._client.max_inflight_messages != self._inflight:  # after a clean close
                     self._client.max_inflight_messages_set(self._inflight)
@@ -300,7 +277,7 @@ class MqttBridge:
         """Admit one request (network thread): duplicate -> ack and drop; no room ->
         "overloaded" reply; else hand it to the loop. Never blocks, never buffers."""
         try:
-            inbound = _inbound(message, self._generation)
+            inbound = inbound_message(message, self._generation)
         except Exception as exc:  # e.g. a topic that is not UTF-8
             log.warning("mqtt: unreadable message dropped: %s", exc)
             client.ack(message.mid, message.qos)
@@ -399,7 +376,7 @@ class MqttBridge:
         key = msg.dedup_key()
         model = ""
         try:
-            if _expired(msg):
+            if expired(msg):
                 self.stats.add("dropped_expired")
             else:
                 topic = self.topics.parse(msg.topic)
@@ -409,7 +386,7 @@ class MqttBridge:
             self._forget(key)
             raise
         except ApplianceError as exc:
-            if exc.code is Code.UNAVAILABLE and _expired(msg):
+            if exc.code is Code.UNAVAILABLE and expired(msg):
                 self.stats.add("dropped_expired")  # timed out in the queue: not inferred
             else:
                 if exc.code is Code.UNAVAILABLE:
@@ -443,12 +420,9 @@ class MqttBridge:
             # the model's limits, checked on every declaration before any data is decoded
             gate = self.dataplane.input_gate(topic.model, topic.version)
             files, limit = self.config.file_directory, self.max_request_size
-            if len(msg.payload) > _OFFLOAD_BYTES or files is not None:
-                request, fmt = await asyncio.to_thread(
-                    decode, msg, topic, shm, files, limit, gate
-                )
-            else:
-                request, fmt = decode(msg, topic, shm, None, limit, gate)
+            # files are read from disk: never on the loop
+            heavy = len(msg.payload) > offload.OFFLOAD_BYTES or files is not None
+            request, fmt = await offload.run(heavy, decode, msg, topic, shm, files, limit, gate)
         if key is None and request.id:  # no correlation data: the request id identifies it
             key = ("id", msg.topic, msg.response_topic, request.id)
             if self._dedup.seen(key):
@@ -459,10 +433,8 @@ class MqttBridge:
             left_us = max(1, int((deadline - time.monotonic()) * 1e6))
             request.timeout_us = min(request.timeout_us or left_us, left_us)
         response = await self.dataplane.infer(request)
-        if sum(a.nbytes for a in response.outputs.values()) > _OFFLOAD_BYTES:
-            body, length = await asyncio.to_thread(http_codec.encode_response, response, fmt, shm)
-        else:
-            body, length = http_codec.encode_response(response, fmt, shm)
+        heavy = offload.tensor_bytes(response.outputs) > offload.OFFLOAD_BYTES
+        body, length = await offload.run(heavy, http_codec.encode_response, response, fmt, shm)
         content = "application/json" if length is None else "application/octet-stream"
         props = self._properties(msg, content, length)
         self._reply(msg.response_topic or self.topics.result(topic.model), body, props)
@@ -474,23 +446,13 @@ class MqttBridge:
     def _properties(
         self, msg: Inbound, content_type: str, header_length: int | None = None, code: str = ""
     ) -> Properties:
-        props = _new_properties(PacketTypes.PUBLISH)
-        if msg.correlation is not None:
-            props.CorrelationData = msg.correlation
-        props.ContentType = content_type
-        user = [("device-id", self.config.device_id)]
-        if header_length is not None:
-            user.append((HEADER_LENGTH, str(header_length)))
-        if code:
-            user.append(("error-code", code))
-        props.UserProperty = user
-        return props
+        return reply_properties(msg, self.config.device_id, content_type, header_length, code)
 
     def _error_reply(
         self, msg: Inbound, model: str, error: ApplianceError
     ) -> tuple[str, bytes, Properties]:
         """A KServe error object ``{"error": msg}`` for ``msg``, on its reply topic."""
-        topic = msg.response_topic or self.topics.result(model or _model_guess(msg.topic))
+        topic = msg.response_topic or self.topics.result(model or model_guess(msg.topic))
         props = self._properties(msg, "application/json", code=error.code.value)
         return topic, http_codec.error_body(error.message), props
 
@@ -515,46 +477,3 @@ class MqttBridge:
         # redelivers the message under its own packet id and that copy is acked
         if msg.qos and self._link_up and msg.generation == self._generation:
             self._client.ack(msg.mid, msg.qos)
-
-
-def _ignore(*args: Any) -> None:
-    pass
-
-
-def _no_delay(client: mqtt.Client, userdata: Any, sock: Any) -> None:
-    """Request/response over MQTT is small writes both ways: without TCP_NODELAY
-    (paho does not set it) Nagle's algorithm and delayed ACKs add ~40 ms stalls."""
-    with contextlib.suppress(OSError, AttributeError):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def _new_properties(packet_type: int) -> Properties:
-    return Properties(packet_type)  # type: ignore[no-untyped-call]
-
-
-def _expired(msg: Inbound) -> bool:
-    deadline = msg.deadline
-    return deadline is not None and time.monotonic() >= deadline
-
-
-def _model_guess(topic: str) -> str:
-    """The model level of an unparseable request topic, for its error reply."""
-    parts = topic.split("/infer/", 1)
-    return parts[1].split("/")[0] if len(parts) == 2 and parts[1] else "unknown"
-
-
-def _inbound(message: mqtt.MQTTMessage, generation: int) -> Inbound:
-    props = message.properties
-    expiry = getattr(props, "MessageExpiryInterval", None)
-    return Inbound(
-        topic=message.topic,
-        payload=bytes(message.payload),
-        qos=message.qos,
-        mid=message.mid,
-        response_topic=getattr(props, "ResponseTopic", "") or "",
-        correlation=getattr(props, "CorrelationData", None),
-        content_type=getattr(props, "ContentType", "") or "",
-        expiry_s=int(expiry) if expiry is not None else None,
-        user_properties=dict(getattr(props, "UserProperty", None) or []),
-        generation=generation,
-    )

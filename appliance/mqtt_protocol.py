@@ -351,3 +351,15 @@ def backoff_delay(attempt: int, base_s: float, cap_s: float, random: Callable[[]
     """
     ceiling = min(cap_s, base_s * float(2 ** min(attempt, 32)))
     return ceiling / 2 + random() * ceiling / 2
+
+
+def expired(msg: Inbound) -> bool:
+    """Whether the request's message expiry passed (it is dropped, not inferred)."""
+    deadline = msg.deadline
+    return deadline is not None and time.monotonic() >= deadline
+
+
+def model_guess(topic: str) -> str:
+    """The model level of an unparseable request topic, for its error reply."""
+    parts = topic.split("/infer/", 1)
+    return parts[1].split("/")[0] if len(parts) == 2 and parts[1] else "unknown"

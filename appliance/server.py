@@ -33,7 +33,7 @@ from appliance.tls import files as tls_files
 from appliance.tls import http_context
 
 if TYPE_CHECKING:
-    from appliance.grpc_api import GrpcEndpoint
+    from appliance.grpc_server import GrpcEndpoint
     from appliance.mqtt_bridge import MqttBridge
 from appliance.server_config import ServerConfig
 
@@ -152,7 +152,7 @@ class Server:
 
     async def _start_grpc(self) -> None:
         try:  # grpcio is a dependency, but a trimmed device image may leave it out
-            from appliance.grpc_api import GrpcEndpoint
+            from appliance.grpc_server import GrpcEndpoint
         except ImportError as exc:
             log.warning("gRPC endpoint disabled: %s (pip install grpcio)", exc)
             return
