@@ -34,7 +34,7 @@ from appliance.config import ModelConfig, parse_model_config
 from appliance.config_reader import load_model_config, with_labels
 from appliance.errors import ApplianceError, invalid, not_found, unavailable
 from appliance.fields import ConfigError
-from appliance.memory import BudgetRefused, MemoryBudget, fmt
+from appliance.memory import BudgetRefused, MemoryBudget
 from appliance.servable import Servable, State
 from appliance.server_config import ServerConfig
 from appliance.stats import LatencyWindow
@@ -121,12 +121,6 @@ class ModelLifeCycle:
         except ApplianceError:
             return False  # reported when it loads
 
-    async def load_all(self) -> None:
-        """Load every model in the repository (ensembles last)."""
-        for name in sorted(self.names(), key=self._loads_late):
-            await self.load(name)
-        self._started = True
-
     async def load(
         self,
         name: str,
@@ -200,7 +194,7 @@ class ModelLifeCycle:
         if old and in_place:
             await self._take_down(entry)
         elif old:
-            refusal = self._room_for_swap(config, wanted)
+            refusal = self.budget.swap_shortfall(config.name, wanted, config.instance_count)
             if refusal:
                 self._failed(entry, refusal + SWAP_HINT)
                 return
@@ -268,26 +262,6 @@ class ModelLifeCycle:
             new.update(built)
             failed.update(errors)
         return new, failed
-
-    def _room_for_swap(self, config: ModelConfig, wanted: list[int]) -> str:
-        """Why the budget cannot hold the new copy next to the old one ("" if it can),
-        estimated from what the model's copies measured before."""
-        free = self.budget.free()
-        if free is None:
-            return ""
-        needed = 0
-        for v in wanted:
-            known = self.budget.estimate(config.name, v)
-            if known is not None:
-                first, extra, count = known
-                needed += first.total + extra.total * (min(count, config.instance_count) - 1)
-        if needed <= free:
-            return ""
-        return (
-            f"model '{config.name}': the new copy needs about {fmt(needed)} (as measured "
-            f"before), but the memory budget is {fmt(self.budget.limit)} with "
-            f"{fmt(self.budget.used)} in use, {fmt(max(0, free))} free"
-        )
 
     async def _take_down(self, entry: ModelEntry) -> None:
         """In-place swap, first half: stop routing to the old copy, let it finish what

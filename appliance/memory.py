@@ -226,6 +226,26 @@ class MemoryBudget:
             known = self._costs[(model, others[-1])] if others else None
         return known
 
+    def swap_shortfall(self, model: str, versions: list[int], instance_count: int) -> str:
+        """Why the budget cannot hold a new copy of ``model`` next to the old one ("" if
+        it can), estimated from what the model's copies measured before."""
+        free = self.free()
+        if free is None:
+            return ""
+        needed = 0
+        for v in versions:
+            known = self.estimate(model, v)
+            if known is not None:
+                first, extra, count = known
+                needed += first.total + extra.total * (min(count, instance_count) - 1)
+        if needed <= free:
+            return ""
+        return (
+            f"model '{model}': the new copy needs about {fmt(needed)} (as measured "
+            f"before), but the memory budget is {fmt(self.limit)} with "
+            f"{fmt(self.used)} in use, {fmt(max(0, free))} free"
+        )
+
     def report(self) -> dict[str, Any]:
         return {"limit": self.limit, "used": self.used}
 
