@@ -20,6 +20,8 @@ from typing import Any
 
 from appliance import __version__
 from appliance.errors import ApplianceError, Code
+from appliance.perf import command as perf_command
+
 from appliance.server import Server
 from appliance.server_config import load_server_config
 
@@ -119,11 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--mqtt-broker", metavar="HOST:PORT", help="serve requests over MQTT from this broker"
     )
+    perf_command.add_parser(sub)
+
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "perf":
+        return perf_command.main(args)
+    if args.command == "tune":
+        return tune_command.main(args)
     try:
         config = load_server_config(
             args.config,
