@@ -21,7 +21,7 @@ from typing import Any
 from appliance import __version__
 from appliance.errors import ApplianceError, Code
 from appliance.perf import command as perf_command
-
+from appliance.perf import tune as tune_command
 from appliance.server import Server
 from appliance.server_config import load_server_config
 
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--mqtt-broker", metavar="HOST:PORT", help="serve requests over MQTT from this broker"
     )
     perf_command.add_parser(sub)
-
+    tune_command.add_parser(sub)
     return parser
 
 

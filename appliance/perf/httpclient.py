@@ -13,6 +13,7 @@ statistics, repository load, shared-memory registration), over the same client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -93,10 +94,8 @@ class Connection:
         writer, self._reader, self._writer = self._writer, None, None
         if writer is not None:
             writer.close()
-            try:
+            with contextlib.suppress(OSError):
                 await writer.wait_closed()
-            except OSError:
-                pass
 
 
 def _headers(head: bytes) -> tuple[int, bool, bool]:
@@ -114,7 +113,7 @@ def _headers(head: bytes) -> tuple[int, bool, bool]:
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
-    parts = []
+    parts: list[bytes] = []
     while True:
         size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
         if size == 0:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import itertools
 import os
 import threading
@@ -137,7 +138,8 @@ class ShmTransport(HttpTransport):
             refs.append(ref)
         in_map.flush()
         for name in (in_name, out_name):
-            body = {"key": f"/{name}", "offset": 0, "byte_size": (Path("/dev/shm") / name).stat().st_size}
+            region_size = (Path("/dev/shm") / name).stat().st_size
+            body = {"key": f"/{name}", "offset": 0, "byte_size": region_size}
             await self.admin.post(f"/v2/systemsharedmemory/region/{name}/register", body)
             self._regions.append(name)
         # requests[slot * len(samples) + sample]: the output slice depends on the slot
@@ -147,8 +149,8 @@ class ShmTransport(HttpTransport):
             for spec, size in zip(self.outputs, sizes, strict=True):
                 outs[spec.name] = (out_name, pos, size or 0)
                 pos += size or 0
-            for sample, ref in zip(samples, refs, strict=True):
-                self._requests.append(self._prebuild(*binary_body(sample, (), ref, outs)))
+            for values, ref in zip(samples, refs, strict=True):
+                self._requests.append(self._prebuild(*binary_body(values, (), ref, outs)))
         self._per_slot = len(samples)
         self._conns = [Connection(self.host, self.port) for _ in range(slots)]
 
@@ -161,10 +163,9 @@ class ShmTransport(HttpTransport):
     async def close(self) -> None:
         await super().close()
         for name in self._regions:
-            try:
+            # the server may be gone or have forgotten it: the file goes below either way
+            with contextlib.suppress(ApplianceError):
                 await self.admin.post(f"/v2/systemsharedmemory/region/{name}/unregister")
-            except ApplianceError:
-                pass  # the server is gone or forgot it: the file goes below either way
         await self.admin.close()
         for path in self._files:
             path.unlink(missing_ok=True)
@@ -236,11 +237,13 @@ class MqttTransport(Transport):
             client_id=f"appliance-perf-{os.getpid()}",
             protocol=MQTTProtocolVersion.MQTTv5,
         )
-        subscribed = self._loop.create_future()
+        subscribed: asyncio.Future[None] = self._loop.create_future()
         client.on_message = self._on_reply
-        client.on_subscribe = lambda *a: self._loop.call_soon_threadsafe(
-            lambda: subscribed.done() or subscribed.set_result(None)
-        )
+
+        def on_subscribe(*_: Any) -> None:
+            self._loop.call_soon_threadsafe(_settle, subscribed, "")
+
+        client.on_subscribe = on_subscribe
         client.on_connect = lambda c, *a: c.subscribe(self.reply_topic, qos=1)
         try:
             client.connect(self.host, self.port, keepalive=30)
@@ -267,7 +270,7 @@ class MqttTransport(Transport):
     async def infer(self, sample: int, slot: int) -> None:
         body, header_length = self._bodies[sample]
         corr = b"%d" % next(self._ids)
-        props = self._props_type(self._packet)
+        props = self._props_type(self._packet)  # type: ignore[no-untyped-call]
         props.ResponseTopic = self.reply_topic
         props.CorrelationData = corr
         props.UserProperty = (HEADER_LENGTH, str(header_length))

@@ -36,7 +36,12 @@ _OUT_HEADER = orjson.dumps(
     {
         "model_name": "trivial",
         "outputs": [
-            {"name": n, "datatype": "INT32", "shape": [1, 16], "parameters": {"binary_data_size": 64}}
+            {
+                "name": n,
+                "datatype": "INT32",
+                "shape": [1, 16],
+                "parameters": {"binary_data_size": 64},
+            }
             for n in ("OUTPUT0", "OUTPUT1")
         ],
     }
@@ -51,7 +56,8 @@ def _reply(status: str, body: bytes, extra: str = "") -> bytes:
 INFER = _reply(
     "200 OK",
     _OUT_HEADER + bytes(128),
-    f"Content-Type: application/octet-stream\r\nInference-Header-Content-Length: {len(_OUT_HEADER)}\r\n",
+    "Content-Type: application/octet-stream\r\n"
+    f"Inference-Header-Content-Length: {len(_OUT_HEADER)}\r\n",
 )
 NOT_FOUND = _reply("404 Not Found", b'{"error":"not found"}')
 
