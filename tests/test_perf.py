@@ -22,7 +22,7 @@ from PIL import Image
 from appliance import cli
 from appliance.errors import ApplianceError
 from appliance.perf import report
-from appliance.perf.command import Settings, new_loop, run
+from appliance.perf.command import Settings, new_loop
 from appliance.perf.httpclient import Admin
 from appliance.perf.runner import Point, measure, parse_range
 from appliance.perf.transports import HttpTransport
