@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import socket
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -245,6 +246,10 @@ class MqttTransport(Transport):
 
         client.on_subscribe = on_subscribe
         client.on_connect = lambda c, *a: c.subscribe(self.reply_topic, qos=1)
+        # without it Nagle's algorithm holds small publishes back for tens of ms
+        client.on_socket_open = lambda c, u, sock: sock.setsockopt(
+            socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
+        )
         try:
             client.connect(self.host, self.port, keepalive=30)
         except OSError as exc:
