@@ -78,8 +78,9 @@ def perf(args: list[str], out: Path) -> dict[str, Any]:
 
 
 def perf_analyzer(pa: str, model: str, url: str, proto: str, c: int, seconds: float) -> float:
+    window = str(int(seconds * 1000))
     cmd = [pa, "-m", model, "-u", url, "-i", proto, "--concurrency-range", str(c),
-           "--measurement-interval", str(int(seconds * 1000)), "-s", "100", "--max-trials", "3"]  # fmt: skip
+           "--measurement-interval", window, "-s", "100", "--max-trials", "3"]  # fmt: skip
     text = subprocess.run(cmd, capture_output=True, text=True, timeout=600).stdout
     found = re.findall(r"Throughput: ([\d.]+) infer/sec", text)
     return float(found[-1]) if found else 0.0
@@ -142,7 +143,8 @@ def main() -> int:
     server = start([sys.executable, "-m", "appliance", "serve", "--config",
                     str(work / "appliance.yaml"), "--model-repository", str(repo),
                     "--http-port", http.split(":")[1], "--grpc-port", grpc.split(":")[1],
-                    "--metrics-port", "-1", "--log-level", "warning"], work / "server.log")  # fmt: skip
+                    "--metrics-port", "-1", "--log-level", "warning"],
+                   work / "server.log")  # fmt: skip
     procs.append(server)
     rows: list[str] = []
     cross: list[str] = []
@@ -201,7 +203,8 @@ def main() -> int:
            f"Concurrency {a.concurrency}, batch 1, {a.seconds:g} s per point after "
            f"{a.warmup:g} s warm-up.", "",
            "| model | transport | infer/s | p50 ms | p99 ms | server CPU us/req "
-           "| client CPU us/req | errors |", "|---|---|---|---|---|---|---|---|", *rows]  # fmt: skip
+           "| client CPU us/req | errors |", "|---|---|---|---|---|---|---|---|",
+           *rows]  # fmt: skip
     if cross:
         out += ["", "perf_analyzer vs appliance perf (medians of interleaved runs):", "",
                 "| model | protocol | perf_analyzer | appliance perf | ratio | PA runs | ours |",

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -226,8 +225,6 @@ def new_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
 
-        if os.environ.get("PERF_LOOP") == "asyncio":
-            return asyncio.new_event_loop()
         return uvloop.new_event_loop()
     except ImportError:
         return asyncio.new_event_loop()
