@@ -121,6 +121,13 @@ def test_open_loop_and_in_process(tmp_path: Path) -> None:
         assert int(row["concurrency"]) == 0
 
 
+def test_json_data_over_http(run_appliance, tmp_path) -> None:
+    srv = run_appliance(None)
+    rc, rows, _ = _perf(tmp_path, "-m", "simple", "-u", srv.url, "--json-data")
+    assert rc == 0
+    _sane(rows[0])
+
+
 def test_jpeg_folder_feeds_a_bytes_input(run_appliance, tmp_path) -> None:
     frames = tmp_path / "frames"
     frames.mkdir()

@@ -62,6 +62,7 @@ class Settings:
     token: str = ""
     max_outstanding: int = 256
     samples: int = 4
+    json_data: bool = False  # HTTP: tensors as JSON lists instead of the binary extension
 
     def json(self) -> dict[str, Any]:
         return {k: str(v) if isinstance(v, Path) else v for k, v in self.__dict__.items()}
@@ -81,8 +82,10 @@ async def _describe(s: Settings, server: Any) -> tuple[dict[str, Any], dict[str,
 
 
 def _transport(s: Settings, outputs: Any, server: Any) -> Transport:
+    if s.json_data and s.transport != "http":
+        raise invalid("--json-data works with -i http only")
     if s.transport == "http":
-        return HttpTransport(s.url, s.model, s.version, s.token)
+        return HttpTransport(s.url, s.model, s.version, s.token, s.json_data)
     if s.transport == "shm":
         return ShmTransport(s.url, s.model, outputs, version=s.version, token=s.token)
     if s.transport == "grpc":
@@ -182,6 +185,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--duration", type=float, default=5.0, help="measured seconds per point")
     p.add_argument("--input-data", choices=("random", "zeros", "files"), default="random")
     p.add_argument("--input-files", type=Path, help="file or folder for --input-data files")
+    p.add_argument("--json-data", action="store_true", help="-i http: send JSON, not binary")
     p.add_argument("--shape", action="append", default=[], help="NAME:d1,d2 (no batch dim)")
     p.add_argument("--token", default="", help="bearer token for the server")
     p.add_argument("--max-outstanding", type=int, default=256, help="open loop: cap")
@@ -217,6 +221,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         shapes=parse_shapes(args.shape),
         token=args.token,
         max_outstanding=args.max_outstanding,
+        json_data=args.json_data,
     )
 
 

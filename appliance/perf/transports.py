@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from appliance.datatypes import from_numpy_dtype, to_raw
 from appliance.errors import ApplianceError, Code, invalid
@@ -64,7 +65,10 @@ class HttpTransport(Transport):
 
     name = "http"
 
-    def __init__(self, url: str, model: str, version: str = "", token: str = "") -> None:
+    def __init__(
+        self, url: str, model: str, version: str = "", token: str = "", json: bool = False
+    ) -> None:
+        self.json = json  # tensors as JSON "data" lists, as curl and KServe's clients send
         self.host, self.port = split_url(url, 8000)
         path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "")
         self.path = path + "/infer"
@@ -80,8 +84,27 @@ class HttpTransport(Transport):
         }
         return build_request("POST", self.path, f"{self.host}:{self.port}", body, headers)
 
+    def _prebuild_json(self, sample: Mapping[str, np.ndarray]) -> bytes:
+        inputs = [
+            {
+                "name": n,
+                "shape": list(a.shape),
+                "datatype": from_numpy_dtype(a.dtype),
+                "data": [x.decode("utf-8", "replace") for x in a.ravel()]
+                if a.dtype == object
+                else a.ravel(),
+            }
+            for n, a in sample.items()
+        ]
+        body = orjson.dumps({"inputs": inputs}, option=orjson.OPT_SERIALIZE_NUMPY)
+        headers = {**self.headers, "Content-Type": "application/json"}
+        return build_request("POST", self.path, f"{self.host}:{self.port}", body, headers)
+
     async def open(self, samples: Samples, slots: int) -> None:
-        self._requests = [self._prebuild(*binary_body(s)) for s in samples]
+        if self.json:
+            self._requests = [self._prebuild_json(s) for s in samples]
+        else:
+            self._requests = [self._prebuild(*binary_body(s)) for s in samples]
         self._conns = [Connection(self.host, self.port) for _ in range(slots)]
 
     async def infer(self, sample: int, slot: int) -> None:
@@ -247,9 +270,7 @@ class MqttTransport(Transport):
         client.on_subscribe = on_subscribe
         client.on_connect = lambda c, *a: c.subscribe(self.reply_topic, qos=1)
         # without it Nagle's algorithm holds small publishes back for tens of ms
-        client.on_socket_open = lambda c, u, sock: sock.setsockopt(
-            socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
-        )
+        client.on_socket_open = _no_delay
         try:
             client.connect(self.host, self.port, keepalive=30)
         except OSError as exc:
@@ -293,6 +314,11 @@ class MqttTransport(Transport):
         if hasattr(self, "client"):
             self.client.disconnect()
             self.client.loop_stop()
+
+
+def _no_delay(client: Any, userdata: Any, sock: Any) -> None:
+    with contextlib.suppress(OSError, AttributeError):  # e.g. a websocket transport
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def _settle(future: asyncio.Future[None], kind: str) -> None:
