@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import subprocess
 import sys
 from collections.abc import Callable
@@ -260,11 +261,18 @@ def main(args: argparse.Namespace) -> int:
         proc, s.url = _trivial_server()
     table = report.LiveTable(quiet=args.quiet)
     loop = new_loop()
+    task = loop.create_task(run(s, table))
     try:
-        points = loop.run_until_complete(run(s, table))
+        points = loop.run_until_complete(task)
     except ApplianceError as exc:
         print(f"appliance perf: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # let the run's finally blocks close connections and remove shared memory
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            loop.run_until_complete(task)
+        return 130
     finally:
         loop.close()
         if proc is not None:
