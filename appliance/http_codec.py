@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from appliance import datatypes
+from appliance import datatypes, json_tensors
 from appliance.errors import internal, invalid
 from appliance.request import InferenceRequest, InferenceResponse
 from appliance.shared_memory import SharedMemoryRef, SharedMemoryRegistry
@@ -101,10 +101,13 @@ def decode_request(
     view = memoryview(body)
     json_part = view if header_length is None else view[:header_length]
     binary = view[len(json_part) :]
-    try:
-        doc = orjson.loads(json_part)
-    except orjson.JSONDecodeError as exc:
-        raise invalid(f"malformed JSON in the request body: {exc}") from None
+    # big bodies: tensor data parsed straight into arrays when pysimdjson is installed
+    doc = json_tensors.loads(json_part)
+    if doc is None:
+        try:
+            doc = orjson.loads(json_part)
+        except orjson.JSONDecodeError as exc:
+            raise invalid(f"malformed JSON in the request body: {exc}") from None
     if not isinstance(doc, dict):
         raise invalid("the request body must be a JSON object")
     raw_inputs = doc.get("inputs")
@@ -148,6 +151,8 @@ def decode_request(
                 )
             inputs[name] = datatypes.from_raw(binary[offset : offset + size], datatype, shape, name)
             offset += size
+        elif isinstance(raw.get("data"), json_tensors.LazyData):
+            inputs[name] = raw["data"].to_tensor(datatype, shape, name)
         elif "data" in raw:
             inputs[name] = datatypes.from_json_data(raw["data"], datatype, shape, name)
         else:

@@ -9,7 +9,8 @@ given concurrency over each transport:
 
 - **ceiling**: ``appliance perf --ceiling`` (the load generator against a trivial
   server that does no work): the most the client can measure here;
-- **http**, **grpc**, **shm**, **mqtt**: against the server;
+- **http**, **grpc**, **shm**, **mqtt**: against the server (``json``: HTTP with the
+  tensors as JSON ``data`` lists, on request with ``--transports``);
 - **inprocess**: the same repository loaded inside the perf process (no sockets).
 
 Server CPU per request is read from ``/proc/<pid>/stat`` and the model's
@@ -162,6 +163,8 @@ def main() -> int:
                     args = ["--ceiling", *base]
                 elif t == "mqtt":
                     args += ["-i", "mqtt", "--mqtt-broker", broker, "--mqtt-device", device]
+                elif t == "json":  # HTTP with the tensors as JSON lists, as curl sends
+                    args += ["-i", "http", "--json-data"]
                 elif t == "inprocess":
                     args += ["-i", "inprocess", "--model-repository", str(repo)]
                 else:
