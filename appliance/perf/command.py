@@ -25,7 +25,7 @@ from typing import Any
 
 from appliance.errors import ApplianceError, invalid
 from appliance.perf import report
-from appliance.perf.httpclient import Admin
+from appliance.perf.httpclient import Admin, model_path
 from appliance.perf.runner import Point, measure, parse_range
 from appliance.perf.transports import (
     TRANSPORTS,
@@ -76,7 +76,7 @@ async def _describe(s: Settings, server: Any) -> tuple[dict[str, Any], dict[str,
         return dp.model_metadata(s.model, s.version), dp.model_config(s.model, s.version)
     admin = Admin(s.url, s.token)
     try:
-        base = f"/v2/models/{s.model}" + (f"/versions/{s.version}" if s.version else "")
+        base = model_path(s.model, s.version)
         return await admin.get_json(base), await admin.get_json(base + "/config")
     finally:
         await admin.close()

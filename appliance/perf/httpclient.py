@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 import orjson
@@ -43,6 +44,12 @@ def split_url(url: str, default_port: int) -> tuple[str, int]:
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise invalid(f"URL {url!r}: expected host:port")
     return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def model_path(model: str, version: str = "") -> str:
+    """``/v2/models/<m>[/versions/<v>]`` with both names percent-encoded."""
+    path = "/v2/models/" + quote(model, safe="")
+    return path + (f"/versions/{quote(version, safe='')}" if version else "")
 
 
 def error_kind(prefix: str, body: bytes) -> str:
@@ -225,7 +232,7 @@ class Admin:
 
     async def stats(self, model: str) -> dict[str, Any] | None:
         """The model's statistics (the first version listed), None if not offered."""
-        status, body = await self.call("GET", f"/v2/models/{model}/stats")
+        status, body = await self.call("GET", model_path(model) + "/stats")
         if status != 200:
             return None
         rows = orjson.loads(body).get("model_stats") or []

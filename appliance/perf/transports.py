@@ -35,6 +35,7 @@ from appliance.perf.httpclient import (
     binary_body,
     build_request,
     error_kind,
+    model_path,
     split_url,
 )
 from appliance.perf.workload import TensorSpec
@@ -70,8 +71,7 @@ class HttpTransport(Transport):
     ) -> None:
         self.json = json  # tensors as JSON "data" lists, as curl and KServe's clients send
         self.host, self.port = split_url(url, 8000)
-        path = f"/v2/models/{model}" + (f"/versions/{version}" if version else "")
-        self.path = path + "/infer"
+        self.path = model_path(model, version) + "/infer"
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._requests: list[bytes] = []
         self._conns: list[Connection] = []

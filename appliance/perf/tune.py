@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import orjson
 import yaml
@@ -30,7 +31,7 @@ import yaml
 from appliance.errors import ApplianceError, invalid
 from appliance.memory import parse_limit
 from appliance.perf.command import Settings, new_loop, run
-from appliance.perf.httpclient import Admin
+from appliance.perf.httpclient import Admin, model_path
 from appliance.perf.runner import Point, parse_range
 
 GROWTH = 1.05  # another instance must add 5 % throughput to be worth its memory
@@ -104,6 +105,7 @@ class Tuner:
     def __init__(self, opts: Options, out: Any = sys.stderr) -> None:
         self.o, self.out = opts, out
         self.admin = Admin(opts.url, opts.token)
+        self._load_path = f"/v2/repository/models/{quote(opts.model, safe='')}/load"
         self.trials: list[Trial] = []
 
     def _feasible(self, t: Trial) -> bool:
@@ -144,7 +146,7 @@ class Tuner:
     async def _try(self, label: str, cfg: dict[str, Any]) -> Trial:
         body = {"parameters": {"config": orjson.dumps(cfg).decode()}}
         try:
-            await self.admin.post(f"/v2/repository/models/{self.o.model}/load", body)
+            await self.admin.post(self._load_path, body)
         except ApplianceError as exc:
             t = Trial(label, cfg, "refused", exc.message)
             self._show(t)
@@ -153,7 +155,7 @@ class Tuner:
         return await self._measure(Trial(label, cfg))
 
     async def search(self) -> Trial:
-        base = await self.admin.get_json(f"/v2/models/{self.o.model}/config")
+        base = await self.admin.get_json(model_path(self.o.model) + "/config")
         batched = int(base.get("max_batch_size", 0)) > 0
         db = base.get("dynamic_batching") or {}
         backend0 = str(base.get("backend") or "")
@@ -197,7 +199,7 @@ class Tuner:
 
     async def _restore(self, base: dict[str, Any]) -> None:
         body = {"parameters": {"config": orjson.dumps(base).decode()}}
-        await self.admin.post(f"/v2/repository/models/{self.o.model}/load", body)
+        await self.admin.post(self._load_path, body)
 
     def ranked(self) -> list[Trial]:
         measured = [t for t in self.trials if t.point is not None]
