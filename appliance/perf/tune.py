@@ -148,11 +148,21 @@ class Tuner:
         try:
             await self.admin.post(self._load_path, body)
         except ApplianceError as exc:
-            t = Trial(label, cfg, "refused", exc.message)
-            self._show(t)
-            self.trials.append(t)
-            return t
+            return self._refused(Trial(label, cfg, "refused", exc.message))
+        # the appliance loads as many instances as its memory budget admits (a warning,
+        # not a failure) and reports the admitted count in the model's config
+        wanted = sum(int(g.get("count", 1)) for g in cfg["instance_group"])
+        running = await self.admin.get_json(model_path(self.o.model) + "/config")
+        admitted = sum(int(g.get("count", 1)) for g in running.get("instance_group") or [])
+        if admitted < wanted:
+            reason = f"the memory budget admitted {admitted} of {wanted} instances"
+            return self._refused(Trial(label, cfg, "refused", reason))
         return await self._measure(Trial(label, cfg))
+
+    def _refused(self, t: Trial) -> Trial:
+        self._show(t)
+        self.trials.append(t)
+        return t
 
     async def search(self) -> Trial:
         base = await self.admin.get_json(model_path(self.o.model) + "/config")
