@@ -125,3 +125,21 @@ def test_candidates_and_pbtxt_output() -> None:
         parse_model_config(
             pbtxt_to_dict(render({**cfg, "max_batch_size": -3}, "pbtxt", "x"), "x"), "m", "x"
         )
+
+
+def test_readme_commands(run_appliance, repo, tmp_path, monkeypatch) -> None:
+    """The README paragraph's two commands, pointed at a test server, kept short."""
+    from appliance import cli
+
+    srv = run_appliance(repo, model_control_mode="explicit", load_model=["simple"])
+    monkeypatch.chdir(tmp_path)
+    short = ["-u", srv.url, "--warmup", "0.1", "--duration", "0.3"]
+    perf = ["perf", "-m", "simple", "--concurrency", "1:8:2x", "--csv", "simple.csv"]
+    assert cli.main([*perf, *short, "--quiet"]) == 0
+    assert len((tmp_path / "simple.csv").read_text().splitlines()) == 1 + 4  # 1, 2, 4, 8
+    tune_cmd = ["tune", "simple", "--max-batch-sizes", "1,8", "--max-instances", "2"]
+    assert cli.main([*tune_cmd, "--output", "simple.yaml", *short]) == 0
+    written = parse_model_config(
+        yaml.safe_load((tmp_path / "simple.yaml").read_text()), "simple", "simple.yaml"
+    )
+    assert written.max_batch_size in (1, 8)

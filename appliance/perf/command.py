@@ -122,7 +122,11 @@ async def run(
         samples = make_samples(inputs, s.input_data, s.input_files, s.samples)
         loads = [("c", float(c)) for c in s.concurrency] if not s.request_rates else []
         loads += [("r", r) for r in s.request_rates]
-        slots = max([int(v) for k, v in loads if k == "c"] + [s.max_outstanding])
+        # one connection / shared-memory output slice per request that can be outstanding
+        slots = max(
+            [int(v) for k, v in loads if k == "c"]
+            + [s.max_outstanding for k, _ in loads if k == "r"]
+        )
         transport = _transport(s, outputs, server)
         stats_admin = Admin(s.url, s.token) if server is None else None
         stats: Callable[[], Any]

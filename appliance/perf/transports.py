@@ -41,6 +41,8 @@ from appliance.perf.httpclient import (
 from appliance.perf.workload import TensorSpec
 
 TRANSPORTS = ("http", "grpc", "shm", "mqtt", "inprocess")
+MQTT_REPLY_TIMEOUT_S = 30.0  # a request the bridge never answers counts as an error
+_runs = itertools.count()  # shared-memory region names unique within the process
 Samples = Sequence[Mapping[str, np.ndarray]]
 
 
@@ -129,7 +131,7 @@ class ShmTransport(HttpTransport):
         super().__init__(url, model, **kw)
         self.admin = Admin(url, kw.get("token", ""))
         self.outputs = outputs
-        self._key = f"appliance-perf-{os.getpid()}"
+        self._key = f"appliance-perf-{os.getpid()}-{next(_runs)}"
         self._files: list[Path] = []
         self._regions: list[str] = []
 
@@ -305,7 +307,9 @@ class MqttTransport(Transport):
             self._pending[corr] = future
         self.client.publish(self.topic, body, qos=1, properties=props)
         try:
-            await future
+            await asyncio.wait_for(future, MQTT_REPLY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise RequestFailed(f"MQTT: no reply within {MQTT_REPLY_TIMEOUT_S:g} s") from None
         finally:
             with self._lock:
                 self._pending.pop(corr, None)
