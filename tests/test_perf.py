@@ -121,6 +121,22 @@ def test_open_loop_and_in_process(tmp_path: Path) -> None:
         assert int(row["concurrency"]) == 0
 
 
+def test_load_from_several_processes(run_appliance, tmp_path) -> None:
+    srv = run_appliance(None)
+    rc, rows, doc = _perf(
+        tmp_path, "-m", "simple", "-u", srv.url, "--processes", "2", "--concurrency", "1,3"
+    )
+    assert rc == 0 and doc["settings"]["processes"] == 2
+    assert [int(r["concurrency"]) for r in rows] == [1, 3]  # c=1: one worker stays idle
+    for row in rows:
+        _sane(row)
+    rc, rows, _ = _perf(tmp_path, "-m", "simple", "-u", srv.url, "--processes", "2",
+                        "--request-rate", "100")  # fmt: skip
+    assert rc == 0
+    _sane(rows[0])
+    assert cli.main(["perf", "-m", "simple", "-i", "inprocess", "--processes", "2", *FAST]) == 2
+
+
 def test_json_data_over_http(run_appliance, tmp_path) -> None:
     srv = run_appliance(None)
     rc, rows, _ = _perf(tmp_path, "-m", "simple", "-u", srv.url, "--json-data")

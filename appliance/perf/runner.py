@@ -111,7 +111,7 @@ class Point:
         return f"c={self.concurrency}" if self.concurrency else f"r={self.request_rate:g}/s"
 
 
-class _Window:
+class Window:
     """Latencies of requests completing inside [start, end]; errors by kind."""
 
     def __init__(self, start: float, end: float) -> None:
@@ -139,7 +139,7 @@ def _kind(exc: BaseException) -> str:
 
 
 async def _closed(
-    transport: Transport, concurrency: int, samples: int, window: _Window, stop: asyncio.Event
+    transport: Transport, concurrency: int, samples: int, window: Window, stop: asyncio.Event
 ) -> None:
     async def worker(slot: int) -> None:
         i = slot
@@ -163,7 +163,7 @@ async def _open(
     rate: float,
     max_outstanding: int,
     samples: int,
-    window: _Window,
+    window: Window,
     stop: asyncio.Event,
     seed: int,
 ) -> None:
@@ -216,7 +216,7 @@ def _server_delta(before: dict[str, Any] | None, after: dict[str, Any] | None, p
     p.server_avg_batch = rows / calls if calls > 0 else 0.0
 
 
-def _finish(p: Point, window: _Window, cpu_s: float) -> None:
+def _finish(p: Point, window: Window, cpu_s: float) -> None:
     lat = np.asarray(window.latencies, dtype=np.float64) * 1000
     p.requests = int(lat.size)
     p.errors = sum(window.errors.values())
@@ -238,6 +238,74 @@ def _cpu() -> float:
     return t.user + t.system
 
 
+def make_window(warmup_s: float, window_s: float, start_at: float | None = None) -> Window:
+    """The measured window: after ``warmup_s`` from now, or from ``start_at`` (a
+    ``time.time()`` instant: worker processes share one window that way)."""
+    now = time.perf_counter()
+    start = now + warmup_s if start_at is None else now + (start_at - time.time())
+    return Window(start, start + window_s)
+
+
+async def drive(
+    transport: Transport,
+    point: Point,
+    samples: int,
+    window: Window,
+    stats: StatsReader | None = None,
+    max_outstanding: int = 256,
+    seed: int = 0,
+    progress: Callable[[float], None] | None = None,
+) -> tuple[float, dict[str, Any] | None, dict[str, Any] | None]:
+    """Put ``point``'s load on ``transport`` until the window closes; returns the
+    process's CPU seconds over the window and the statistics at its start and end."""
+    stop = asyncio.Event()
+    if point.concurrency:
+        load = _closed(transport, point.concurrency, samples, window, stop)
+    else:
+        load = _open(transport, point.request_rate, max_outstanding, samples, window, stop, seed)
+    task = asyncio.create_task(load)
+    try:
+        cpu, before, after = await observe(window, stats, progress, task)
+    finally:
+        stop.set()
+        try:
+            await asyncio.wait_for(task, 60)
+        except asyncio.TimeoutError:
+            window.errors["client: replies never came"] = 1
+    return cpu, before, after
+
+
+async def observe(
+    window: Window,
+    stats: StatsReader | None,
+    progress: Callable[[float], None] | None = None,
+    task: asyncio.Task[None] | None = None,
+) -> tuple[float, dict[str, Any] | None, dict[str, Any] | None]:
+    """Wait through the window reading the statistics at both ends (and this
+    process's CPU time); ``task``: the load, whose crash ends the wait."""
+    await _sleep_until(window.start, task, None)
+    before = await stats() if stats else None
+    cpu0 = _cpu()
+    await _sleep_until(window.end, task, progress)
+    cpu1 = _cpu()
+    after = await stats() if stats else None
+    return cpu1 - cpu0, before, after
+
+
+def finish(
+    point: Point,
+    window: Window,
+    cpu_s: float,
+    before: dict[str, Any] | None,
+    after: dict[str, Any] | None,
+) -> Point:
+    """Fill in ``point`` from a closed window (latencies, errors) and the statistics."""
+    point.window_s = window.end - window.start
+    _server_delta(before, after, point)
+    _finish(point, window, cpu_s)
+    return point
+
+
 async def measure(
     transport: Transport,
     point: Point,
@@ -250,39 +318,21 @@ async def measure(
     progress: Callable[[float], None] | None = None,
 ) -> Point:
     """Run one load point against an opened transport and fill in ``point``."""
-    now = time.perf_counter()
-    window = _Window(now + warmup_s, now + warmup_s + window_s)
-    point.window_s = window_s
-    stop = asyncio.Event()
-    if point.concurrency:
-        load = _closed(transport, point.concurrency, samples, window, stop)
-    else:
-        load = _open(transport, point.request_rate, max_outstanding, samples, window, stop, seed)
-    task = asyncio.create_task(load)
-    try:
-        await _sleep_until(window.start, task, None)
-        before = await stats() if stats else None
-        cpu0 = _cpu()
-        await _sleep_until(window.end, task, progress and (lambda f: progress(f)))
-        cpu1 = _cpu()
-        after = await stats() if stats else None
-    finally:
-        stop.set()
-        try:
-            await asyncio.wait_for(task, 60)
-        except asyncio.TimeoutError:
-            window.errors["client: replies never came"] = 1
-    _server_delta(before, after, point)
-    _finish(point, window, cpu1 - cpu0)
-    return point
+    window = make_window(warmup_s, window_s)
+    cpu, before, after = await drive(
+        transport, point, samples, window, stats, max_outstanding, seed, progress
+    )
+    return finish(point, window, cpu, before, after)
 
 
 async def _sleep_until(
-    deadline: float, task: asyncio.Task[None], progress: Callable[[float], None] | None
+    deadline: float,
+    task: asyncio.Task[None] | None,
+    progress: Callable[[float], None] | None,
 ) -> None:
     start = time.perf_counter()
     while (left := deadline - time.perf_counter()) > 0:
-        if task.done():
+        if task is not None and task.done():
             task.result()  # a crashed load loop: report it, do not measure nothing
             return
         await asyncio.sleep(min(left, 0.5))
