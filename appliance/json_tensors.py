@@ -19,7 +19,6 @@ exactly those of :mod:`appliance.http_codec` and :mod:`appliance.datatypes`.
 from __future__ import annotations
 
 import importlib
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +43,6 @@ AVAILABLE = simdjson is not None
 MIN_BYTES = 64 * 1024
 # simdjson buffer type -> numpy dtype it fills
 _BUFFER = {"d": np.dtype(np.float64), "i": np.dtype(np.int64), "u": np.dtype(np.uint64)}
-_local = threading.local()  # a parser per thread: a document lives until its next parse
 
 
 class LazyData:
@@ -107,11 +105,10 @@ def loads(body: bytes | memoryview) -> dict[str, Any] | None:
     then parses with orjson)."""
     if simdjson is None or len(body) < MIN_BYTES:
         return None
-    parser = getattr(_local, "parser", None)
-    if parser is None:
-        parser = _local.parser = simdjson.Parser()
+    # a parser per document: a parser refuses a new document while proxies of its last
+    # one live on (say, in a traceback), and making one costs nothing next to parsing
     try:
-        top = parser.parse(bytes(body))
+        top = simdjson.Parser().parse(bytes(body))
         if not isinstance(top, simdjson.Object):
             return None
         doc: dict[str, Any] = {}

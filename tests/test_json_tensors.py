@@ -117,3 +117,17 @@ def test_shapes_nesting_and_malformed_bodies(monkeypatch: pytest.MonkeyPatch) ->
     big = b" " * json_tensors.MIN_BYTES
     for bad in (b'{"inputs": [', b"[1, 2]", b'{"inputs": [{"name": "x"}], "v": 1e999}'):
         assert _same(bad + big, monkeypatch)[0] == "error"
+
+
+def test_fast_path_survives_errors_kept_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a refused request's traceback can keep its document alive; later requests on the
+    # same thread must still take the fast path (simdjson refuses to reuse a busy parser)
+    bad = _body(PAD, "FP32", [3])
+    kept = []
+    for _ in range(3):
+        with pytest.raises(ApplianceError) as info:
+            http_codec.decode_request(bad, None, "m", "")
+        kept.append(info.value)
+    doc = json_tensors.loads(_body(PAD, "FP32"))
+    assert doc is not None and isinstance(doc["inputs"][0]["data"], json_tensors.LazyData)
+    _same(_body(PAD, "FP32"), monkeypatch)
