@@ -42,7 +42,9 @@ def _same(body: bytes, monkeypatch: pytest.MonkeyPatch) -> Any:
         assert fast[0].inputs[name].shape == arr.shape
         np.testing.assert_array_equal(fast[0].inputs[name], arr)
     assert (fast[0].id, fast[0].outputs, fast[0].timeout_us) == (
-        slow[0].id, slow[0].outputs, slow[0].timeout_us
+        slow[0].id,
+        slow[0].outputs,
+        slow[0].timeout_us,
     )
     assert fast[1].binary == slow[1].binary and fast[1].binary_default == slow[1].binary_default
     return fast

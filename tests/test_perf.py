@@ -74,9 +74,7 @@ def _sane(row: dict[str, str], batch: int = 1) -> None:
     assert float(row["throughput_infer_s"]) > 0
     p50, p90, p99 = (float(row[k]) for k in ("p50_ms", "p90_ms", "p99_ms"))
     assert 0 < p50 <= p90 <= p99 <= float(row["max_ms"])
-    assert float(row["throughput_infer_s"]) == pytest.approx(
-        float(row["throughput_req_s"]) * batch
-    )
+    assert float(row["throughput_infer_s"]) == pytest.approx(float(row["throughput_req_s"]) * batch)
     assert int(row["server_requests"]) > 0  # the statistics extension was read
     assert float(row["server_compute_infer_us"]) > 0
     assert json.loads(row["errors_by_kind"]) == {}
@@ -111,9 +109,7 @@ async def _get(url: str, path: str) -> Any:
 
 
 def test_open_loop_and_in_process(tmp_path: Path) -> None:
-    rc, rows, _ = _perf(
-        tmp_path, "-m", "simple", "-i", "inprocess", "--request-rate", "100,200"
-    )
+    rc, rows, _ = _perf(tmp_path, "-m", "simple", "-i", "inprocess", "--request-rate", "100,200")
     assert rc == 0
     assert [float(r["request_rate"]) for r in rows] == [100, 200]
     for row in rows:

@@ -33,6 +33,7 @@ from appliance.perf.workload import parse_shapes
 
 __all__ = ["Settings", "new_loop", "run"]
 
+
 async def run(
     s: Settings, table: report.LiveTable | None = None, server: Any = None
 ) -> list[Point]:

@@ -226,9 +226,7 @@ class Admin:
     async def post(self, path: str, doc: Any = None) -> None:
         status, body = await self.call("POST", path, {} if doc is None else doc)
         if status != 200:
-            raise ApplianceError(
-                Code.INVALID_ARG, error_kind(f"POST {path}: HTTP {status}", body)
-            )
+            raise ApplianceError(Code.INVALID_ARG, error_kind(f"POST {path}: HTTP {status}", body))
 
     async def stats(self, model: str) -> dict[str, Any] | None:
         """The model's statistics (the first version listed), None if not offered."""

@@ -98,15 +98,11 @@ class Fleet:
             if status != "ready":
                 raise ApplianceError(Code.UNAVAILABLE, f"load worker: {message}")
 
-    async def measure(
-        self, point: Point, stats: StatsReader | None, progress: Any = None
-    ) -> Point:
+    async def measure(self, point: Point, stats: StatsReader | None, progress: Any = None) -> Point:
         kind = "c" if point.concurrency else "r"
         value = float(point.concurrency or point.request_rate)
         start_at = time.time() + max(self.s.warmup_s, START_LEAD_S)
-        for conn, share in zip(
-            self.conns, split_load(kind, value, len(self.conns)), strict=True
-        ):
+        for conn, share in zip(self.conns, split_load(kind, value, len(self.conns)), strict=True):
             conn.send(("point", kind, share, start_at, self.s.window_s))
         window = make_window(0.0, self.s.window_s, start_at)
         _, before, after = await observe(window, stats, progress)
