@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from appliance.errors import ApplianceError, Code
+from appliance.perf import command as perf_command
+from appliance.perf import tune as tune_command
 from appliance.server import Server
 from appliance.server_config import load_server_config
 from appliance.version import __version__
@@ -121,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--mqtt-broker", metavar="HOST:PORT", help="serve requests over MQTT from this broker"
     )
     ota_cli.register(sub)  # fleet, bundle, ota: see ota/cli.py
+    perf_command.add_parser(sub)
+    tune_command.add_parser(sub)
     return parser
 
 
@@ -128,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("fleet", "bundle", "ota"):
         return ota_cli.run(args)
+    if args.command == "perf":
+        return perf_command.main(args)
+    if args.command == "tune":
+        return tune_command.main(args)
     try:
         config = load_server_config(
             args.config,

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from appliance import datatypes
+from appliance import datatypes, json_tensors
 from appliance.errors import internal, invalid
 from appliance.request import InferenceRequest, InferenceResponse, check_sequence_id
 from appliance.shared_memory import SharedMemoryRef, SharedMemoryRegistry
@@ -118,7 +118,9 @@ class PreparedRequest:
         """Decode the tensors: zero-copy views for fixed-size binary and shared-memory
         data; INVALID_ARG for data that does not match its declaration."""
         for i in self.inputs:
-            if i.is_json:
+            if isinstance(i.source, json_tensors.LazyData):  # simdjson: no object a number
+                arr = i.source.to_tensor(i.datatype, i.shape, i.name)
+            elif i.is_json:
                 arr = datatypes.from_json_data(i.source, i.datatype, i.shape, i.name)
             else:
                 arr = datatypes.from_raw(i.source, i.datatype, i.shape, i.name)
@@ -158,10 +160,13 @@ def prepare_request(
     view = memoryview(body)
     json_part = view if header_length is None else view[:header_length]
     binary = view[len(json_part) :]
-    try:
-        doc = orjson.loads(json_part)
-    except orjson.JSONDecodeError as exc:
-        raise invalid(f"malformed JSON in the request body: {exc}") from None
+    # big bodies: tensor data parsed straight into arrays when pysimdjson is installed
+    doc = json_tensors.loads(json_part)
+    if doc is None:
+        try:
+            doc = orjson.loads(json_part)
+        except orjson.JSONDecodeError as exc:
+            raise invalid(f"malformed JSON in the request body: {exc}") from None
     if not isinstance(doc, dict):
         raise invalid("the request body must be a JSON object")
     raw_inputs = doc.get("inputs")

@@ -1,0 +1,100 @@
+"""Before/after in one run: the same load on two source trees, alternated.
+
+A benchmark, not a test. ``--baseline DIR`` is another copy of the project (e.g.
+``git archive <commit> | tar -x -C /tmp/base``); the other side is this checkout.
+Both serve their own demo repository on free loopback ports at the same time; each
+repeat runs ``appliance perf`` (this checkout's) against one side then the other,
+JSON and binary bodies, and reads the server's CPU time per answered request from
+``/proc`` and the statistics extension. Alternating keeps machine noise on both
+sides alike. Markdown rows on stdout; servers stopped by PID at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def answered(port: int, model: str) -> int:
+    url = f"http://127.0.0.1:{port}/v2/models/{model}/stats"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        rows = json.load(r)["model_stats"]
+    return sum(int(s["inference_stats"]["success"]["count"]) for s in rows)
+
+
+def serve(tree: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "appliance", "serve", "--http-port", str(port),
+           "--grpc-port", "-1", "--metrics-port", "-1", "--log-level", "warning"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL,
+                            stderr=open(log, "wb"))  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", type=Path, required=True, help="the other source tree")
+    ap.add_argument("--model", default="classifier")
+    ap.add_argument("--modes", default="json,binary")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-ab-"))
+    sides = {}
+    for name, tree in (("baseline", a.baseline.resolve()), ("this tree", HERE)):
+        port = free_port()
+        sides[name] = (serve(tree, port, work / f"{port}.log"), port)
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    out = work / "p.json"
+    try:
+        time.sleep(12)  # both load their demo models
+        print("| repeat | side | body | infer/s | p50 ms | p99 ms | server CPU ms/req |")
+        print("|---|---|---|---|---|---|---|")
+        for rep in range(a.repeats):
+            for name, (proc, port) in sides.items():
+                for mode in a.modes.split(","):
+                    c0, n0 = cpu_s(proc.pid), answered(port, a.model)
+                    cmd = [sys.executable, "-m", "appliance", "perf", "-m", a.model,
+                           "-u", f"127.0.0.1:{port}", "--concurrency", str(a.concurrency),
+                           "--warmup", "1", "--duration", str(a.seconds), "--quiet",
+                           "--json", str(out)]  # fmt: skip
+                    cmd += ["--json-data"] if mode == "json" else []
+                    subprocess.run(cmd, env=env, check=True, timeout=600)
+                    c1, n1 = cpu_s(proc.pid), answered(port, a.model)
+                    p = json.loads(out.read_text())["points"][0]
+                    print(
+                        f"| {rep + 1} | {name} | {mode} | {p['throughput_infer_s']:.0f} "
+                        f"| {p['p50_ms']:.1f} | {p['p99_ms']:.1f} "
+                        f"| {(c1 - c0) * 1000 / max(1, n1 - n0):.2f} |",
+                        flush=True,
+                    )
+    finally:
+        for proc, _ in sides.values():
+            proc.terminate()
+            proc.wait(30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
