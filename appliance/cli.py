@@ -1,4 +1,4 @@
-"""Command line: ``appliance serve``.
+"""Command line: appliance serve, and the other subcommands.
 
 Runs one asyncio process until SIGTERM or Ctrl-C, then shuts down gracefully and
 exits 0. Bad configuration is reported as one line naming the file and field,
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import __version__
+from appliance.cli_parser import OneLineParser, port
 from appliance.errors import ApplianceError, Code
 from appliance.server import Server
 from appliance.server_config import load_server_config
@@ -89,17 +90,24 @@ async def _serve(server: Server) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="appliance", description=__doc__.splitlines()[0])
+    parser = OneLineParser(
+        prog="appliance",
+        description="Edge inference server speaking KServe v2 / Triton (HTTP, gRPC, MQTT).",
+    )
     parser.add_argument("--version", action="version", version=f"appliance {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model repository (default: the demo models)")
     serve.add_argument("--model-repository", type=Path, help="model repository directory")
     serve.add_argument("--config", type=Path, help="server config file (appliance.yaml)")
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--http-port", type=int, help="KServe v2 HTTP port (default 8000)")
-    serve.add_argument("--grpc-port", type=int, help="KServe v2 gRPC port (default 8001, -1 off)")
-    serve.add_argument("--metrics-port", type=int, help="Prometheus port (default 8002, -1 off)")
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--http-port", type=port, help="KServe v2 HTTP port (default 8000, -1 off)")
+    serve.add_argument("--grpc-port", type=port, help="KServe v2 gRPC port (default 8001, -1 off)")
+    serve.add_argument("--metrics-port", type=port, help="Prometheus port (default 8002, -1 off)")
+    serve.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity (default info); logs go to stderr, or the journal under systemd",
+    )
     serve.add_argument(
         "--model-control-mode",
         choices=["none", "explicit", "poll"],

@@ -12,6 +12,8 @@ auto-complete does.
 
 from __future__ import annotations
 
+import difflib
+
 import logging
 import re
 from dataclasses import dataclass, field, replace
@@ -186,7 +188,11 @@ class Fields:
     def check_keys(self, allowed: set[str]) -> None:
         for key in self.data:
             if key not in allowed:
-                raise self.fail(str(key), f"unknown field, expected one of {sorted(allowed)}")
+                near = difflib.get_close_matches(str(key), sorted(allowed), n=1)
+                hint = f"did you mean {near[0]}? " if near else ""
+                raise self.fail(
+                    str(key), f"unknown field, {hint}expected one of {sorted(allowed)}"
+                )
 
     def integer(self, key: str, default: int, minimum: int = 0) -> int:
         value = self.data.get(key, default)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from appliance import http_api, metrics
+from appliance import http_api, metrics, startup_report
 from appliance.access import AccessPolicy, is_loopback
 from appliance.config import ConfigError
 from appliance.dataplane import DataPlane
@@ -132,19 +132,22 @@ class Server:
                 "set tls_cert and tls_key" if tls is None else "gRPC has no TLS",
             )
         await self.lifecycle.start()
-        log.info(
-            "ready in %.2fs: %d model version(s) from %s",
-            time.perf_counter() - started,
-            len(self.lifecycle.loaded()),
+        # the log says what readiness says, and names what failed
+        startup_report.report(
+            startup_report.summarize(self.lifecycle.index()),
             self.repository,
+            time.perf_counter() - started,
+            self.config.memory_limit,
         )
         await self._start_mqtt()
 
     async def _start_grpc(self) -> None:
-        try:  # grpcio is a dependency, but a trimmed device image may leave it out
+        try:  # the gRPC endpoint is an extra: pip install 'appliance[grpc]'
             from appliance.grpc_api import GrpcEndpoint
         except ImportError as exc:
-            log.warning("gRPC endpoint disabled: %s (pip install grpcio)", exc)
+            log.warning(
+                "gRPC endpoint off: %s (pip install 'appliance[grpc]', or grpc_port: -1)", exc
+            )
             return
         self._grpc = GrpcEndpoint(
             self.dataplane,

@@ -18,8 +18,8 @@ import yaml
 from appliance.config import ConfigError, Fields
 
 _UNITS = {
-    "": 1,
     "b": 1,
+    "bytes": 1,
     "kb": 10**3,
     "mb": 10**6,
     "gb": 10**9,
@@ -30,13 +30,24 @@ _UNITS = {
 
 
 def parse_size(value: Any, source: str, key: str) -> int:
-    """'64MiB', '1.5GB', 1048576 -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
+    """'64MiB', '1.5GB', '1048576B' -> bytes. A bare number is refused: ``memory_limit:
+    60`` meant as 60 MiB must not silently become 60 bytes."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+    if isinstance(value, bool) or not m or float(m.group(1)) <= 0:
         raise ConfigError(source, key, f"expected a size such as 64MiB or 1.5GB, got {value!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    unit = m.group(2).lower()
+    if not unit:
+        raise ConfigError(
+            source,
+            key,
+            f"expected a size such as 64MiB or 1.5GB, got {value!r}: a size needs a unit "
+            f"({m.group(1)}MiB, {m.group(1)}MB, or {m.group(1)}B for bytes)",
+        )
+    if unit not in _UNITS:
+        raise ConfigError(
+            source, key, f"expected a size such as 64MiB or 1.5GB, got {value!r}: unknown unit"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +77,10 @@ class ServerConfig:
     tls_key: Path | None = None
 
 
+# fields only a model config has: a server config with these was passed by mistake
+_MODEL_FIELDS = {"max_batch_size", "input", "output", "backend", "platform", "instance_group"}
+
+
 def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerConfig:
     """Read appliance.yaml (optional) and apply command-line overrides on top."""
     source = str(path) if path else "<command line>"
@@ -83,6 +98,14 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
     broker = overrides.pop("mqtt_broker", None)  # --mqtt-broker HOST:PORT
     data.update({k: v for k, v in overrides.items() if v is not None})
     f = Fields(source, data)
+    if _MODEL_FIELDS & set(data) and not set(ServerConfig.__slots__) & set(data):
+        raise ConfigError(
+            source,
+            "",
+            "this is a model config (it belongs in a model folder, as "
+            "<repository>/<model>/config.yaml), not a server config: pass the repository "
+            "with --model-repository",
+        )
     f.check_keys(set(ServerConfig.__slots__))
     level = f.text("log_level", "info").lower()
     if level not in ("debug", "info", "warning", "error"):
@@ -104,13 +127,13 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
     return ServerConfig(
         model_repository=repo,
         host=f.text("host", "127.0.0.1"),
-        http_port=f.integer("http_port", 8000, minimum=-1),
-        metrics_port=f.integer("metrics_port", 8002, minimum=-1),
-        grpc_port=f.integer("grpc_port", 8001, minimum=-1),
+        http_port=_port(f, "http_port", 8000),
+        metrics_port=_port(f, "metrics_port", 8002),
+        grpc_port=_port(f, "grpc_port", 8001),
         shared_memory=_choice(f, "shared_memory", "off", ("off", "system")),
-        max_request_size=parse_size(
-            data.get("max_request_size", 64 * 2**20), source, "max_request_size"
-        ),
+        max_request_size=parse_size(data["max_request_size"], source, "max_request_size")
+        if "max_request_size" in data
+        else 64 * 2**20,
         drain_timeout_s=float(drain),
         default_max_batch_size=f.integer("default_max_batch_size", 8, minimum=1),
         default_max_queue_size=f.integer("default_max_queue_size", 1024, minimum=1),
@@ -119,6 +142,13 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         mqtt=_mqtt(f, path, broker),
         **_control(f, path),
     )
+
+
+def _port(f: Fields, key: str, default: int) -> int:
+    value = f.integer(key, default, minimum=-1)
+    if value > 65535:
+        raise f.fail(key, f"expected a port 0..65535 (or -1: off), got {value}")
+    return value
 
 
 def _choice(f: Fields, key: str, default: str, allowed: tuple[str, ...]) -> str:

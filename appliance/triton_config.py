@@ -9,12 +9,17 @@ validates, exactly as a ``config.yaml`` would be: one validator, one set of erro
 messages, whichever file a model comes with. :func:`to_triton_json` writes a config
 back in Triton's JSON form (the config endpoint), which that schema accepts.
 
-protobuf and the generated module are imported on first use: importing them pulls
-in grpcio, which a trimmed device image may leave out.
+protobuf and the generated module are imported on first use, and the module is
+loaded from its file rather than through ``tritonclient.grpc``, whose package import
+pulls in grpcio: the gRPC endpoint is an extra, and parsing a config must not cost
+grpc's import time.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from types import ModuleType
 from typing import Any
 
 from appliance import datatypes
@@ -31,11 +36,38 @@ def _as_dict(message: Any) -> dict[str, Any]:
     return doc
 
 
+_PB2 = "tritonclient.grpc.model_config_pb2"
+
+
+def _model_config_pb2() -> ModuleType:
+    """tritonclient's generated ``model_config_pb2``, without importing grpcio."""
+    loaded = sys.modules.get(_PB2)
+    if loaded is not None:
+        return loaded
+    package = importlib.util.find_spec("tritonclient")
+    if package is None or not package.submodule_search_locations:
+        raise ImportError("tritonclient is not installed: pip install tritonclient")
+    path = f"{next(iter(package.submodule_search_locations))}/grpc/model_config_pb2.py"
+    spec = importlib.util.spec_from_file_location(_PB2, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"tritonclient has no {path}")
+    module = importlib.util.module_from_spec(spec)
+    # registered under its own name, so tritonclient.grpc (the gRPC endpoint) reuses it
+    # and protobuf's descriptor pool sees the schema once
+    sys.modules[_PB2] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[_PB2]
+        raise
+    return module
+
+
 def _parse(text: str, source: str, form: str) -> dict[str, Any]:
     """Triton's ModelConfig from protobuf ``text`` or ``json`` form, as a plain dict."""
     from google.protobuf import json_format, text_format
-    from tritonclient.grpc import model_config_pb2
 
+    model_config_pb2 = _model_config_pb2()
     message = model_config_pb2.ModelConfig()
     try:
         if form == "text":

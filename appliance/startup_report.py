@@ -1,0 +1,86 @@
+"""What the start-up log says once the initial loads ran, so it agrees with readiness.
+
+One line when every model asked for is READY; otherwise an error naming each model
+that failed and why, and the server reports itself not ready (``/v2/health/ready``
+answers 400 for the same reason). An empty repository is served with a warning.
+A memory budget that admits none of the models asked for is a configuration error:
+the server refuses to start instead of running with nothing loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from appliance.config import ConfigError
+from appliance.memory import fmt
+
+log = logging.getLogger("appliance.server")
+
+# the phrase Admission.refusal (memory.py) puts in every budget refusal
+_BUDGET = "but the memory budget is"
+
+
+@dataclass(frozen=True, slots=True)
+class StartupSummary:
+    ready_versions: int
+    models: int  # models in the repository
+    failed: dict[str, str] = field(default_factory=dict)  # model -> reason
+
+
+def summarize(index: list[dict[str, Any]]) -> StartupSummary:
+    """Read the repository index (``ModelLifeCycle.index()``) after the start-up loads."""
+    failed: dict[str, str] = {}
+    ready = 0
+    for row in index:
+        state = row.get("state")
+        if state == "READY":
+            ready += 1
+        elif state == "UNAVAILABLE" and row.get("reason") not in (None, "", "unloaded"):
+            version = f" version {row['version']}" if "version" in row else ""
+            reason = str(row["reason"])
+            failed[row["name"]] = (
+                f"{failed[row['name']]}; " if row["name"] in failed else ""
+            ) + (f"{version.strip()}: {reason}" if version else reason)
+    return StartupSummary(ready, len({row["name"] for row in index}), failed)
+
+
+def report(
+    summary: StartupSummary, repository: Path, elapsed_s: float, memory_limit: int | None
+) -> None:
+    """Log the outcome of the start-up loads; ConfigError when the budget admits nothing."""
+    if summary.failed and summary.ready_versions == 0 and memory_limit is not None:
+        if all(_BUDGET in reason for reason in summary.failed.values()):
+            raise ConfigError(
+                "<server>",
+                "memory_limit",
+                f"the memory budget of {fmt(memory_limit)} admits none of the models: "
+                + "; ".join(summary.failed.values()),
+            )
+    if summary.models == 0:
+        log.warning(
+            "ready in %.2fs, but the model repository %s has no models: "
+            "nothing will be served (a model is a folder with numbered version folders)",
+            elapsed_s,
+            repository,
+        )
+        return
+    if summary.failed:
+        log.error(
+            "NOT ready after %.2fs: %d model(s) failed to load, %d model version(s) "
+            "serving from %s; failed: %s",
+            elapsed_s,
+            len(summary.failed),
+            summary.ready_versions,
+            repository,
+            "; ".join(f"'{name}': {reason}" for name, reason in sorted(summary.failed.items())),
+        )
+        return
+    log.info(
+        "ready in %.2fs: %d model version(s) from %s",
+        elapsed_s,
+        summary.ready_versions,
+        repository,
+    )
