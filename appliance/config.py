@@ -13,7 +13,6 @@ auto-complete does.
 from __future__ import annotations
 
 import difflib
-
 import logging
 import re
 from dataclasses import dataclass, field, replace

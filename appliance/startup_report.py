@@ -41,9 +41,9 @@ def summarize(index: list[dict[str, Any]]) -> StartupSummary:
         elif state == "UNAVAILABLE" and row.get("reason") not in (None, "", "unloaded"):
             version = f" version {row['version']}" if "version" in row else ""
             reason = str(row["reason"])
-            failed[row["name"]] = (
-                f"{failed[row['name']]}; " if row["name"] in failed else ""
-            ) + (f"{version.strip()}: {reason}" if version else reason)
+            failed[row["name"]] = (f"{failed[row['name']]}; " if row["name"] in failed else "") + (
+                f"{version.strip()}: {reason}" if version else reason
+            )
     return StartupSummary(ready, len({row["name"] for row in index}), failed)
 
 
@@ -51,14 +51,14 @@ def report(
     summary: StartupSummary, repository: Path, elapsed_s: float, memory_limit: int | None
 ) -> None:
     """Log the outcome of the start-up loads; ConfigError when the budget admits nothing."""
-    if summary.failed and summary.ready_versions == 0 and memory_limit is not None:
-        if all(_BUDGET in reason for reason in summary.failed.values()):
-            raise ConfigError(
-                "<server>",
-                "memory_limit",
-                f"the memory budget of {fmt(memory_limit)} admits none of the models: "
-                + "; ".join(summary.failed.values()),
-            )
+    no_room = all(_BUDGET in reason for reason in summary.failed.values())
+    if summary.failed and summary.ready_versions == 0 and memory_limit is not None and no_room:
+        raise ConfigError(
+            "<server>",
+            "memory_limit",
+            f"the memory budget of {fmt(memory_limit)} admits none of the models: "
+            + "; ".join(summary.failed.values()),
+        )
     if summary.models == 0:
         log.warning(
             "ready in %.2fs, but the model repository %s has no models: "

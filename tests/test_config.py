@@ -458,7 +458,9 @@ def test_parse_size(value: Any, expected: int) -> None:
     assert parse_size(value, "appliance.yaml", "max_request_size") == expected
 
 
-@pytest.mark.parametrize("value", ["lots", "64MiBs", "-1MB", "0", 0, -5, True, "1.5.0GB", None, 100, "100"])
+@pytest.mark.parametrize(
+    "value", ["lots", "64MiBs", "-1MB", "0", 0, -5, True, "1.5.0GB", None, 100, "100"]
+)
 def test_parse_size_rejects(value: Any) -> None:
     with pytest.raises(ConfigError) as e:
         parse_size(value, "appliance.yaml", "max_request_size")
