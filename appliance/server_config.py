@@ -97,6 +97,8 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
     overrides = dict(overrides)
     broker = overrides.pop("mqtt_broker", None)  # --mqtt-broker HOST:PORT
     data.update({k: v for k, v in overrides.items() if v is not None})
+    if data.get("shared_memory") is False:  # YAML 1.1 reads a bare `off` as false
+        data["shared_memory"] = "off"
     f = Fields(source, data)
     if _MODEL_FIELDS & set(data) and not set(ServerConfig.__slots__) & set(data):
         raise ConfigError(
