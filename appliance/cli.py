@@ -21,6 +21,7 @@ from typing import Any
 from appliance import __version__
 from appliance.cli_parser import OneLineParser, port
 from appliance.errors import ApplianceError, Code
+from appliance.sdnotify import SystemdLink
 from appliance.server import Server
 from appliance.server_config import load_server_config
 
@@ -85,8 +86,21 @@ async def _serve(server: Server) -> None:
     except BaseException:
         await server.stop()
         raise
+    # under systemd (Type=notify): READY=1 once the models are, watchdog pings, STOPPING=1
+    systemd = SystemdLink(server.lifecycle.all_ready, lambda: _status(server))
+    systemd.start()
     await stop.wait()
+    systemd.stopping_now()
     await server.stop()
+    await systemd.close()
+
+
+def _status(server: Server) -> str:
+    """The STATUS= line `systemctl status` shows."""
+    versions = len(server.lifecycle.loaded())
+    if server.lifecycle.all_ready():
+        return f"serving {versions} model version(s)"
+    return f"not ready: {versions} model version(s) serving, see the log for what failed"
 
 
 def build_parser() -> argparse.ArgumentParser:
