@@ -18,7 +18,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from appliance import __version__
+from appliance import __version__, doctor
 from appliance.cli_parser import OneLineParser, port
 from appliance.errors import ApplianceError, Code
 from appliance.sdnotify import SystemdLink
@@ -141,11 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--mqtt-broker", metavar="HOST:PORT", help="serve requests over MQTT from this broker"
     )
+    doctor.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "doctor":
+        return doctor.main(args)
     try:
         config = load_server_config(
             args.config,
