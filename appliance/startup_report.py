@@ -4,7 +4,10 @@ One line when every model asked for is READY; otherwise an error naming each mod
 that failed and why, and the server reports itself not ready (``/v2/health/ready``
 answers 400 for the same reason). An empty repository is served with a warning.
 A memory budget that admits none of the models asked for is a configuration error:
-the server refuses to start instead of running with nothing loaded.
+the server refuses to start instead of running with nothing loaded. A budget that
+does not fit under the process's own cgroup limit (systemd's ``MemoryMax=``, a
+container's memory limit) is warned about: the kernel would kill the server before
+the budget could refuse a model.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from appliance.config import ConfigError
 from appliance.memory import fmt
 
 log = logging.getLogger("appliance.server")
+
+SERVER_BASELINE = 100 * 2**20  # the server's own idle RSS (benchmarks/bench_footprint.py)
 
 # the phrase Admission.refusal (memory.py) puts in every budget refusal
 _BUDGET = "but the memory budget is"
@@ -47,10 +52,37 @@ def summarize(index: list[dict[str, Any]]) -> StartupSummary:
     return StartupSummary(ready, len({row["name"] for row in index}), failed)
 
 
+def cgroup_memory_max(proc_cgroup: str = "/proc/self/cgroup") -> int | None:
+    """This process's cgroup v2 memory.max in bytes; None when unlimited or unknown."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+        path = next(line[3:] for line in lines if line.startswith("0::"))
+        text = Path(f"/sys/fs/cgroup{path}/memory.max").read_text().strip()
+    except (OSError, StopIteration):
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def check_cgroup(memory_limit: int | None, memory_max: int | None) -> None:
+    """Warn when the budget does not fit under the cgroup's limit with the baseline."""
+    if memory_max is None:
+        return
+    if memory_limit is None or memory_limit + SERVER_BASELINE > memory_max:
+        log.warning(
+            "memory_limit is %s but this process may use at most %s (cgroup memory.max, "
+            "e.g. systemd's MemoryMax): set memory_limit to at most %s, or the kernel "
+            "kills the server before the budget refuses a model",
+            fmt(memory_limit),
+            fmt(memory_max),
+            fmt(max(0, memory_max - SERVER_BASELINE)),
+        )
+
+
 def report(
     summary: StartupSummary, repository: Path, elapsed_s: float, memory_limit: int | None
 ) -> None:
     """Log the outcome of the start-up loads; ConfigError when the budget admits nothing."""
+    check_cgroup(memory_limit, cgroup_memory_max())
     no_room = all(_BUDGET in reason for reason in summary.failed.values())
     if summary.failed and summary.ready_versions == 0 and memory_limit is not None and no_room:
         raise ConfigError(
