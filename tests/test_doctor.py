@@ -8,10 +8,12 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from appliance import doctor, modelgen
+from appliance.cli import build_parser
 from appliance.server_config import load_server_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,6 +28,14 @@ def _doctor(*args: str) -> tuple[int, dict[str, dict[str, Any]]]:
         timeout=120,
     )
     return done.returncode, {c["name"]: c for c in json.loads(done.stdout)}
+
+
+def _checks(*args: str) -> tuple[int, dict[str, dict[str, Any]]]:
+    """The same checks in this process (the CLI's JSON shape, without a subprocess)."""
+    parsed = build_parser().parse_args(["doctor", *args])
+    checks = doctor.run_checks(parsed.config, parsed.ota_url, parsed.timeout)
+    code = 1 if any(c.status == "fail" for c in checks) else 0
+    return code, {c.name: asdict(c) for c in checks}
 
 
 def _config(tmp_path: Path, extra: str = "") -> Path:
@@ -60,7 +70,7 @@ def test_what_would_fail_to_load_is_named_with_the_reason(tmp_path: Path) -> Non
         "ensemble_scheduling:\n  step:\n  - model_name: nowhere\n    model_version: -1\n"
         "    input_map: {X: A}\n    output_map: {Y: B}\n"
     )
-    code, checks = _doctor("--config", str(_config(tmp_path)))
+    code, checks = _checks("--config", str(_config(tmp_path)))
     assert code == 1
     models = checks["models"]
     assert models["status"] == "fail" and "3 would fail" in models["summary"]
@@ -74,7 +84,7 @@ def test_what_would_fail_to_load_is_named_with_the_reason(tmp_path: Path) -> Non
 def test_an_invalid_config_fails_and_the_rest_still_runs(tmp_path: Path) -> None:
     path = tmp_path / "appliance.yaml"
     path.write_text("memory_limit: 60\n")
-    code, checks = _doctor("--config", str(path))
+    code, checks = _checks("--config", str(path))
     assert code == 1
     assert checks["config"]["status"] == "fail" and "needs a unit" in checks["config"]["summary"]
     assert checks["clock"]["status"] == "ok" and checks["engines"]["status"] == "ok"
@@ -90,7 +100,7 @@ def test_ports_in_use_and_an_unreachable_broker(tmp_path: Path) -> None:
         extra = f"mqtt: {{host: 127.0.0.1, port: {dead}}}\n"
         config = _config(tmp_path, extra).read_text().replace("http_port: 0", f"http_port: {port}")
         (tmp_path / "appliance.yaml").write_text(config)
-        code, checks = _doctor("--config", str(tmp_path / "appliance.yaml"), "--timeout", "5")
+        code, checks = _checks("--config", str(tmp_path / "appliance.yaml"), "--timeout", "5")
     assert code == 1
     assert checks["ports"]["status"] == "fail" and f"http {port}" in checks["ports"]["summary"]
     assert checks["network"]["status"] == "warn"
