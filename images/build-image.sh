@@ -18,6 +18,14 @@
 # images/boot-test.sh, or write it to a disk with dd/bmaptool).
 set -euo pipefail
 
+for tool in debootstrap mkfs.ext4 sfdisk grub-mkimage systemd-sysusers python3; do
+    command -v "$tool" >/dev/null || PATH=$PATH:/usr/sbin:/sbin command -v "$tool" >/dev/null || {
+        echo "build-image.sh: $tool is missing (Debian: debootstrap e2fsprogs fdisk grub-pc-bin systemd)" >&2
+        exit 1
+    }
+done
+[ -f /usr/lib/grub/i386-pc/boot.img ] || { echo "build-image.sh: install grub-pc-bin" >&2; exit 1; }
+
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/.." && pwd)
 OUT=${1:-$HERE/out}
