@@ -69,7 +69,7 @@ cp "$wheels"/*.whl "$R/tmp/wheels/"
 cp "$WORK/arm64-pins.txt" "$R/tmp/wheels/"
 chroot "$R" python3 -m venv /opt/venv
 chroot "$R" /opt/venv/bin/pip install --quiet --disable-pip-version-check --no-index \
-    --find-links /tmp/wheels -c /tmp/wheels/arm64-pins.txt setuptools wheel
+    --find-links /tmp/wheels -c /tmp/wheels/arm64-pins.txt --upgrade "setuptools>=77" wheel
 chroot "$R" /bin/sh -c 'cd /src && /opt/venv/bin/pip install --quiet --disable-pip-version-check \
     --no-index --find-links /tmp/wheels --no-build-isolation -c /tmp/wheels/arm64-pins.txt \
     ".[grpc,uvloop,client]" pytest onnx'
