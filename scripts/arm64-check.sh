@@ -24,6 +24,9 @@ TESTS=(
     tests/test_hot_swap.py
     tests/test_inprocess.py
     tests/test_grpc_e2e.py
+    tests/test_ensemble.py
+    tests/test_cli.py
+    tests/test_readme.py
 )
 started=$(date +%s)
 
