@@ -31,9 +31,9 @@ from typing import Any
 from appliance.errors import ApplianceError
 from appliance.memory import fmt, physical_memory
 from appliance.server_config import ServerConfig, load_server_config
+from appliance.startup_report import SERVER_BASELINE
 
 OK, WARN, FAIL = "ok", "warn", "fail"
-SERVER_BASELINE = 100 * 2**20  # the server's own RSS at idle (benchmarks/bench_footprint.py)
 # engines: import name -> distributions that may provide it (metadata, no import)
 ENGINES = {
     "onnxruntime": ("onnxruntime", "onnxruntime-gpu"),
@@ -170,7 +170,7 @@ def check_memory(config: ServerConfig | None) -> Check:
         if limit is None or limit + SERVER_BASELINE > cap:
             why = "the kernel would kill the server before the budget refuses a model"
             return Check(
-                "memory", WARN, f"{summary}: set memory_limit below MemoryMax - 100 MiB: {why}"
+                "memory", WARN, f"{summary}: set memory_limit below MemoryMax - 128 MiB: {why}"
             )
     return Check("memory", OK, summary, details)
 

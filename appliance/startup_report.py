@@ -22,7 +22,8 @@ from appliance.memory import fmt
 
 log = logging.getLogger("appliance.server")
 
-SERVER_BASELINE = 100 * 2**20  # the server's own idle RSS (benchmarks/bench_footprint.py)
+SERVER_BASELINE = 128 * 2**20  # the server's own idle RSS, 92-109 MiB, with headroom
+# (benchmarks/results/2026-11-30-footprint*.md)
 
 # the phrase Admission.refusal (memory.py) puts in every budget refusal
 _BUDGET = "but the memory budget is"

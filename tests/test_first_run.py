@@ -113,8 +113,8 @@ def test_a_budget_above_the_cgroup_limit_is_warned_about(
 
     with caplog.at_level(logging.WARNING, logger="appliance.server"):
         check_cgroup(None, 512 * 2**20)  # unlimited budget in a 512 MiB cgroup
-        check_cgroup(400 * 2**20, 512 * 2**20)  # fits with the server's baseline
+        check_cgroup(300 * 2**20, 512 * 2**20)  # fits with the server's baseline
     warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 1 and "at most 412.0 MiB" in warnings[0]
+    assert len(warnings) == 1 and "at most 384.0 MiB" in warnings[0]
     (tmp_path / "cgroup").write_text("0::/no/such/group\n")
     assert cgroup_memory_max(str(tmp_path / "cgroup")) is None
