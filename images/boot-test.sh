@@ -10,8 +10,9 @@
 # 2. boots the copy with qemu-system-x86_64 -accel tcg (no KVM needed), the guest's
 #    port 8000 forwarded to a free port on the host's loopback only;
 # 3. waits for /v2/health/ready (boot-to-ready time), runs a demo inference (`simple`:
-#    a + 1), checks the unit was active with its watchdog armed and pinged, and waits
-#    for the guest to power off.
+#    a + 1), checks the unit was active with its watchdog armed and pinged, shows what
+#    `appliance doctor` says on the device (no check may fail), and waits for the guest
+#    to power off.
 # Not part of the test suite (it takes minutes); needs qemu-system-x86 and e2fsprogs.
 set -euo pipefail
 
@@ -41,6 +42,7 @@ TTYPath=/dev/ttyS0
 ExecStart=/bin/sh -c 'echo "BOOT-TEST-REPORT $$(systemctl show appliance.service -p ActiveState -p SubState -p WatchdogUSec -p WatchdogTimestampMonotonic -p NRestarts | tr "\\n" " ")"'
 ExecStart=/opt/appliance/venv/bin/python /usr/local/lib/boot-test/wait-for-inference.py
 ExecStart=/bin/sh -c 'echo "BOOT-TEST-REPORT $$(systemctl show appliance.service -p ActiveState -p SubState -p WatchdogUSec -p WatchdogTimestampMonotonic -p NRestarts | tr "\\n" " ")"'
+ExecStart=-/bin/sh -c '/opt/appliance/venv/bin/appliance doctor --config /etc/appliance/appliance.yaml | sed "s/^/BOOT-TEST-DOCTOR /"'
 ExecStart=/bin/systemctl --no-block poweroff
 EOF
 # the step that waits for the host's inference (counted in the server's metrics)
@@ -126,5 +128,10 @@ case "$last" in *WatchdogUSec=0*|*WatchdogUSec=\ *) echo "boot-test: no watchdog
 case "$last" in *WatchdogUSec=*) ;; *) echo "boot-test: no watchdog"; exit 1 ;; esac
 case "$last" in *WatchdogTimestampMonotonic=0\ *) echo "boot-test: watchdog never pinged"; exit 1 ;; esac
 grep -a "appliance-firstboot: device id" "$work/serial.log" | tr -d '\r' | tail -1 || true
+# `appliance doctor` on the booted device, as the engineer would run it
+grep -a "BOOT-TEST-DOCTOR" "$work/serial.log" | tr -d '\r' | sed 's/^.*BOOT-TEST-DOCTOR /doctor: /' || true
+if grep -a "BOOT-TEST-DOCTOR \[fail\]" "$work/serial.log" >/dev/null; then
+    echo "boot-test: appliance doctor reports a failure"; exit 1
+fi
 
 echo "boot-test: PASS  image $(du -h --apparent-size "$IMAGE" | cut -f1) (on disk $(du -h "$IMAGE" | cut -f1)), ready ${ready_s}s after power-on under TCG, powered off after ${total_s}s"
