@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 _UNRECOGNIZED = "unrecognized arguments: "
 
@@ -19,17 +19,34 @@ _UNRECOGNIZED = "unrecognized arguments: "
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line (exit status 2)."""
 
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._words = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)
+
     def _options(self) -> list[tuple[str, str]]:
-        """(option, prog of the parser that has it), this parser's and its subcommands'."""
+        """(option, prog of the parser that has it): the subcommand named on the command
+        line if there is one, else this parser's and every subcommand's."""
+        words = getattr(self, "_words", [])
         found = [(o, self.prog) for action in self._actions for o in action.option_strings]
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):
-                for sub in action.choices.values():
+                named = [action.choices[w] for w in words if w in action.choices]
+                for sub in named[:1] or list(action.choices.values()):
                     found += [(o, sub.prog) for a in sub._actions for o in a.option_strings]
         return found
 
+    def _named_prog(self) -> str:
+        """The prog of the subcommand named on the command line, else this parser's."""
+        words = getattr(self, "_words", [])
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for w in words:
+                    if w in action.choices:
+                        return str(action.choices[w].prog)
+        return self.prog
+
     def error(self, message: str) -> NoReturn:
-        prog = self.prog
+        prog = self._named_prog()
         if message.startswith(_UNRECOGNIZED):
             options = dict(reversed(self._options()))  # an option's first owner wins
             unknown = [w for w in message[len(_UNRECOGNIZED) :].split() if w.startswith("-")]

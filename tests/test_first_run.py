@@ -85,6 +85,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["serve", "--memory-limit", "60"], "memory_limit: expected a size such as"),
         (["serve", "--config", "configs/models/mymodel/config.yaml"], "this is a model config"),
         (["serv"], "invalid choice: 'serv'"),
+        (["doctor", "--jsn"], "(did you mean --json?) (see appliance doctor --help)"),
     ],
 )
 def test_every_cli_mistake_is_one_line(args: list[str], expected: str) -> None:
