@@ -1,4 +1,4 @@
-"""Command line: ``appliance serve``.
+"""Command line: appliance serve, and the other subcommands.
 
 Runs one asyncio process until SIGTERM or Ctrl-C, then shuts down gracefully and
 exits 0. Bad configuration is reported as one line naming the file and field,
@@ -18,9 +18,12 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from appliance import doctor
+from appliance.cli_parser import OneLineParser, port
 from appliance.errors import ApplianceError, Code
 from appliance.perf import command as perf_command
 from appliance.perf import tune as tune_command
+from appliance.sdnotify import SystemdLink
 from appliance.server import Server
 from appliance.server_config import load_server_config
 from appliance.version import __version__
@@ -87,22 +90,42 @@ async def _serve(server: Server) -> None:
     except BaseException:
         await server.stop()
         raise
+    # under systemd (Type=notify): READY=1 once the models are, watchdog pings, STOPPING=1
+    systemd = SystemdLink(server.lifecycle.all_ready, lambda: _status(server))
+    systemd.start()
     await stop.wait()
+    systemd.stopping_now()
     await server.stop()
+    await systemd.close()
+
+
+def _status(server: Server) -> str:
+    """The STATUS= line `systemctl status` shows."""
+    versions = len(server.lifecycle.loaded())
+    if server.lifecycle.all_ready():
+        return f"serving {versions} model version(s)"
+    return f"not ready: {versions} model version(s) serving, see the log for what failed"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="appliance", description=__doc__.splitlines()[0])
+    parser = OneLineParser(
+        prog="appliance",
+        description="Edge inference server speaking KServe v2 / Triton (HTTP, gRPC, MQTT).",
+    )
     parser.add_argument("--version", action="version", version=f"appliance {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve a model repository (default: the demo models)")
     serve.add_argument("--model-repository", type=Path, help="model repository directory")
     serve.add_argument("--config", type=Path, help="server config file (appliance.yaml)")
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--http-port", type=int, help="KServe v2 HTTP port (default 8000)")
-    serve.add_argument("--grpc-port", type=int, help="KServe v2 gRPC port (default 8001, -1 off)")
-    serve.add_argument("--metrics-port", type=int, help="Prometheus port (default 8002, -1 off)")
-    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--http-port", type=port, help="KServe v2 HTTP port (default 8000, -1 off)")
+    serve.add_argument("--grpc-port", type=port, help="KServe v2 gRPC port (default 8001, -1 off)")
+    serve.add_argument("--metrics-port", type=port, help="Prometheus port (default 8002, -1 off)")
+    serve.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity (default info); logs go to stderr, or the journal under systemd",
+    )
     serve.add_argument(
         "--model-control-mode",
         choices=["none", "explicit", "poll"],
@@ -125,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     ota_cli.register(sub)  # fleet, bundle, ota: see ota/cli.py
     perf_command.add_parser(sub)
     tune_command.add_parser(sub)
+    doctor.add_parser(sub)
     return parser
 
 
@@ -136,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         return perf_command.main(args)
     if args.command == "tune":
         return tune_command.main(args)
+    if args.command == "doctor":
+        return doctor.main(args)
     try:
         config = load_server_config(
             args.config,

@@ -8,6 +8,7 @@ error type, so the server config, model configs and the memory budget can all us
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from typing import Any
@@ -44,7 +45,11 @@ class Fields:
     def check_keys(self, allowed: set[str]) -> None:
         for key in self.data:
             if key not in allowed:
-                raise self.fail(str(key), f"unknown field, expected one of {sorted(allowed)}")
+                near = difflib.get_close_matches(str(key), sorted(allowed), n=1)
+                hint = f"did you mean {near[0]}? " if near else ""
+                raise self.fail(
+                    str(key), f"unknown field, {hint}expected one of {sorted(allowed)}"
+                )
 
     def integer(self, key: str, default: int, minimum: int = 0) -> int:
         value = self.data.get(key, default)
@@ -100,8 +105,8 @@ class Fields:
 
 
 _UNITS = {
-    "": 1,
     "b": 1,
+    "bytes": 1,
     "kb": 10**3,
     "mb": 10**6,
     "gb": 10**9,
@@ -112,13 +117,24 @@ _UNITS = {
 
 
 def parse_size(value: Any, source: str, key: str) -> int:
-    """'64MiB', '1.5GB', 1048576 -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
+    """'64MiB', '1.5GB', '1048576B' -> bytes. A bare number is refused: ``memory_limit:
+    60`` meant as 60 MiB must not silently become 60 bytes."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+    if isinstance(value, bool) or not m or float(m.group(1)) <= 0:
         raise ConfigError(source, key, f"expected a size such as 64MiB or 1.5GB, got {value!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    unit = m.group(2).lower()
+    if not unit:
+        raise ConfigError(
+            source,
+            key,
+            f"expected a size such as 64MiB or 1.5GB, got {value!r}: a size needs a unit "
+            f"({m.group(1)}MiB, {m.group(1)}MB, or {m.group(1)}B for bytes)",
+        )
+    if unit not in _UNITS:
+        raise ConfigError(
+            source, key, f"expected a size such as 64MiB or 1.5GB, got {value!r}: unknown unit"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def physical_memory() -> int:

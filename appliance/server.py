@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from appliance import bls, http_api, http_limits, metrics
+from appliance import bls, http_api, http_limits, metrics, startup_report
 from appliance.access import AccessPolicy, is_loopback
 from appliance.dataplane import DataPlane
 from appliance.fields import ConfigError
@@ -142,19 +142,22 @@ class Server:
         # Python models calling other models (BLS) reach them through this data plane
         self._bls = bls.register(self.repository, asyncio.get_running_loop(), self.dataplane)
         await self.lifecycle.start()
-        log.info(
-            "ready in %.2fs: %d model version(s) from %s",
-            time.perf_counter() - started,
-            len(self.lifecycle.loaded()),
+        # the log says what readiness says, and names what failed
+        startup_report.report(
+            startup_report.summarize(self.lifecycle.index()),
             self.repository,
+            time.perf_counter() - started,
+            self.config.memory_limit,
         )
         await self._start_mqtt()
 
     async def _start_grpc(self) -> None:
-        try:  # grpcio is a dependency, but a trimmed device image may leave it out
+        try:  # the gRPC endpoint is an extra: pip install 'appliance[grpc]'
             from appliance.grpc_server import GrpcEndpoint
         except ImportError as exc:
-            log.warning("gRPC endpoint disabled: %s (pip install grpcio)", exc)
+            log.warning(
+                "gRPC endpoint off: %s (pip install 'appliance[grpc]', or grpc_port: -1)", exc
+            )
             return
         self._grpc = GrpcEndpoint(
             self.dataplane,

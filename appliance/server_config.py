@@ -64,6 +64,10 @@ class ServerConfig:
     trace_file: Path | None = None
 
 
+# fields only a model config has: a server config with these was passed by mistake
+_MODEL_FIELDS = {"max_batch_size", "input", "output", "backend", "platform", "instance_group"}
+
+
 def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerConfig:
     """Read appliance.yaml (optional) and apply command-line overrides on top."""
     source = str(path) if path else "<command line>"
@@ -80,7 +84,17 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
     overrides = dict(overrides)
     broker = overrides.pop("mqtt_broker", None)  # --mqtt-broker HOST:PORT
     data.update({k: v for k, v in overrides.items() if v is not None})
+    if data.get("shared_memory") is False:  # YAML 1.1 reads a bare `off` as false
+        data["shared_memory"] = "off"
     f = Fields(source, data)
+    if _MODEL_FIELDS & set(data) and not set(ServerConfig.__slots__) & set(data):
+        raise ConfigError(
+            source,
+            "",
+            "this is a model config (it belongs in a model folder, as "
+            "<repository>/<model>/config.yaml), not a server config: pass the repository "
+            "with --model-repository",
+        )
     # ``ota:`` belongs to the update agent (ota/config.py), which reads this same file
     f.check_keys(set(ServerConfig.__slots__) | {"ota"})
     level = f.text("log_level", "info").lower()
@@ -103,14 +117,14 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
     return ServerConfig(
         model_repository=repo,
         host=f.text("host", "127.0.0.1"),
-        http_port=f.integer("http_port", 8000, minimum=-1),
-        metrics_port=f.integer("metrics_port", 8002, minimum=-1),
+        http_port=_port(f, "http_port", 8000),
+        metrics_port=_port(f, "metrics_port", 8002),
+        grpc_port=_port(f, "grpc_port", 8001),
         metrics_summary_latencies=f.flag("metrics_summary_latencies", False),
-        grpc_port=f.integer("grpc_port", 8001, minimum=-1),
         shared_memory=_choice(f, "shared_memory", "off", ("off", "system")),
-        max_request_size=parse_size(
-            data.get("max_request_size", 64 * 2**20), source, "max_request_size"
-        ),
+        max_request_size=parse_size(data["max_request_size"], source, "max_request_size")
+        if "max_request_size" in data
+        else 64 * 2**20,
         drain_timeout_s=float(drain),
         default_max_batch_size=f.integer("default_max_batch_size", 8, minimum=1),
         default_max_queue_size=f.integer("default_max_queue_size", 1024, minimum=1),
@@ -153,6 +167,13 @@ def _optional_size(data: dict[str, Any], source: str, key: str) -> int | None:
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None
     return parse_size(value, source, key)
+
+
+def _port(f: Fields, key: str, default: int) -> int:
+    value = f.integer(key, default, minimum=-1)
+    if value > 65535:
+        raise f.fail(key, f"expected a port 0..65535 (or -1: off), got {value}")
+    return value
 
 
 def _choice(f: Fields, key: str, default: str, allowed: tuple[str, ...]) -> str:

@@ -10,15 +10,13 @@ messages, whichever file a model comes with. :func:`to_triton_json` writes a con
 back in Triton's JSON form (the config endpoint), which that schema accepts.
 
 The generated module comes through :mod:`appliance.model_config_schema`, which
-loads it without grpcio; protobuf itself is imported here, at module level, and
-this module is imported only where a pbtxt or JSON config is read.
+loads it without grpcio (the gRPC endpoint is an extra); protobuf is imported on
+first use, so parsing no config costs no start-up time.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from google.protobuf import json_format, text_format
 
 from appliance import datatypes
 from appliance.config import ModelConfig, TensorConfig
@@ -28,6 +26,8 @@ from appliance.warmup_config import WarmupInput, WarmupSample
 
 
 def _as_dict(message: Any) -> dict[str, Any]:
+    from google.protobuf import json_format  # first use: start-up time
+
     # proto field names (max_batch_size, not maxBatchSize): the validator's names.
     # Fields left at their default are absent, so "max_batch_size: 0" reads as
     # unspecified and auto-complete decides, as Triton's does.
@@ -37,6 +37,8 @@ def _as_dict(message: Any) -> dict[str, Any]:
 
 def _parse(text: str, source: str, form: str) -> dict[str, Any]:
     """Triton's ModelConfig from protobuf ``text`` or ``json`` form, as a plain dict."""
+    from google.protobuf import json_format, text_format  # first use: start-up time
+
     message = model_config_pb2().ModelConfig()
     try:
         if form == "text":

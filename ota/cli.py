@@ -13,9 +13,10 @@ import argparse
 import importlib
 import sys
 from pathlib import Path
+from typing import Any
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: Any) -> None:
     fleet = sub.add_parser("fleet", help="fleet side: TUF keys, repository, rollouts")
     fs = fleet.add_subparsers(dest="fleet_command", required=True)
     p = fs.add_parser("keys", help="generate ed25519 keys for the four TUF roles")

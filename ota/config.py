@@ -120,7 +120,7 @@ def load(path: Path) -> OtaConfig:
         keep_versions=f.integer("keep_versions", 2, minimum=1),
         max_bandwidth=parse_size(bandwidth, str(path), "ota.max_bandwidth") if bandwidth else 0,
         max_bundle_bytes=parse_size(
-            f.data.get("max_bundle_size", 4 << 30), str(path), "ota.max_bundle_size"
+            f.data.get("max_bundle_size", "4GiB"), str(path), "ota.max_bundle_size"
         ),
         max_load_attempts=f.integer("max_load_attempts", 2, minimum=1),
         admin_token=server.admin_token,

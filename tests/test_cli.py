@@ -175,6 +175,6 @@ def test_example_configs_are_valid() -> None:
     assert server.model_repository is not None and (server.model_repository / "simple").is_dir()
     import yaml
 
-    example = yaml.safe_load((root / "model-config.example.yaml").read_text())
-    config = parse_model_config(example, "example", "model-config.example.yaml")
+    example = yaml.safe_load((root / "models" / "mymodel" / "config.yaml").read_text())
+    config = parse_model_config(example, "example", "models/mymodel/config.yaml")
     assert config.instance_count == 2 and config.dynamic_batching is not None

@@ -446,9 +446,9 @@ def test_version_policy_select() -> None:
     [
         ("64MiB", 64 * 2**20),
         ("1.5GB", 1_500_000_000),
-        (1024, 1024),
+        ("1024B", 1024),
         ("2 kib", 2048),
-        ("100", 100),
+        ("100 bytes", 100),
         ("10kB", 10_000),
         ("1gib", 2**30),
         ("7b", 7),
@@ -458,7 +458,9 @@ def test_parse_size(value: Any, expected: int) -> None:
     assert parse_size(value, "appliance.yaml", "max_request_size") == expected
 
 
-@pytest.mark.parametrize("value", ["lots", "64MiBs", "-1MB", "0", 0, -5, True, "1.5.0GB", None])
+@pytest.mark.parametrize(
+    "value", ["lots", "64MiBs", "-1MB", "0", 0, -5, True, "1.5.0GB", None, 100, "100"]
+)
 def test_parse_size_rejects(value: Any) -> None:
     with pytest.raises(ConfigError) as e:
         parse_size(value, "appliance.yaml", "max_request_size")
@@ -560,3 +562,10 @@ def test_server_config_unreadable_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         load_server_config(binary, {})
     assert str(e.value).startswith(f"{binary}: not valid YAML")
+
+
+@pytest.mark.parametrize("value", [60, "60", " 1.5 "])
+def test_a_size_without_a_unit_says_so(value: Any) -> None:
+    # `memory_limit: 60` once meant 60 bytes without a word
+    with pytest.raises(ConfigError, match=r"a size needs a unit \(.*MiB, .*MB, or .*B for bytes\)"):
+        parse_size(value, "appliance.yaml", "memory_limit")

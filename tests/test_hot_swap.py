@@ -184,7 +184,7 @@ def test_a_swap_the_budget_cannot_hold_is_refused_unless_in_place(
     small, copy = _used_of(client, "a_first"), _used_of(client, "m")
     probe.stop()
     # room for every model once, and half a copy more: never for two copies of "m"
-    srv = run_appliance(tmp_path, memory_limit=int(small + 1.5 * copy))
+    srv = run_appliance(tmp_path, memory_limit=f"{int(small + 1.5 * copy)}B")
     client = httpclient.InferenceServerClient(srv.url)
     shutil.copytree(folder / "1", folder / "2")
     status, body = post_json(f"http://{srv.url}/v2/repository/models/m/load", {})

@@ -86,7 +86,8 @@ def test_an_unlimited_budget_admits_everything_and_remembers_costs() -> None:
     [
         ("1.5GiB", int(1.5 * 2**30)),
         ("512MiB", 512 * MiB),
-        (1048576, MiB),
+        ("1048576B", MiB),
+        ("1048576 bytes", MiB),
         ("50%", physical_memory() // 2),
         (None, None),
         ("none", None),
@@ -97,7 +98,7 @@ def test_memory_limit_values(value: Any, expected: int | None) -> None:
     assert parse_limit(value, "appliance.yaml", "memory_limit") == expected
 
 
-@pytest.mark.parametrize("value", ["lots", "150%", "0%", "-1GiB", "%"])
+@pytest.mark.parametrize("value", ["lots", "150%", "0%", "-1GiB", "%", 60, "60"])
 def test_bad_memory_limits_name_the_field(value: str) -> None:
     with pytest.raises(ConfigError, match=r"^appliance.yaml: memory_limit: expected a"):
         parse_limit(value, "appliance.yaml", "memory_limit")
@@ -122,7 +123,7 @@ def test_instances_are_admitted_while_they_fit_the_models_limit(
     config = {
         "instance_group": [{"count": 4, "kind": "KIND_CPU"}],
         "parameters": {
-            "memory_limit": {"string_value": str(limit)},
+            "memory_limit": {"string_value": f"{limit}B"},
             "share_session": {"string_value": "false"},
         },
     }
@@ -151,7 +152,7 @@ def test_a_model_that_cannot_fit_one_instance_is_refused_and_nothing_else_change
     probe.stop()
     modelgen.write_model(tmp_path, "big", _big())
     limit = small + 8 * MiB  # the big model needs ~24 MiB
-    srv = run_appliance(tmp_path, memory_limit=limit)
+    srv = run_appliance(tmp_path, memory_limit=f"{limit}B")
     client = httpclient.InferenceServerClient(srv.url)
     rows = {r["name"]: r for r in client.get_model_repository_index()}
     assert rows["a_first"]["state"] == "READY"

@@ -131,7 +131,7 @@ def test_every_metric_the_dashboard_queries_is_exposed(run_appliance) -> None:
         "appliance_model_memory_bytes",
     } <= wanted
     # a real server (summaries on, a memory budget) exposes all but the MQTT bridge's
-    srv = run_appliance(metrics_summary_latencies=True, memory_limit=2**30)
+    srv = run_appliance(metrics_summary_latencies=True, memory_limit="1GiB")
     exposed = _names(urllib.request.urlopen(srv.metrics_url, timeout=10).read().decode())
     # the MQTT bridge's metrics appear once a bridge runs (tests/test_mqtt.py has a broker);
     # here the same collector is given a bridge's counters

@@ -56,7 +56,7 @@ input: [{{name: IN, data_type: TYPE_FP32, dims: [{FLOATS}]}}]
 output: [{{name: OUT, data_type: TYPE_FP32, dims: [{FLOATS}]}}]
 instance_group: [{{count: 1, kind: KIND_CPU}}]
 """
-LIMIT = 10_000  # two requests' tensors fit (8000 bytes), a third does not
+LIMIT = "10000B"  # two requests' tensors fit (8000 bytes), a third does not
 
 
 def test_hold_rules_without_a_server() -> None:

@@ -1,0 +1,154 @@
+"""``appliance doctor`` on real repositories, real sockets and a real broker address."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from appliance import doctor, modelgen
+from appliance.cli import build_parser
+from appliance.server_config import load_server_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _doctor(*args: str) -> tuple[int, dict[str, dict[str, Any]]]:
+    done = subprocess.run(
+        [sys.executable, "-m", "appliance", "doctor", "--json", *args],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return done.returncode, {c["name"]: c for c in json.loads(done.stdout)}
+
+
+def _checks(*args: str) -> tuple[int, dict[str, dict[str, Any]]]:
+    """The same checks in this process (the CLI's JSON shape, without a subprocess)."""
+    parsed = build_parser().parse_args(["doctor", *args])
+    checks = doctor.run_checks(parsed.config, parsed.ota_url, parsed.timeout)
+    code = 1 if any(c.status == "fail" for c in checks) else 0
+    return code, {c.name: asdict(c) for c in checks}
+
+
+def _config(tmp_path: Path, extra: str = "") -> Path:
+    path = tmp_path / "appliance.yaml"
+    path.write_text(
+        "model_repository: models\nhttp_port: 0\ngrpc_port: 0\nmetrics_port: 0\n" + extra
+    )
+    return path
+
+
+def test_a_healthy_setup_passes(tmp_path: Path) -> None:
+    modelgen.write_model(tmp_path / "models", "simple", modelgen.simple_add_sub())
+    code, checks = _doctor("--config", str(_config(tmp_path)))
+    assert code == 0, checks
+    assert checks["config"]["status"] == "ok"
+    assert checks["models"]["details"]["models"]["simple"] == "onnxruntime, version(s) [1]"
+    assert "onnxruntime" in checks["engines"]["details"]["installed"]
+    assert "CPUExecutionProvider" in checks["engines"]["details"]["onnxruntime_providers"]
+    assert checks["platform"]["details"]["arch"]
+
+
+def test_what_would_fail_to_load_is_named_with_the_reason(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    modelgen.write_model(repo, "good", modelgen.simple_add_sub())
+    modelgen.write_model(repo, "typo", modelgen.simple_add_sub(), "max_batch_sise: 4\n")
+    (repo / "empty" / "1").mkdir(parents=True)  # a version folder without a model file
+    (repo / "pipe").mkdir()
+    (repo / "pipe" / "config.yaml").write_text(
+        "platform: ensemble\nmax_batch_size: 0\n"
+        "input: [{name: A, data_type: TYPE_INT32, dims: [16]}]\n"
+        "output: [{name: B, data_type: TYPE_INT32, dims: [16]}]\n"
+        "ensemble_scheduling:\n  step:\n  - model_name: nowhere\n    model_version: -1\n"
+        "    input_map: {X: A}\n    output_map: {Y: B}\n"
+    )
+    code, checks = _checks("--config", str(_config(tmp_path)))
+    assert code == 1
+    models = checks["models"]
+    assert models["status"] == "fail" and "3 would fail" in models["summary"]
+    rows = models["details"]["models"]
+    assert rows["good"].startswith("onnxruntime")
+    assert rows["typo"].startswith("WOULD FAIL") and "did you mean max_batch_size?" in rows["typo"]
+    assert rows["empty"].startswith("WOULD FAIL") and "no model file" in rows["empty"]
+    assert rows["pipe"].startswith("WOULD FAIL") and "'nowhere'" in rows["pipe"]
+
+
+def test_an_invalid_config_fails_and_the_rest_still_runs(tmp_path: Path) -> None:
+    path = tmp_path / "appliance.yaml"
+    path.write_text("memory_limit: 60\n")
+    code, checks = _checks("--config", str(path))
+    assert code == 1
+    assert checks["config"]["status"] == "fail" and "needs a unit" in checks["config"]["summary"]
+    assert checks["clock"]["status"] == "ok" and checks["engines"]["status"] == "ok"
+
+
+def test_ports_in_use_and_an_unreachable_broker(tmp_path: Path) -> None:
+    with socket.socket() as busy, socket.socket() as closed:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+        port, dead = busy.getsockname()[1], closed.getsockname()[1]
+        modelgen.write_model(tmp_path / "models", "simple", modelgen.simple_add_sub())
+        extra = f"mqtt: {{host: 127.0.0.1, port: {dead}}}\n"
+        config = _config(tmp_path, extra).read_text().replace("http_port: 0", f"http_port: {port}")
+        (tmp_path / "appliance.yaml").write_text(config)
+        code, checks = _checks("--config", str(tmp_path / "appliance.yaml"), "--timeout", "5")
+    assert code == 1
+    assert checks["ports"]["status"] == "fail" and f"http {port}" in checks["ports"]["summary"]
+    assert checks["network"]["status"] == "warn"
+    assert "mqtt broker" in checks["network"]["summary"]
+
+
+def test_a_reachable_ota_source(tmp_path: Path) -> None:
+    config = load_server_config(None, {"http_port": 0, "grpc_port": 0, "metrics_port": 0})
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        url = f"http://127.0.0.1:{server.getsockname()[1]}/repo"
+        check = doctor.check_reachability(config, url, timeout=5)
+    assert check.status == "ok" and check.details == {"ota source": "reachable"}
+
+
+def test_clock_behind_the_installed_software_fails() -> None:
+    assert doctor.check_clock(reference=time.time() + 30 * 86400).status == "fail"
+    assert doctor.check_clock(reference=time.time() - 86400).status == "ok"
+
+
+def test_l4t_release_and_memory_budget() -> None:
+    text = "# R36 (release), REVISION: 4.0, GCID: 37537400, BOARD: generic, EABI: aarch64\n"
+    assert doctor.l4t_release(text) == "R36.4.0"
+    assert doctor.l4t_release("") == ""
+    too_big = load_server_config(None, {"memory_limit": "100000GiB"})
+    assert doctor.check_memory(too_big).status == "fail"
+
+
+def test_human_output_is_one_line_per_check(tmp_path: Path) -> None:
+    modelgen.write_model(tmp_path / "models", "simple", modelgen.simple_add_sub())
+    done = subprocess.run(
+        [sys.executable, "-m", "appliance", "doctor", "--config", str(_config(tmp_path))],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0
+    names = [line.split()[2] for line in done.stdout.splitlines() if line.startswith("[")]
+    assert names == [
+        "platform",
+        "engines",
+        "gpu",
+        "config",
+        "memory",
+        "models",
+        "ports",
+        "network",
+        "clock",
+    ]

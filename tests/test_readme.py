@@ -1,0 +1,154 @@
+"""Every fenced block in README.md is run or checked, as its marker says.
+
+Each block is preceded by ``<!-- readme-test: KIND (how) -->``; a block without a
+marker fails the test, so a snippet cannot be added unchecked. Kinds:
+
+- ``server``: the quick-start command. Its install half must read exactly
+  ``python3 -m pip install .`` (the suite runs on that install); its serve half is
+  started as written, on free loopback ports, and must exit 0 on SIGTERM.
+- ``client``: Python run in a subprocess against that server (its HTTP port put in for
+  8000), in a temporary folder holding a generated ``cat.jpg``.
+- ``python``: Python run as written in a subprocess, no server.
+- ``server config``: YAML loaded with ``load_server_config`` next to a ``models`` folder.
+- ``synopsis``: every ``--flag`` in it must be one ``appliance serve --help`` lists.
+- ``checked``: ``./scripts/test.sh``, which runs this suite: it must exist and be
+  executable, and is not run from inside itself.
+- ``text``: diagrams and layouts, not code.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+MARKED = re.compile(r"<!-- readme-test: ([a-z ]+?)(?: \(.*?\))? -->\n```(\w*)\n(.*?)```", re.S)
+KINDS = {"server", "client", "python", "server config", "synopsis", "checked", "text"}
+BLOCKS = [(m.group(1), m.group(2), m.group(3)) for m in MARKED.finditer(README)]
+
+
+def _blocks(kind: str) -> list[str]:
+    return [body for k, _, body in BLOCKS if k == kind]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}  # the checkout, as the suite tests it
+
+
+def test_every_block_is_marked_with_a_known_kind() -> None:
+    fences = re.findall(r"^```", README, re.M)
+    assert len(fences) == 2 * len(BLOCKS), "a fenced block lacks its readme-test marker"
+    assert {kind for kind, _, _ in BLOCKS} <= KINDS
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def quick_start() -> Iterator[int]:
+    """The quick-start server, started as the README says, on free ports."""
+    (command,) = _blocks("server")
+    install, serve = (part.strip() for part in command.strip().split("&&"))
+    assert install == "python3 -m pip install ."
+    argv = shlex.split(serve)
+    assert argv[:3] == ["python3", "-m", "appliance"]
+    port = _free_port()
+    ports = ["--http-port", str(port), "--grpc-port", "-1", "--metrics-port", str(_free_port())]
+    proc = subprocess.Popen(
+        [sys.executable, *argv[1:], *ports], env=_env(), stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=5):
+                    break
+            except OSError:
+                assert proc.poll() is None, proc.communicate()[1]
+                assert time.monotonic() < deadline, "the quick-start server never became ready"
+                time.sleep(0.1)
+        yield port
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err  # "exits 0"
+    assert "ready in" in err
+
+
+def _python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize("index", range(len(_blocks("client"))))
+def test_client_snippets_run_against_the_quick_start_server(
+    quick_start: int, index: int, tmp_path: Path
+) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (64, 48), (200, 120, 40)).save(tmp_path / "cat.jpg")
+    code = _blocks("client")[index].replace("127.0.0.1:8000", f"127.0.0.1:{quick_start}")
+    done = _python(code, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()
+    if '"simple"' in code:  # the first snippet prints a + 1
+        numbers = [int(x) for x in re.findall(r"-?\d+", done.stdout)]
+        assert numbers == list(range(1, 17))
+
+
+@pytest.mark.parametrize("index", range(len(_blocks("python"))))
+def test_python_snippets_run_as_written(index: int, tmp_path: Path) -> None:
+    done = _python(_blocks("python")[index], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()
+
+
+@pytest.mark.parametrize("index", range(len(_blocks("server config"))))
+def test_server_config_snippets_load(index: int, tmp_path: Path) -> None:
+    from appliance.server_config import load_server_config
+
+    (tmp_path / "models").mkdir()
+    path = tmp_path / "appliance.yaml"
+    path.write_text(_blocks("server config")[index], encoding="utf-8")
+    load_server_config(path, {})
+
+
+def test_the_synopsis_lists_real_flags() -> None:
+    (synopsis,) = _blocks("synopsis")
+    helptext = subprocess.run(
+        [sys.executable, "-m", "appliance", "serve", "--help"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    flags = set(re.findall(r"--[a-z][a-z-]+", synopsis))
+    assert flags and all(flag in helptext for flag in flags), flags
+
+
+def test_the_test_command_exists() -> None:
+    (command,) = _blocks("checked")
+    script = ROOT / command.strip()
+    assert script.is_file() and os.access(script, os.X_OK)
