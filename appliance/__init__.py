@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 from appliance.version import __version__
 
 if TYPE_CHECKING:
+    from appliance.adapters.inprocess import InProcessServer
     from appliance.errors import ApplianceError
-    from appliance.inprocess import InProcessServer
     from appliance.server import Server
 
 _LAZY = {
     "ApplianceError": "appliance.errors",
-    "InProcessServer": "appliance.inprocess",
+    "InProcessServer": "appliance.adapters.inprocess",
     "Server": "appliance.server",
 }
 

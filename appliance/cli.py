@@ -20,12 +20,12 @@ from typing import Any
 
 from appliance import doctor
 from appliance.cli_parser import OneLineParser, port
+from appliance.config.server_config import load_server_config
 from appliance.errors import ApplianceError, Code
 from appliance.perf import command as perf_command
 from appliance.perf import tune as tune_command
 from appliance.sdnotify import SystemdLink
 from appliance.server import Server
-from appliance.server_config import load_server_config
 from appliance.version import __version__
 from ota import cli as ota_cli
 

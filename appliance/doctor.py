@@ -28,10 +28,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from appliance.config.fields import physical_memory
+from appliance.config.server_config import ServerConfig, load_server_config
+from appliance.core.memory import fmt
 from appliance.errors import ApplianceError
-from appliance.fields import physical_memory
-from appliance.memory import fmt
-from appliance.server_config import ServerConfig, load_server_config
 from appliance.startup_report import SERVER_BASELINE
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -178,9 +178,9 @@ def check_memory(config: ServerConfig | None) -> Check:
 
 def check_repository(repository: Path) -> Check:
     """What would fail to load and why, from configs and files alone."""
-    from appliance import repository as repo
-    from appliance.config_reader import load_model_config
-    from appliance.loader import resolve_backend
+    from appliance.config.reader import load_model_config
+    from appliance.core import repository as repo
+    from appliance.core.loader import resolve_backend
 
     if not repository.is_dir():
         return Check("models", FAIL, f"model repository {repository} is not a directory")

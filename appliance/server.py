@@ -22,20 +22,21 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from appliance import bls, http_api, http_limits, metrics, startup_report
-from appliance.access import AccessPolicy, is_loopback
-from appliance.dataplane import DataPlane
-from appliance.fields import ConfigError
-from appliance.http_drain import close_http
-from appliance.lifecycle import ModelLifeCycle
-from appliance.shared_memory import SharedMemoryRegistry
-from appliance.tls import files as tls_files
-from appliance.tls import http_context
+from appliance import bls, startup_report
+from appliance.adapters import http_api, http_limits, metrics
+from appliance.adapters.access import AccessPolicy, is_loopback
+from appliance.adapters.http_drain import close_http
+from appliance.adapters.tls import files as tls_files
+from appliance.adapters.tls import http_context
+from appliance.config.fields import ConfigError
+from appliance.core.dataplane import DataPlane
+from appliance.core.lifecycle import ModelLifeCycle
+from appliance.core.shared_memory import SharedMemoryRegistry
 
 if TYPE_CHECKING:
-    from appliance.grpc_server import GrpcEndpoint
-    from appliance.mqtt_bridge import MqttBridge
-from appliance.server_config import ServerConfig
+    from appliance.adapters.grpc_server import GrpcEndpoint
+    from appliance.adapters.mqtt_bridge import MqttBridge
+from appliance.config.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ class Server:
 
     async def _start_grpc(self) -> None:
         try:  # the gRPC endpoint is an extra: pip install 'appliance[grpc]'
-            from appliance.grpc_server import GrpcEndpoint
+            from appliance.adapters.grpc_server import GrpcEndpoint
         except ImportError as exc:
             log.warning(
                 "gRPC endpoint off: %s (pip install 'appliance[grpc]', or grpc_port: -1)", exc
@@ -175,7 +176,7 @@ class Server:
         if self.config.mqtt is None:
             return
         try:
-            from appliance.mqtt_bridge import MqttBridge
+            from appliance.adapters.mqtt_bridge import MqttBridge
 
             bridge = MqttBridge(self.config.mqtt, self.dataplane, self.config.max_request_size)
             await bridge.start()

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance.fields import ConfigError
-from appliance.memory import fmt
+from appliance.config.fields import ConfigError
+from appliance.core.memory import fmt
 
 log = logging.getLogger("appliance.server")
 

@@ -47,8 +47,8 @@ from typing import Any
 import numpy as np
 
 import backends
+from appliance.config.fields import ConfigError
 from appliance.errors import ApplianceError, Code, FailureReason, internal, unavailable
-from appliance.fields import ConfigError
 from backends.base import Backend, BackendOptions, MemoryUsage
 from backends.parameters import Parameters
 from backends.process_ipc import (

@@ -37,8 +37,8 @@ import numpy as np
 
 from appliance import bls, decoupled
 from appliance import python_model as pb
+from appliance.config.fields import ConfigError
 from appliance.errors import ApplianceError, FailureReason, internal, invalid, unavailable
-from appliance.fields import ConfigError
 from backends.base import BackendOptions, TensorSpec, check_inputs
 
 _MODULES = itertools.count(1)  # each instance imports its own copy of model.py

@@ -3,7 +3,7 @@
 A benchmark, not a test. Both engines run through the appliance's own backend
 classes with the options the server would give them (threads = the instance's share
 of the usable cores; OpenVINO: LATENCY hint for one instance, THROUGHPUT with one
-compiled model for two), on ``appliance.modelgen.classifier()`` (FP32 CNN,
+compiled model for two), on ``devtools.modelgen.classifier()`` (FP32 CNN,
 [-1,3,224,224] -> [-1,1000]) and ``mlp()`` ([-1,256] -> [-1,16]).
 
 For each model and engine:
@@ -56,9 +56,9 @@ import numpy as np
 from machine import describe  # benchmarks/machine.py, next to this script
 
 import backends
-from appliance import modelgen
-from appliance.instances import cpu_share
+from appliance.core.instances import cpu_share
 from backends.base import Backend, BackendOptions
+from devtools import modelgen
 
 ENGINES = ("onnxruntime", "openvino")
 MODELS: dict[str, tuple[Callable[[], bytes], tuple[int, ...], int]] = {

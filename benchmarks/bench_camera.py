@@ -1,7 +1,7 @@
 """Camera-frame benchmark: one 1080p RGB frame per request over HTTP, gRPC and shared memory.
 
 A camera integrator picks a transport by what a frame costs. This sends a
-1x1080x1920x3 UINT8 frame (6.2 MB) through `appliance.modelgen.frame_mean` (a cast
+1x1080x1920x3 UINT8 frame (6.2 MB) through `devtools.modelgen.frame_mean` (a cast
 and a mean: cheap next to moving the frame) with the unmodified tritonclient:
 
   http       binary tensor extension (tritonclient.http)

@@ -8,7 +8,7 @@ membership), the real resumable download verified against the signed target, the
 real bundle inspection, and reports over MQTT like the agent (retained
 ``fleet/<device>/ota``). What it leaves out is the local appliance: no model is
 loaded, so the figures are the fleet side's, not a device's load time (see
-``tests/test_ota_*`` and docs/ota.md for that).
+``tests/ota/`` and docs/ota.md for that).
 
 Phases, timed from the publish: v1 to 10 % (until 95 % of that cohort reported
 "updated"), widened to 100 % (until 95 % of all devices), then a bad v2 (every

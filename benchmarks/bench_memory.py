@@ -20,8 +20,9 @@ from pathlib import Path
 
 from machine import describe  # benchmarks/machine.py, next to this script
 
-from appliance import InProcessServer, modelgen
-from appliance.memory import MiB, rss_bytes
+from appliance import InProcessServer
+from appliance.core.memory import MiB, rss_bytes
+from devtools import modelgen
 
 WARM_B8 = (
     "model_warmup: [{name: b8, batch_size: 8, inputs: {input: "

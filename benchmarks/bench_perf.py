@@ -1,7 +1,7 @@
 """Every transport with ``appliance perf``, and ``perf_analyzer`` as a cross-check.
 
 A benchmark, not a test. It writes a model repository (the demo ``simple``, the
-``mlp`` and the ``classifier`` of :mod:`appliance.modelgen`, batched as the demo
+``mlp`` and the ``classifier`` of :mod:`devtools.modelgen`, batched as the demo
 configs are), starts ``python -m appliance serve`` with system shared memory on,
 and, when Debian's ``mosquitto`` is installed, a broker and the MQTT bridge. Then
 for each model it runs ``python -m appliance perf`` as a separate process at the

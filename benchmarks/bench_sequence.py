@@ -2,7 +2,7 @@
 
 A benchmark, not a test. The server runs in this process (``InProcessServer``, so
 the figures are the scheduler's and the model's, without a wire) with a temporary
-repository holding the ONNX accumulator (``appliance.modelgen.accumulator``: INT32
+repository holding the ONNX accumulator (``devtools.modelgen.accumulator``: INT32
 [batch, 1] plus its implicit state) twice: ``acc_direct`` (direct strategy) and
 ``acc_oldest`` (oldest strategy, ``max_candidate_sequences`` = sequences). Each of N
 concurrent sequences sends ``--steps`` requests one after the other (START on the

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from appliance import InProcessServer, modelgen
+from appliance import InProcessServer
+from devtools import modelgen
 
 # (rtol, atol) against ONNX Runtime FP32 on the CPU, for the softmax output
 TOLERANCE = {"FP32": (1e-3, 1e-5), "FP16": (5e-2, 1e-4)}

@@ -23,8 +23,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
 python3 -c 'import tensorrt, pycuda.driver as c; c.init(); print("TensorRT", tensorrt.__version__, "| GPUs:", c.Device.count())'
 
 echo "== GPU test cases (skipped on CI)"
-python3 -m pytest -q -rs tests/test_tensorrt_backend.py tests/test_onnxruntime_backend.py \
-    "tests/test_backend_conformance.py" -k "tensorrt or cuda or provider or engine or fp16"
+python3 -m pytest -q -rs tests/backends/test_tensorrt_backend.py tests/backends/test_onnxruntime_backend.py \
+    "tests/backends/test_backend_conformance.py" -k "tensorrt or cuda or provider or engine or fp16"
 
 echo "== serve a TensorRT engine through the appliance, compare with the CPU, throughput"
 python3 benchmarks/gpu_check.py --seconds "${GPU_CHECK_SECONDS:-10}" --out "$out"

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from appliance.config_reader import CONFIG_FILES
+from appliance.config.reader import CONFIG_FILES
 from ota import OtaError
 from ota.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest, parse, safe_path
 from ota.rollout import check_name

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from appliance.fields import ConfigError, Fields, parse_size
-from appliance.server_config import MqttConfig, load_server_config
+from appliance.config.fields import ConfigError, Fields, parse_size
+from appliance.config.server_config import MqttConfig, load_server_config
 from ota import OtaError
 from ota.rollout import CHANNELS, check_name
 

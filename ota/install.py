@@ -19,11 +19,11 @@ import yaml
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
-from appliance.config import parse_model_config
-from appliance.config_reader import CONFIG_FILES, load_model_config
+from appliance.config.model_config import parse_model_config
+from appliance.config.reader import CONFIG_FILES, load_model_config
+from appliance.config.triton_config import pbtxt_to_dict, to_triton_json
+from appliance.core.repository import version_dirs
 from appliance.errors import ApplianceError
-from appliance.repository import version_dirs
-from appliance.triton_config import pbtxt_to_dict, to_triton_json
 from ota import OtaError
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
-from appliance.server_config import MqttConfig
+from appliance.config.server_config import MqttConfig
 from ota.state import AgentState
 
 log = logging.getLogger(__name__)

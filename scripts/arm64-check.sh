@@ -19,12 +19,12 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${1:-/var/tmp/appliance-arm64}
 R=$WORK/rootfs
 TESTS=(
-    tests/test_http_e2e.py
-    tests/test_batching_e2e.py
-    tests/test_hot_swap.py
-    tests/test_inprocess.py
-    tests/test_grpc_e2e.py
-    tests/test_ensemble.py
+    tests/adapters/test_http_e2e.py
+    tests/core/test_batching_e2e.py
+    tests/core/test_hot_swap.py
+    tests/adapters/test_inprocess.py
+    tests/adapters/test_grpc_e2e.py
+    tests/core/test_ensemble.py
     tests/test_cli.py
     tests/test_readme.py
 )

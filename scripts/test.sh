@@ -26,6 +26,6 @@ if ! command -v mosquitto >/dev/null && [ ! -x /usr/sbin/mosquitto ]; then
         echo "test.sh: mosquitto is not installed; the MQTT tests will be skipped" >&2
     fi
 fi
-python3 -m ruff check --no-cache appliance backends ota tests benchmarks
+python3 -m ruff check --no-cache appliance backends ota devtools tests benchmarks
 python3 -m mypy --cache-dir "$scratch/mypy"
 python3 -m pytest -q -p no:cacheprovider

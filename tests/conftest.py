@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from appliance import modelgen
+from appliance.config.server_config import load_server_config
 from appliance.server import Server
-from appliance.server_config import load_server_config
+from devtools import modelgen
 
 BLOCKING_THRESHOLD_S = 0.5
 

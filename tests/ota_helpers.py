@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance import modelgen
+from devtools import modelgen
 from ota import bundle, keys, repo
 from ota.config import OtaConfig
 from ota.rollout import Rollout

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from appliance import modelgen
+from devtools import modelgen
 
 # Triton's config.pbtxt form: direct strategy, implicit state, a READY control
 ACCUMULATOR_PBTXT = """\

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import modelgen
+from devtools import modelgen
 
 GOOD = {
     "inputs": [
@@ -152,8 +152,8 @@ def test_event_loop_choice() -> None:
     import asyncio
 
     from appliance.cli import loop_factory
-    from appliance.fields import ConfigError
-    from appliance.server_config import load_server_config
+    from appliance.config.fields import ConfigError
+    from appliance.config.server_config import load_server_config
 
     loop = loop_factory("asyncio")()
     try:
@@ -167,8 +167,8 @@ def test_event_loop_choice() -> None:
 
 
 def test_example_configs_are_valid() -> None:
-    from appliance.config import parse_model_config
-    from appliance.server_config import load_server_config
+    from appliance.config.model_config import parse_model_config
+    from appliance.config.server_config import load_server_config
 
     root = Path(__file__).resolve().parent.parent / "configs"
     server = load_server_config(root / "appliance.yaml", {})

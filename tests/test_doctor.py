@@ -12,9 +12,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from appliance import doctor, modelgen
+from appliance import doctor
 from appliance.cli import build_parser
-from appliance.server_config import load_server_config
+from appliance.config.server_config import load_server_config
+from devtools import modelgen
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from appliance import modelgen
-from appliance.fields import ConfigError
+from appliance.config.fields import ConfigError
+from appliance.config.server_config import load_server_config
 from appliance.server import Server
-from appliance.server_config import load_server_config
+from devtools import modelgen
 
 OFF = {"http_port": 0, "grpc_port": -1, "metrics_port": -1, "drain_timeout_s": 5}
 

@@ -1,4 +1,4 @@
-"""Tests for appliance.modelgen: determinism, numerics in ONNX Runtime, demo files."""
+"""Tests for devtools.modelgen: determinism, numerics in ONNX Runtime, demo files."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 import yaml
 from onnx import numpy_helper
 
-from appliance import modelgen
+from devtools import modelgen
 
-DEMO_DIR = Path(modelgen.__file__).resolve().parent / "demo_models"
+DEMO_DIR = modelgen.DEMO_DIR
 
 # KServe datatype -> numpy dtype ONNX Runtime hands back for it.
 NUMPY_DTYPES: dict[str, type] = {
@@ -190,7 +190,7 @@ def test_write_model_layout(tmp_path: Path) -> None:
 
 def test_shipped_demo_models_equal_generated_ones() -> None:
     # Also the cross-process determinism check: these files came from another run.
-    # If this fails, run `python -m appliance.modelgen`; never edit them by hand.
+    # If this fails, run `python -m devtools.modelgen`; never edit them by hand.
     for name, (build, config) in modelgen.DEMO_MODELS.items():
         assert (DEMO_DIR / name / "1" / "model.onnx").read_bytes() == build(), name
         assert (DEMO_DIR / name / "config.yaml").read_bytes() == config.encode(), name

@@ -126,7 +126,7 @@ def test_python_snippets_run_as_written(index: int, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("index", range(len(_blocks("server config"))))
 def test_server_config_snippets_load(index: int, tmp_path: Path) -> None:
-    from appliance.server_config import load_server_config
+    from appliance.config.server_config import load_server_config
 
     (tmp_path / "models").mkdir()
     path = tmp_path / "appliance.yaml"

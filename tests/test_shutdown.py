@@ -28,7 +28,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from mosquitto import wait_until
 
-from appliance import modelgen
+from devtools import modelgen
 
 REQUEST = json.dumps(
     {

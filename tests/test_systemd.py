@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance import modelgen
 from appliance.sdnotify import Notifier, SystemdLink, socket_address, watchdog_interval
+from devtools import modelgen
 
 ROOT = Path(__file__).resolve().parent.parent
 UNITS = ROOT / "systemd"

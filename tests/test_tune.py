@@ -16,12 +16,12 @@ import pytest
 import tritonclient.http as httpclient
 import yaml
 
-from appliance import modelgen
-from appliance.config import parse_model_config
+from appliance.config.model_config import parse_model_config
+from appliance.config.triton_config import pbtxt_to_dict
 from appliance.errors import ApplianceError
 from appliance.perf.command import new_loop
 from appliance.perf.tune import Options, candidate, render, tune
-from appliance.triton_config import pbtxt_to_dict
+from devtools import modelgen
 
 
 @pytest.fixture

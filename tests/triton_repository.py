@@ -10,7 +10,7 @@ from __future__ import annotations
 import textwrap
 from pathlib import Path
 
-from appliance import modelgen
+from devtools import modelgen
 
 ADD_SUB_CONFIG = """
 name: "add_sub"

@@ -41,7 +41,7 @@ async def run(
     ``inprocess`` (one is made from ``model_repository`` when not given)."""
     own = None
     if s.transport == "inprocess" and server is None:
-        from appliance.inprocess import InProcessServer  # only this transport loads models
+        from appliance.adapters.inprocess import InProcessServer  # only this transport loads models
 
         own = server = InProcessServer(s.model_repository)
         await own.start()

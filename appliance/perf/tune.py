@@ -28,8 +28,8 @@ from urllib.parse import quote
 import orjson
 import yaml
 
+from appliance.config.fields import parse_limit
 from appliance.errors import ApplianceError, invalid
-from appliance.fields import parse_limit
 from appliance.perf.command import Settings, new_loop, run
 from appliance.perf.httpclient import Admin, model_path
 from appliance.perf.runner import Point, parse_range

@@ -1,0 +1,381 @@
+"""KServe v2 HTTP/REST adapter (Triton-compatible), a thin layer over the data plane.
+
+Routes decode the wire into data-plane calls and map :class:`ApplianceError`
+codes to HTTP statuses as Triton does; every error body is ``{"error": msg}``.
+Access (bearer tokens, :mod:`appliance.adapters.access`) is checked by a middleware before
+any route runs: 401 without a valid token, 403 where admin calls are disabled.
+Body sizes and read timeouts are :mod:`appliance.adapters.http_limits`; an inference body
+is checked against the model (:meth:`DataPlane.input_gate`) before any tensor in
+it is decoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web, web_protocol
+
+from appliance.adapters import http_codec, http_limits, offload
+from appliance.adapters.access import AccessPolicy, Scope
+from appliance.core.dataplane import DataPlane
+from appliance.core.queue_bytes import Hold
+from appliance.errors import ApplianceError, Code, invalid
+
+log = logging.getLogger(__name__)
+
+DATAPLANE = web.AppKey("dataplane", DataPlane)
+MAX_REQUEST_SIZE = web.AppKey("max_request_size", int)
+ACCESS = web.AppKey("access", AccessPolicy)
+STATUS = {
+    Code.INVALID_ARG: 400,
+    Code.NOT_FOUND: 404,
+    Code.UNAVAILABLE: 503,
+    Code.TOO_LARGE: 413,
+    Code.INTERNAL: 500,
+}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY),
+        status=status,
+        content_type="application/json",
+    )
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.Response(
+        body=http_codec.error_body(message), status=status, content_type="application/json"
+    )
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except (ConnectionResetError, web_protocol.RequestPayloadError) as exc:
+        # the client went away or broke off its body: its event, not a server error
+        # (re-raised, aiohttp would log it as an error with a traceback)
+        log.debug("client %s left: %s %s: %s", request.remote, request.method, request.path, exc)
+        return _error(400, f"the request body was cut off: {exc}")
+    except ApplianceError as exc:
+        return _error(STATUS[exc.code], exc.message)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return _error(
+            413,
+            f"request body exceeds the server's limit of "
+            f"{request.app[MAX_REQUEST_SIZE]} bytes ({exc.text})",
+        )
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = _error(exc.status, f"{exc.reason}: {request.method} {request.path}")
+        if "Allow" in exc.headers:  # a 405 says which methods the route takes
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
+    except Exception as exc:  # a bug: answer 500 and keep serving
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _error(500, f"internal error: {exc}")
+
+
+@web.middleware
+async def _access(request: web.Request, handler: Handler) -> web.StreamResponse:
+    route = request.match_info.route.handler
+    scope = _ADMIN_ROUTES.get(route) or _PUBLIC_ROUTES.get(route) or Scope.INFERENCE
+    denial = request.app[ACCESS].check_all(scope, request.headers.getall("Authorization", []))
+    if denial is None:
+        return await handler(request)
+    if denial.forbidden:
+        return _error(403, denial.message)
+    response = _error(401, denial.message)
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+def _model(request: web.Request) -> tuple[str, str]:
+    return request.match_info["model"], request.match_info.get("version", "")
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    body = await http_limits.body(request)
+    if not body:
+        return {}
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise invalid(f"malformed JSON in the request body: {exc}") from None
+    if not isinstance(doc, dict):
+        raise invalid("the request body must be a JSON object")
+    return doc
+
+
+async def live(request: web.Request) -> web.Response:
+    return web.Response(status=200 if request.app[DATAPLANE].live else 400)
+
+
+async def ready(request: web.Request) -> web.Response:
+    return web.Response(status=200 if request.app[DATAPLANE].ready() else 400)
+
+
+async def server_metadata(request: web.Request) -> web.Response:
+    return _json(request.app[DATAPLANE].server_metadata())
+
+
+async def model_ready(request: web.Request) -> web.Response:
+    # not ready, unknown model: 400 with the reason, as Triton; unknown version: 404
+    reason = request.app[DATAPLANE].model_unready_reason(*_model(request))
+    return _error(400, reason) if reason else web.Response(status=200)
+
+
+async def model_metadata(request: web.Request) -> web.Response:
+    return _json(request.app[DATAPLANE].model_metadata(*_model(request)))
+
+
+async def model_config(request: web.Request) -> web.Response:
+    return _json(request.app[DATAPLANE].model_config(*_model(request)))
+
+
+async def model_stats(request: web.Request) -> web.Response:
+    name = request.match_info.get("model", "")
+    return _json(request.app[DATAPLANE].statistics(name, request.match_info.get("version", "")))
+
+
+async def infer(request: web.Request) -> web.Response:
+    dataplane = request.app[DATAPLANE]
+    model, version = _model(request)
+    # the body is held from before it is read: an overloaded model or server answers
+    # 503 without taking the payload into memory (appliance.core.queue_bytes)
+    hold = dataplane.reserve(model, version, request.content_length or 0)
+    try:
+        return await _infer(request, dataplane, model, version, hold)
+    finally:
+        hold.release()
+
+
+async def _infer(
+    request: web.Request, dataplane: DataPlane, model: str, version: str, hold: Hold
+) -> web.Response:
+    gate = dataplane.input_gate(model, version)  # checked before any tensor is decoded
+    body = await http_limits.body(request)
+    header_length = http_codec.parse_header_length(
+        request.headers.get(http_codec.HEADER_LENGTH), len(body)
+    )
+    json_bytes = len(body) if header_length is None else header_length
+    shm = dataplane.shared_memory
+    if json_bytes > offload.OFFLOAD_BYTES:
+        decoded = await asyncio.to_thread(
+            http_codec.decode_request, body, header_length, model, version, shm, gate
+        )
+    else:
+        prepared = http_codec.prepare_request(body, header_length, model, version, shm, gate)
+        decoded = await offload.run(prepared.object_elements > offload.LOOP_OBJECTS, prepared.build)
+    inference, fmt = decoded
+    response = await dataplane.infer(inference, "HTTP end point", hold)
+    text_bytes = copy_bytes = objects = 0
+    for name, arr in response.outputs.items():
+        if name in fmt.shared_memory:
+            copy_bytes += arr.nbytes
+        elif not fmt.is_binary(name):
+            text_bytes += arr.nbytes
+        if arr.dtype.kind in "OUS":  # BYTES: serialized element by element
+            objects += arr.size
+    heavy = (
+        text_bytes > offload.OFFLOAD_BYTES
+        or copy_bytes > offload.OFFLOAD_COPY_BYTES
+        or objects > offload.LOOP_OBJECTS
+    )
+    out, length = await offload.run(heavy, http_codec.encode_response, response, fmt, shm)
+    if length is None:
+        return web.Response(body=out, content_type="application/json")
+    return web.Response(
+        body=out,
+        content_type="application/octet-stream",
+        headers={http_codec.HEADER_LENGTH: str(length)},
+    )
+
+
+async def repository_index(request: web.Request) -> web.Response:
+    doc = await _json_body(request)
+    ready_only = doc.get("ready", False)
+    if not isinstance(ready_only, bool):
+        raise invalid("'ready' must be true or false")
+    return _json(request.app[DATAPLANE].repository_index(ready_only))
+
+
+async def model_list(request: web.Request) -> web.Response:
+    """``GET /v2/models``: not a KServe route (Triton answers it with a bare 400);
+    here it lists the repository, as ``POST /v2/repository/index`` does."""
+    return _json({"models": request.app[DATAPLANE].repository_index()})
+
+
+async def repository_load(request: web.Request) -> web.Response:
+    doc = await _json_body(request)
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise invalid("'parameters' must be an object")
+    await request.app[DATAPLANE].load_model(request.match_info["model"], params)
+    return web.Response(status=200)
+
+
+async def repository_unload(request: web.Request) -> web.Response:
+    await _json_body(request)  # parameters such as unload_dependents are accepted, unused
+    await request.app[DATAPLANE].unload_model(request.match_info["model"])
+    return web.Response(status=200)
+
+
+# ---- system shared memory (Triton's extension) ---------------------------------------
+
+
+async def shm_status(request: web.Request) -> web.Response:
+    name = request.match_info.get("region", "")
+    return _json(request.app[DATAPLANE].shared_memory.status(name))
+
+
+async def shm_register(request: web.Request) -> web.Response:
+    name = request.match_info["region"]
+    doc = await _json_body(request)
+    where = f"register shared-memory region '{name}'"
+    key = doc.get("key")
+    if not isinstance(key, str) or not key:
+        raise invalid(f"{where}: the body needs a 'key' string (the POSIX shm name)")
+    sizes = {"offset": doc.get("offset", 0), "byte_size": doc.get("byte_size")}
+    for field, value in sizes.items():
+        if value is None:
+            raise invalid(f"{where}: the body needs '{field}'")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise invalid(f"{where}: '{field}' must be a non-negative integer, got {value!r}")
+    request.app[DATAPLANE].shared_memory.register(name, key, sizes["offset"], sizes["byte_size"])
+    return web.Response(status=200)
+
+
+async def shm_unregister(request: web.Request) -> web.Response:
+    await _json_body(request)  # tritonclient sends an empty body
+    request.app[DATAPLANE].shared_memory.unregister(request.match_info.get("region", ""))
+    return web.Response(status=200)
+
+
+# ---- trace and logging (Triton's extensions) -----------------------------------------
+
+
+async def trace_setting(request: web.Request) -> web.Response:
+    model = request.match_info.get("model", "")
+    tracer = request.app[DATAPLANE].tracer
+    if model:
+        request.app[DATAPLANE].lifecycle.entry(model)  # Triton's error for an unknown model
+    if request.method == "GET":
+        return _json(tracer.settings(model))
+    return _json(tracer.update(await _json_body(request), model))
+
+
+async def log_setting(request: web.Request) -> web.Response:
+    settings = request.app[DATAPLANE].log_settings
+    if request.method == "GET":
+        return _json(settings.settings())
+    return _json(settings.update(await _json_body(request)))
+
+
+# ---- CUDA shared memory (Triton's extension; see appliance.core.cuda_shared_memory) -------
+
+
+async def cuda_shm_status(request: web.Request) -> web.Response:
+    name = request.match_info.get("region", "")
+    return _json(request.app[DATAPLANE].cuda_shared_memory.status(name))
+
+
+async def cuda_shm_register(request: web.Request) -> web.Response:
+    name = request.match_info["region"]
+    doc = await _json_body(request)
+    device, size = doc.get("device_id", 0), doc.get("byte_size", 0)
+    if not isinstance(device, int) or not isinstance(size, int):
+        raise invalid(f"register CUDA shared-memory region '{name}': expected integers")
+    request.app[DATAPLANE].cuda_shared_memory.register(name, device, size)
+    return web.Response(status=200)
+
+
+async def cuda_shm_unregister(request: web.Request) -> web.Response:
+    await _json_body(request)
+    request.app[DATAPLANE].cuda_shared_memory.unregister(request.match_info.get("region", ""))
+    return web.Response(status=200)
+
+
+_ADMIN_ROUTES: dict[Any, Scope] = {
+    h: Scope.ADMIN
+    for h in (
+        repository_load,
+        repository_unload,
+        shm_register,
+        shm_unregister,
+        cuda_shm_register,
+        cuda_shm_unregister,
+        trace_setting,
+        log_setting,
+    )
+}
+_PUBLIC_ROUTES: dict[Any, Scope] = {h: Scope.PUBLIC for h in (live, ready, server_metadata)}
+
+
+async def _close_when_stopping(request: web.Request, response: web.StreamResponse) -> None:
+    """Shutting down: tell keep-alive clients not to send another request on this
+    connection (``Connection: close``); the server closes it after this answer."""
+    if not request.app[DATAPLANE].accepting:
+        response.force_close()
+
+
+def create_app(
+    dataplane: DataPlane,
+    max_request_size: int,
+    access: AccessPolicy | None = None,
+    body_timeout_s: float = 60.0,
+) -> web.Application:
+    limits = http_limits.body_limits(max_request_size, body_timeout_s)
+    app = web.Application(client_max_size=max_request_size, middlewares=[_errors, _access, limits])
+    app[DATAPLANE] = dataplane
+    app[MAX_REQUEST_SIZE] = max_request_size
+    app[ACCESS] = access or AccessPolicy()
+    app.on_response_prepare.append(_close_when_stopping)
+    r = app.router
+    expect = http_limits.expect_handler(max_request_size)
+
+    def post(path: str, handler: Handler) -> None:
+        r.add_post(path, handler, expect_handler=expect)
+
+    r.add_get("/v2", server_metadata)
+    r.add_get("/v2/", server_metadata)  # the KServe spec's spelling
+    r.add_get("/v2/health/live", live)
+    r.add_get("/v2/health/ready", ready)
+    r.add_get("/v2/models", model_list)
+    r.add_get("/v2/models/stats", model_stats)  # before /v2/models/{model}
+    for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+        r.add_get(base, model_metadata)
+        r.add_get(base + "/ready", model_ready)
+        r.add_get(base + "/config", model_config)
+        r.add_get(base + "/stats", model_stats)
+        post(base + "/infer", infer)
+        r.add_get(base + "/trace/setting", trace_setting)
+        post(base + "/trace/setting", trace_setting)
+    r.add_get("/v2/trace/setting", trace_setting)
+    post("/v2/trace/setting", trace_setting)
+    r.add_get("/v2/logging", log_setting)
+    post("/v2/logging", log_setting)
+    post("/v2/repository/index", repository_index)
+    post("/v2/repository/models/{model}/load", repository_load)
+    post("/v2/repository/models/{model}/unload", repository_unload)
+    shm = "/v2/systemsharedmemory"
+    r.add_get(shm + "/status", shm_status)
+    r.add_get(shm + "/region/{region}/status", shm_status)
+    post(shm + "/region/{region}/register", shm_register)
+    post(shm + "/unregister", shm_unregister)
+    post(shm + "/region/{region}/unregister", shm_unregister)
+    cuda = "/v2/cudasharedmemory"
+    r.add_get(cuda + "/status", cuda_shm_status)
+    r.add_get(cuda + "/region/{region}/status", cuda_shm_status)
+    post(cuda + "/region/{region}/register", cuda_shm_register)
+    post(cuda + "/unregister", cuda_shm_unregister)
+    post(cuda + "/region/{region}/unregister", cuda_shm_unregister)
+    return app

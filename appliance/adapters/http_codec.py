@@ -1,0 +1,332 @@
+"""KServe v2 HTTP/REST body codec, with Triton's binary tensor extension.
+
+A request body is a JSON header optionally followed by raw tensor bytes; the
+``Inference-Header-Content-Length`` header says where the JSON ends. Each input
+with ``parameters.binary_data_size`` takes the next that many bytes, in order.
+Binary inputs become zero-copy views of the body; binary outputs are written
+from views of the result arrays, joined once into the response body.
+
+Triton's system shared-memory extension: an input whose parameters name a
+``shared_memory_region`` is a zero-copy view of that registered region; an
+output that names one is written into it and its response entry carries no data
+and no parameters, as Triton writes it (Triton's C++ client reads any ``parameters``
+object of an output as binary data and fails without ``binary_data_size``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from appliance import datatypes
+from appliance.adapters import json_tensors
+from appliance.core.shared_memory import SharedMemoryRef, SharedMemoryRegistry
+from appliance.errors import internal, invalid
+from appliance.request import InferenceRequest, InferenceResponse, check_sequence_id
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+@dataclass(slots=True)
+class OutputFormat:
+    """How the caller wants outputs encoded: per-output binary flags and the default,
+    and the outputs to write into shared memory instead of the body."""
+
+    binary: dict[str, bool] = field(default_factory=dict)
+    binary_default: bool = False
+    shared_memory: dict[str, SharedMemoryRef] = field(default_factory=dict)
+
+    def is_binary(self, name: str) -> bool:
+        return self.binary.get(name, self.binary_default)
+
+
+def _params(obj: dict[str, Any], where: str) -> dict[str, Any]:
+    params = obj.get("parameters", {})
+    if not isinstance(params, dict):
+        raise invalid(f"{where}: 'parameters' must be an object")
+    return params
+
+
+def _flag(params: dict[str, Any], key: str, where: str) -> bool:
+    value = params.get(key, False)
+    if not isinstance(value, bool):
+        raise invalid(f"{where}: parameter '{key}' must be true or false, got {value!r}")
+    return value
+
+
+def _shm_ref(params: dict[str, Any], where: str) -> SharedMemoryRef | None:
+    """The shared-memory parameters of a tensor, type-checked; None when absent."""
+    if "shared_memory_region" not in params:
+        return None
+    region = params["shared_memory_region"]
+    if not isinstance(region, str) or not region:
+        raise invalid(f"{where}: 'shared_memory_region' must be a non-empty string")
+    if "shared_memory_byte_size" not in params:
+        raise invalid(f"{where}: shared-memory tensors need 'shared_memory_byte_size'")
+    sizes = []
+    for key in ("shared_memory_offset", "shared_memory_byte_size"):
+        value = params.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise invalid(f"{where}: '{key}' must be a non-negative integer, got {value!r}")
+        sizes.append(value)
+    return SharedMemoryRef(region, *sizes)
+
+
+def parse_header_length(value: str | None, body_length: int) -> int | None:
+    if value is None:
+        return None
+    # isascii: str.isdigit also accepts digits such as '²' that int() rejects
+    if not (value.strip().isascii() and value.strip().isdigit()):
+        raise invalid(f"{HEADER_LENGTH} must be a non-negative integer, got {value!r}")
+    length = int(value)
+    if length > body_length:
+        raise invalid(f"{HEADER_LENGTH} is {length} but the body has only {body_length} bytes")
+    return length
+
+
+Gate = Callable[[str, str, list[int]], None]
+
+
+@dataclass(slots=True)
+class _Input:
+    """One input whose declaration passed, its data not decoded yet: ``source`` is
+    the binary slice or shared-memory window (bytes-like), or the JSON ``data``."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    source: Any
+    is_json: bool
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A request whose every part was validated (JSON, names, datatypes, shapes,
+    sizes, parameters and the model's :class:`~appliance.core.limits.InputGate`) and
+    whose tensor data is not decoded yet. ``object_elements``: the BYTES elements
+    :meth:`build` will turn into Python objects, one each (an adapter builds a
+    request with many of them off the event loop)."""
+
+    inputs: list[_Input]
+    request: InferenceRequest
+    fmt: OutputFormat
+    object_elements: int = 0
+
+    def build(self) -> tuple[InferenceRequest, OutputFormat]:
+        """Decode the tensors: zero-copy views for fixed-size binary and shared-memory
+        data; INVALID_ARG for data that does not match its declaration."""
+        for i in self.inputs:
+            if isinstance(i.source, json_tensors.LazyData):  # simdjson: no object a number
+                arr = i.source.to_tensor(i.datatype, i.shape, i.name)
+            elif i.is_json:
+                arr = datatypes.from_json_data(i.source, i.datatype, i.shape, i.name)
+            else:
+                arr = datatypes.from_raw(i.source, i.datatype, i.shape, i.name)
+            self.request.inputs[i.name] = arr
+        return self.request, self.fmt
+
+
+def decode_request(
+    body: bytes | bytearray,
+    header_length: int | None,
+    model: str,
+    version: str,
+    shared_memory: SharedMemoryRegistry | None = None,
+    gate: Gate | None = None,
+) -> tuple[InferenceRequest, OutputFormat]:
+    """Body -> request: :func:`prepare_request`, then :meth:`PreparedRequest.build`."""
+    return prepare_request(body, header_length, model, version, shared_memory, gate).build()
+
+
+def prepare_request(
+    body: bytes | bytearray,
+    header_length: int | None,
+    model: str,
+    version: str,
+    shared_memory: SharedMemoryRegistry | None = None,
+    gate: Gate | None = None,
+) -> PreparedRequest:
+    """Validate every part of a body, decoding no tensor yet. Every malformed part
+    is an INVALID_ARG naming what is wrong; ``gate`` (the model's limits) sees each
+    input's name, datatype and shape before any of its data is looked at.
+
+    Without ``shared_memory`` (or with a disabled registry) tensors that reference
+    shared memory are refused. Shared-memory inputs are read-only views of their
+    region, valid after the region is unregistered; output windows are checked
+    here, before inference, and written by :func:`encode_response`.
+    """
+    view = memoryview(body)
+    json_part = view if header_length is None else view[:header_length]
+    binary = view[len(json_part) :]
+    # big bodies: tensor data parsed straight into arrays when pysimdjson is installed
+    doc = json_tensors.loads(json_part)
+    if doc is None:
+        try:
+            doc = orjson.loads(json_part)
+        except orjson.JSONDecodeError as exc:
+            raise invalid(f"malformed JSON in the request body: {exc}") from None
+    if not isinstance(doc, dict):
+        raise invalid("the request body must be a JSON object")
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise invalid("the request must have a non-empty 'inputs' list")
+    inputs: list[_Input] = []
+    seen: set[str] = set()
+    objects = 0
+    offset = 0
+    for i, raw in enumerate(raw_inputs):
+        if not isinstance(raw, dict):
+            raise invalid(f"inputs[{i}] must be an object")
+        name = raw.get("name")
+        if not isinstance(name, str) or not name:
+            raise invalid(f"inputs[{i}] needs a 'name' string")
+        where = f"input '{name}'"
+        if name in seen:
+            raise invalid(f"{where} appears twice")
+        seen.add(name)
+        datatype = raw.get("datatype")
+        if not isinstance(datatype, str):
+            raise invalid(f"{where} needs a 'datatype' string")
+        datatypes.to_numpy_dtype(datatype)  # unknown datatype -> INVALID_ARG
+        shape = datatypes.check_shape(raw.get("shape"), where)
+        if gate is not None:
+            gate(name, datatype, shape)
+        params = _params(raw, where)
+        shm = _shm_ref(params, where)
+        size = params.get("binary_data_size")
+        source: Any
+        if shm is not None:
+            if shared_memory is None:
+                raise invalid(f"{where}: shared-memory inputs are not enabled on this server")
+            if "data" in raw or size is not None:
+                raise invalid(f"{where} has shared-memory parameters and also carries data")
+            source = shared_memory.view(shm.region, shm.offset, shm.byte_size, where)
+        elif size is not None:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise invalid(f"{where}: 'binary_data_size' must be a non-negative integer")
+            if "data" in raw:
+                raise invalid(f"{where} has both 'data' and 'binary_data_size'")
+            if offset + size > len(binary):
+                raise invalid(
+                    f"{where}: binary_data_size {size} runs past the end of the body "
+                    f"({len(binary) - offset} binary bytes left): the body is truncated"
+                )
+            source = binary[offset : offset + size]
+            offset += size
+        elif "data" in raw:
+            source = raw["data"]
+        else:
+            raise invalid(f"{where} has neither 'data' nor 'parameters.binary_data_size'")
+        is_json = shm is None and size is None
+        if datatype == "BYTES" and not is_json:
+            objects += datatypes.element_count(shape)
+        inputs.append(_Input(name, datatype, shape, source, is_json))
+    if offset != len(binary):
+        raise invalid(
+            f"{len(binary) - offset} bytes of binary data follow the last input; "
+            f"binary_data_size values and the body length disagree"
+        )
+    req_params = _params(doc, "request")
+    fmt = OutputFormat(binary_default=_flag(req_params, "binary_data_output", "request"))
+    outputs: list[str] = []
+    classification: dict[str, int] = {}
+    raw_outputs = doc.get("outputs", [])
+    if not isinstance(raw_outputs, list):
+        raise invalid("'outputs' must be a list")
+    for i, raw in enumerate(raw_outputs):
+        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+            raise invalid(f"outputs[{i}] must be an object with a 'name' string")
+        name = raw["name"]
+        where = f"output '{name}'"
+        params = _params(raw, where)
+        fmt.binary[name] = _flag(params, "binary_data", where)
+        count = params.get("classification", 0)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise invalid(f"{where}: 'classification' must be a non-negative integer")
+        if count:
+            classification[name] = count
+        shm = _shm_ref(params, where)
+        if shm is not None:
+            if shared_memory is None:
+                raise invalid(f"{where}: shared-memory outputs are not enabled on this server")
+            if count:
+                raise invalid(f"{where}: a classification output cannot go to shared memory")
+            shared_memory.check(shm.region, shm.offset, shm.byte_size, where)
+            fmt.shared_memory[name] = shm
+        outputs.append(name)
+    timeout = req_params.get("timeout")
+    if timeout is not None and (
+        not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 0
+    ):
+        raise invalid("request parameter 'timeout' must be a non-negative integer (microseconds)")
+    request_id = doc.get("id", "")
+    if not isinstance(request_id, str):
+        raise invalid("'id' must be a string")
+    sequence = check_sequence_id(req_params.get("sequence_id", 0))
+    request = InferenceRequest(
+        model_name=model,
+        inputs={},
+        model_version=version,
+        outputs=tuple(outputs),
+        id=request_id,
+        timeout_us=timeout or None,
+        classification=classification,
+        sequence_id=sequence,
+        sequence_start=_flag(req_params, "sequence_start", "request"),
+        sequence_end=_flag(req_params, "sequence_end", "request"),
+    )
+    return PreparedRequest(inputs, request, fmt, objects)
+
+
+def encode_response(
+    response: InferenceResponse,
+    fmt: OutputFormat,
+    shared_memory: SharedMemoryRegistry | None = None,
+) -> tuple[bytes, int | None]:
+    """Response -> (body, JSON header length when binary outputs follow, else None).
+
+    Outputs in ``fmt.shared_memory`` are written into their regions first; their
+    entries carry name, datatype and shape only (Triton's form). An output larger
+    than its window is an INVALID_ARG.
+    """
+    outputs = []
+    chunks: list[bytes | memoryview] = []
+    for name, arr in response.outputs.items():
+        entry: dict[str, Any] = {
+            "name": name,
+            "datatype": datatypes.from_numpy_dtype(arr.dtype),
+            "shape": list(arr.shape),
+        }
+        shm = fmt.shared_memory.get(name)
+        if shm is not None:
+            if shared_memory is None:
+                raise internal(f"output '{name}' is bound for shared memory but no registry")
+            raw = datatypes.to_raw(arr)
+            shared_memory.write(shm.region, shm.offset, shm.byte_size, raw, f"output '{name}'")
+        elif fmt.is_binary(name):
+            raw = datatypes.to_raw(arr)
+            entry["parameters"] = {
+                "binary_data_size": len(raw) if isinstance(raw, bytes) else raw.nbytes
+            }
+            chunks.append(raw)
+        else:
+            entry["data"] = datatypes.to_json_data(arr)
+        outputs.append(entry)
+    doc: dict[str, Any] = {
+        "model_name": response.model_name,
+        "model_version": response.model_version,
+        "outputs": outputs,
+    }
+    if response.id:
+        doc["id"] = response.id
+    header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not chunks:
+        return header, None
+    return b"".join([header, *chunks]), len(header)
+
+
+def error_body(message: str) -> bytes:
+    return orjson.dumps({"error": message})

@@ -1,0 +1,479 @@
+"""MQTT adapter: camera producers publish requests, the appliance infers and answers.
+
+A thin protocol adapter over :meth:`DataPlane.infer`, like HTTP and gRPC: the
+payload forms, topics, de-duplication and backoff rules are in
+:mod:`appliance.adapters.mqtt_protocol`; this module owns the paho client.
+
+Threads and ownership:
+
+- **The network thread** (one per bridge, for its whole life) connects, runs
+  paho's network loop, and reconnects with exponential backoff plus jitter. All
+  blocking work (DNS, TCP connect, TLS handshake, socket I/O) happens here, never
+  on the event loop. paho's callbacks run on it and only touch the admission
+  counter, the de-duplication window and ``loop.call_soon_threadsafe``.
+- **The event loop** runs one task per admitted request (decode, infer, encode,
+  reply); that task is the only party that answers and acknowledges its message.
+  Publishing from the loop only queues the packet and wakes the network thread.
+
+Bounded inbound work: the CONNECT announces ``max_pending`` as the MQTT v5 Receive
+Maximum, so the broker sends at most that many QoS 1 requests we have not
+acknowledged yet and keeps the rest of a backlog itself. At most ``max_pending``
+requests per connection are held at once (QoS 1: up to twice that when the broker
+overshoots its quota; requests still in flight from an earlier connection, which the
+broker no longer counts, do not take the new connection's room); a request beyond
+that is answered at once with an UNAVAILABLE "overloaded" error (and counted), never
+buffered. QoS 1 requests are acknowledged (PUBACK) only once answered, so a
+request in flight when the connection or the process dies is redelivered by the
+broker; the de-duplication window makes a redelivery that arrives while this
+process still remembers it a no-op. Replies produced while disconnected wait in a
+bounded outbox and go out after the reconnect.
+
+MQTT being down never touches HTTP or gRPC serving: :meth:`start` returns at once
+and the network thread retries in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import MQTTErrorCode
+from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
+
+from appliance.adapters import http_codec, offload
+from appliance.adapters.mqtt_client import (
+    connect_properties,
+    inbound_message,
+    make_client,
+    reply_properties,
+)
+from appliance.adapters.mqtt_protocol import (
+    DedupWindow,
+    Inbound,
+    RequestTopic,
+    Topics,
+    backoff_delay,
+    decode,
+    expired,
+    model_guess,
+    payload_form,
+    raw_request,
+)
+from appliance.config.server_config import MqttConfig
+from appliance.core.dataplane import DataPlane
+from appliance.core.stats import MqttStats
+from appliance.errors import ApplianceError, Code
+
+log = logging.getLogger(__name__)
+
+_GOODBYE_TIMEOUT_S = 2.0
+
+
+class MqttBridge:
+    """Serves inference over MQTT for one device. :meth:`start`, then :meth:`stop`."""
+
+    def __init__(self, config: MqttConfig, dataplane: DataPlane, max_request_size: int) -> None:
+        self.config = config
+        self.dataplane = dataplane
+        self.max_request_size = max_request_size
+        self.topics = Topics(
+            config.topic_prefix, config.device_id, config.shared_group, config.models
+        )
+        self.stats = MqttStats()
+        self._dedup = DedupWindow(config.dedup_window_s, config.dedup_max_entries)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()  # guards _held and _accepting
+        # admitted requests not finished yet, by the connection (generation) that
+        # delivered them: the broker's Receive Maximum counts per connection
+        self._held: dict[int, int] = {}
+        self._accepting = False
+        self._tasks: set[asyncio.Task[None]] = set()  # keep references: tasks are weak
+        # each admitted request's task -> its connection, until its room is released
+        # (exactly once: before its PUBACK, or when the task ends without one)
+        self._holding: dict[asyncio.Task[None], int] = {}
+        self._generation = 0  # incremented on every accepted connection
+        self._socket_up = False  # network thread's view
+        self._link_up = False  # the loop's view: publish directly only when True
+        self._accepted = False  # a CONNACK succeeded since the last backoff reset
+        self._outbox: deque[tuple[str, bytes, Properties]] = deque()
+        self._outbox_limit = 2 * config.max_pending + 16
+        self._inflight = 20  # unacknowledged QoS 1 publishes (paho's and mosquitto's default)
+        self._halt = threading.Event()  # stop(): no more connection attempts
+        self._abandon = threading.Event()  # stop() gave up waiting for a clean goodbye
+        self._thread: threading.Thread | None = None
+        self._client = self._make_client()
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._link_up
+
+    async def start(self) -> None:
+        """Start the network thread; returns at once (the broker may be down)."""
+        self._loop = asyncio.get_running_loop()
+        with self._lock:
+            self._accepting = True
+        self._thread = threading.Thread(
+            target=self._network, name=f"mqtt-{self.config.device_id}", daemon=True
+        )
+        self._thread.start()
+        log.info(
+            "mqtt: device '%s' serving %s via %s:%d",
+            self.config.device_id,
+            ", ".join(self.topics.subscriptions()),
+            self.config.host,
+            self.config.port,
+        )
+
+    async def stop(self, timeout_s: float) -> None:
+        """Stop taking requests (new ones stay with the broker, unacknowledged) ->
+        let requests in flight finish and answer for up to ``timeout_s`` -> cancel the
+        rest -> publish ``offline`` -> disconnect cleanly -> end the network thread."""
+        if self._loop is None:
+            return  # never started
+        with self._lock:
+            self._accepting = False
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        if self._link_up:
+            info = self._client.publish(self.topics.status, b"offline", qos=1, retain=True)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(info.wait_for_publish, _GOODBYE_TIMEOUT_S)
+        self._halt.set()  # before disconnect(): the thread must not reconnect
+        self._client.disconnect()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, _GOODBYE_TIMEOUT_S)
+            if self._thread.is_alive():  # a broker that does not read, or a slow connect
+                self._abandon.set()
+                await asyncio.to_thread(self._thread.join, 10.0)
+            if self._thread.is_alive():
+                log.warning("mqtt: the network thread did not end; leaving it behind")
+        if self._outbox:
+            self.stats.add("dropped_reply_lost", len(self._outbox))
+            self._outbox.clear()
+        self._link_up = False
+        self.stats.set("connected", 0)
+
+    # ---- the network thread -------------------------------------------------------------
+
+    def _make_client(self) -> mqtt.Client:
+        return make_client(
+            self.config,
+            self.topics.status,
+            self._outbox_limit,
+            on_connect=self._on_connect,
+            on_disconnect=self._on_disconnect,
+            on_message=self._on_message,
+            on_subscribe=self._on_subscribe,
+        )
+
+    def _network(self) -> None:
+        """Connect, serve the connection until it ends, back off, repeat until stop()."""
+        cfg = self.config
+        attempt = 0
+        while not self._halt.is_set():
+            properties = connect_properties(cfg)
+            try:
+                if self._client.max_inflight_messages != self._inflight:  # after a clean close
+                    self._client.max_inflight_messages_set(self._inflight)
+                self._client.connect(
+                    cfg.host,
+                    cfg.port,
+                    keepalive=cfg.keepalive_s,
+                    clean_start=False,  # keep the session: queued QoS 1 requests survive
+                    properties=properties,
+                )
+            except Exception as exc:  # OSError, ssl.SSLError, ValueError: all retried
+                log.warning("mqtt: cannot connect to %s:%d: %s", cfg.host, cfg.port, exc)
+            else:
+                if self._halt.is_set():  # stop() came while connecting: say goodbye
+                    self._client.disconnect()
+                self._serve_connection()
+                if self._accepted:
+                    self._accepted, attempt = False, 0
+            if self._halt.is_set():
+                break
+            delay = backoff_delay(attempt, cfg.reconnect_min_s, cfg.reconnect_max_s, random.random)
+            attempt += 1
+            log.info("mqtt: reconnecting in %.2fs (attempt %d)", delay, attempt)
+            self._halt.wait(delay)
+
+    def _serve_connection(self) -> None:
+        """paho's network loop until the connection ends (a DISCONNECT we sent closes
+        the socket). Whatever goes wrong ends this connection, never the thread."""
+        rc = MQTTErrorCode.MQTT_ERR_SUCCESS
+        try:
+            while (
+                rc == MQTTErrorCode.MQTT_ERR_SUCCESS
+                and self._client.socket() is not None
+                and not self._abandon.is_set()
+            ):
+                rc = self._client.loop(timeout=0.5)
+        except Exception:
+            log.exception("mqtt: the network loop failed; reconnecting")
+            with contextlib.suppress(Exception):
+                self._client.disconnect()
+
+    def _call(self, callback: Callable[..., None], *args: Any) -> bool:
+        """Run ``callback`` on the event loop; False once the loop is closed."""
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            return False
+        return True
+
+    def _on_connect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any
+    ) -> None:
+        if reason.is_failure:
+            log.error("mqtt: the broker refused the connection: %s", reason)
+            return
+        self._generation += 1
+        self._accepted = self._socket_up = True
+        # MQTT v5: never more unacknowledged QoS 1 publishes than the broker accepts.
+        # paho ignores the CONNACK's Receive Maximum and cannot change its limit on a
+        # live connection: a lower limit is taken by reconnecting at once.
+        limit = int(getattr(properties, "ReceiveMaximum", 65535))
+        if limit < self._inflight:
+            log.warning("mqtt: the broker accepts %d messages in flight; reconnecting", limit)
+            self._inflight = limit
+            self._accepted = False
+            client.disconnect()
+            return
+        options = SubscribeOptions(qos=self.config.qos)
+        client.subscribe([(topic, options) for topic in self.topics.subscriptions()])
+        # after subscribing: a producer that sees "online" finds us subscribed
+        client.publish(self.topics.status, b"online", qos=1, retain=True)
+        self._call(self._link_changed, self._generation, bool(flags.session_present))
+
+    def _on_subscribe(
+        self, client: mqtt.Client, userdata: Any, mid: int, reasons: Any, properties: Any
+    ) -> None:
+        for topic, reason in zip(self.topics.subscriptions(), reasons, strict=False):
+            if reason.is_failure:
+                log.error("mqtt: the broker refused the subscription %s: %s", topic, reason)
+
+    def _on_disconnect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any
+    ) -> None:
+        self._socket_up = self._link_up = False  # stop direct publishes at once
+        self._call(self._link_changed, self._generation, False)
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        """Admit one request (network thread): duplicate -> ack and drop; no room ->
+        "overloaded" reply; else hand it to the loop. Never blocks, never buffers."""
+        try:
+            inbound = inbound_message(message, self._generation)
+        except Exception as exc:  # e.g. a topic that is not UTF-8
+            log.warning("mqtt: unreadable message dropped: %s", exc)
+            client.ack(message.mid, message.qos)
+            return
+        self.stats.add("received")
+        key = inbound.dedup_key()
+        if key is not None and self._dedup.seen(key):
+            self.stats.add("duplicates")
+            client.ack(message.mid, message.qos)
+            return
+        with self._lock:
+            accepting = self._accepting
+            held = self._held.get(inbound.generation, 0)
+            # QoS 1: the broker counts our unacknowledged requests against the Receive
+            # Maximum we announced; one that overshoots it (mosquitto 2.0 was seen
+            # sending one more right after an acknowledgement) is taken, up to twice
+            # max_pending, rather than answered "overloaded" while the model idles
+            room = self.config.max_pending * (2 if inbound.qos else 1)
+            admitted = accepting and held < room
+            if admitted:
+                self._held[inbound.generation] = held + 1
+        if not accepting:  # stopping: leave it unacknowledged, the broker keeps it
+            self._forget(key)
+            return
+        if not admitted:
+            self._forget(key)
+            self.stats.add("dropped_overloaded")
+            error = ApplianceError(
+                Code.UNAVAILABLE,
+                f"device '{self.config.device_id}' is overloaded: "
+                f"{self.config.max_pending} MQTT requests are already being served",
+            )
+            topic, payload, props = self._error_reply(inbound, "", error)
+            client.publish(topic, payload, self.config.qos, properties=props)
+            self.stats.add("errors")
+            client.ack(message.mid, message.qos)
+            return
+        if not self._call(self._admit, inbound):
+            self._release(inbound.generation)
+
+    # ---- the event loop -----------------------------------------------------------------
+
+    def _link_changed(self, generation: int, session_present: bool) -> None:
+        up = self._socket_up and generation == self._generation
+        was_up, self._link_up = self._link_up, up
+        self.stats.set("connected", int(up))
+        if up and not was_up:
+            if generation > 1:
+                self.stats.add("reconnects")
+            log.info(
+                "mqtt: connected to %s:%d as '%s' (%s)",
+                self.config.host,
+                self.config.port,
+                self.config.client_id,
+                "session resumed" if session_present else "new session",
+            )
+            while self._outbox and self._link_up:
+                self._publish(*self._outbox.popleft())
+        elif was_up and not up:
+            log.warning("mqtt: disconnected from %s:%d", self.config.host, self.config.port)
+
+    def _admit(self, inbound: Inbound) -> None:
+        assert self._loop is not None
+        task = self._loop.create_task(self._serve(inbound))
+        self._tasks.add(task)
+        self._holding[task] = inbound.generation
+        self.stats.set("in_flight", len(self._tasks))
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self.stats.set("in_flight", len(self._tasks))
+        self._free(task)  # a task cancelled before it ran released nothing yet
+
+    def _free(self, task: asyncio.Task[Any] | None) -> None:
+        generation = self._holding.pop(task, None) if task is not None else None
+        if generation is not None:
+            self._release(generation)
+
+    def _release(self, generation: int) -> None:
+        with self._lock:
+            left = self._held[generation] - 1
+            if left:
+                self._held[generation] = left
+            else:
+                del self._held[generation]
+
+    def _forget(self, key: Hashable | None) -> None:
+        if key is not None:
+            self._dedup.forget(key)
+
+    async def _serve(self, msg: Inbound) -> None:
+        """Answer one admitted request, then acknowledge it. This task is the only
+        party that replies to ``msg``. Cancelled (shutdown): no reply and no ack, so
+        the broker redelivers it."""
+        key = msg.dedup_key()
+        model = ""
+        try:
+            if expired(msg):
+                self.stats.add("dropped_expired")
+            else:
+                topic = self.topics.parse(msg.topic)
+                model = topic.model
+                key = await self._answer(msg, topic, key)
+        except asyncio.CancelledError:
+            self._forget(key)
+            raise
+        except ApplianceError as exc:
+            if exc.code is Code.UNAVAILABLE and expired(msg):
+                self.stats.add("dropped_expired")  # timed out in the queue: not inferred
+            else:
+                if exc.code is Code.UNAVAILABLE:
+                    self._forget(key)  # nothing was inferred: a retry must be served
+                self._reply(*self._error_reply(msg, model, exc))
+                self.stats.add("errors")
+        except Exception as exc:  # a bug: answer and keep serving
+            log.exception("mqtt: request on %s failed", msg.topic)
+            self._reply(*self._error_reply(msg, model, ApplianceError(Code.INTERNAL, str(exc))))
+            self.stats.add("errors")
+        # room first, then the PUBACK: the broker sends the next request as soon as
+        # the acknowledgement reaches it, and that one must find the room free
+        self._free(asyncio.current_task())
+        self._ack(msg)
+
+    async def _answer(
+        self, msg: Inbound, topic: RequestTopic, key: Hashable | None
+    ) -> Hashable | None:
+        """Decode, infer, encode and reply. Returns the request's dedup key."""
+        if len(msg.payload) > self.max_request_size:
+            raise ApplianceError(
+                Code.TOO_LARGE,
+                f"the payload has {len(msg.payload)} bytes, over the server's limit of "
+                f"{self.max_request_size}",
+            )
+        shm = self.dataplane.shared_memory
+        if payload_form(msg) == "raw":
+            metadata = self.dataplane.model_metadata(topic.model, topic.version)
+            request, fmt = raw_request(msg.payload, topic, metadata)
+        else:
+            # the model's limits, checked on every declaration before any data is decoded
+            gate = self.dataplane.input_gate(topic.model, topic.version)
+            files, limit = self.config.file_directory, self.max_request_size
+            # files are read from disk: never on the loop
+            heavy = len(msg.payload) > offload.OFFLOAD_BYTES or files is not None
+            request, fmt = await offload.run(heavy, decode, msg, topic, shm, files, limit, gate)
+        if key is None and request.id:  # no correlation data: the request id identifies it
+            key = ("id", msg.topic, msg.response_topic, request.id)
+            if self._dedup.seen(key):
+                self.stats.add("duplicates")
+                return key
+        deadline = msg.deadline
+        if deadline is not None:  # the expiry bounds the time in the model's queue
+            left_us = max(1, int((deadline - time.monotonic()) * 1e6))
+            request.timeout_us = min(request.timeout_us or left_us, left_us)
+        response = await self.dataplane.infer(request)
+        heavy = offload.tensor_bytes(response.outputs) > offload.OFFLOAD_BYTES
+        body, length = await offload.run(heavy, http_codec.encode_response, response, fmt, shm)
+        content = "application/json" if length is None else "application/octet-stream"
+        props = self._properties(msg, content, length)
+        self._reply(msg.response_topic or self.topics.result(topic.model), body, props)
+        self.stats.add("answered")
+        return key
+
+    # ---- replies and acknowledgements ---------------------------------------------------
+
+    def _properties(
+        self, msg: Inbound, content_type: str, header_length: int | None = None, code: str = ""
+    ) -> Properties:
+        return reply_properties(msg, self.config.device_id, content_type, header_length, code)
+
+    def _error_reply(
+        self, msg: Inbound, model: str, error: ApplianceError
+    ) -> tuple[str, bytes, Properties]:
+        """A KServe error object ``{"error": msg}`` for ``msg``, on its reply topic."""
+        topic = msg.response_topic or self.topics.result(model or model_guess(msg.topic))
+        props = self._properties(msg, "application/json", code=error.code.value)
+        return topic, http_codec.error_body(error.message), props
+
+    def _reply(self, topic: str, payload: bytes, props: Properties) -> None:
+        """Publish now, or keep it in the bounded outbox until the next connection."""
+        if self._link_up:
+            self._publish(topic, payload, props)
+            return
+        if len(self._outbox) >= self._outbox_limit:
+            self._outbox.popleft()
+            self.stats.add("dropped_reply_lost")
+        self._outbox.append((topic, payload, props))
+
+    def _publish(self, topic: str, payload: bytes, props: Properties) -> None:
+        info = self._client.publish(topic, payload, self.config.qos, properties=props)
+        if info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
+            self.stats.add("dropped_reply_lost")
+            log.warning("mqtt: reply to %s dropped: too many replies waiting for the broker", topic)
+
+    def _ack(self, msg: Inbound) -> None:
+        # only on the connection that delivered it: after a reconnect the broker
+        # redelivers the message under its own packet id and that copy is acked
+        if msg.qos and self._link_up and msg.generation == self._generation:
+            self._client.ack(msg.mid, msg.qos)

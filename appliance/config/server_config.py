@@ -1,0 +1,399 @@
+"""Server configuration (``appliance.yaml``), validated once into a typed object.
+
+Command-line flags override the file; every error names the file and the field,
+e.g. ``appliance.yaml: http_port: expected an integer >= 0, got 'eighty'``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from appliance.config.fields import ConfigError, Fields, parse_limit, parse_size
+from appliance.datatypes import DEFAULT_MAX_REQUEST_ELEMENTS
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    model_repository: Path | None = None  # None = the built-in demo models
+    host: str = "127.0.0.1"
+    http_port: int = 8000  # -1 disables the HTTP endpoint (in-process use)
+    grpc_port: int = 8001  # -1 disables the gRPC endpoint
+    metrics_port: int = 8002  # -1 disables the metrics endpoint
+    # Triton's latency summaries (nv_inference_*_summary_us, quantiles over the last
+    # requests), as `--metrics-config summary_latencies=true` turns them on there
+    metrics_summary_latencies: bool = False
+    max_request_size: int = 64 * 2**20  # HTTP bodies and gRPC messages, each way
+    shared_memory: str = "off"  # off | system (Triton's system shared-memory extension)
+    drain_timeout_s: float = 30.0
+    default_max_batch_size: int = 8
+    default_max_queue_size: int = 1024
+    # input bytes queued requests may hold: whole server (None: derived from the memory
+    # budget, see queue_bytes.default_limit) and each model (None: the server's)
+    max_queued_bytes: int | None = None
+    max_queued_bytes_per_model: int | None = None
+    log_level: str = "info"
+    event_loop: str = "auto"  # auto (uvloop when installed) | asyncio | uvloop
+    mqtt: MqttConfig | None = None  # None: no MQTT bridge
+    # model control, memory and access: see _control() at the end of this module
+    model_control_mode: str = "explicit"  # none | explicit | poll
+    load_model: tuple[str, ...] = ("*",)  # explicit: models loaded at start ("*": all)
+    repository_poll_secs: float = 15.0  # poll: seconds between looks at the repository
+    memory_limit: int | None = None  # bytes all loaded models may use; None: unlimited
+    admin_token: str = ""  # bearer token for load/unload/shared-memory registration
+    inference_token: str = ""  # bearer token for inference and metadata; "": open
+    require_admin_token: bool = False  # admin needs the token on loopback too
+    tls_cert: Path | None = None  # TLS on the HTTP and gRPC endpoints: certificate and key
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # mutual TLS: clients need a certificate this CA signed
+    # what one request may hold and how long a peer may take: see _limits() below
+    allow_symlinked_models: bool = False  # model folders/files may link outside the repo
+    max_request_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS  # elements one request declares
+    http_header_timeout_s: float = 30.0  # a complete request header, or idle keep-alive
+    http_body_timeout_s: float = 60.0  # a complete request body
+    # the name server metadata reports (Triton reports "triton"; a client that checks
+    # the name can be served by setting it)
+    server_name: str = "appliance"
+    # Triton's trace extension: where traces go (the folder must exist); None: no tracing
+    trace_file: Path | None = None
+
+
+# fields only a model config has: a server config with these was passed by mistake
+_MODEL_FIELDS = {"max_batch_size", "input", "output", "backend", "platform", "instance_group"}
+
+
+def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerConfig:
+    """Read appliance.yaml (optional) and apply command-line overrides on top."""
+    source = str(path) if path else "<command line>"
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except OSError as exc:
+            raise ConfigError(source, "", f"cannot read: {exc.strerror}") from None
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            raise ConfigError(source, "", f"not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(source, "", f"expected a mapping, got {type(data).__name__}")
+    overrides = dict(overrides)
+    broker = overrides.pop("mqtt_broker", None)  # --mqtt-broker HOST:PORT
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    if data.get("shared_memory") is False:  # YAML 1.1 reads a bare `off` as false
+        data["shared_memory"] = "off"
+    f = Fields(source, data)
+    if _MODEL_FIELDS & set(data) and not set(ServerConfig.__slots__) & set(data):
+        raise ConfigError(
+            source,
+            "",
+            "this is a model config (it belongs in a model folder, as "
+            "<repository>/<model>/config.yaml), not a server config: pass the repository "
+            "with --model-repository",
+        )
+    # ``ota:`` belongs to the update agent (ota/config.py), which reads this same file
+    f.check_keys(set(ServerConfig.__slots__) | {"ota"})
+    level = f.text("log_level", "info").lower()
+    if level not in ("debug", "info", "warning", "error"):
+        raise f.fail("log_level", f"expected debug, info, warning or error, got {level!r}")
+    drain = data.get("drain_timeout_s", 30.0)
+    if not isinstance(drain, (int, float)) or isinstance(drain, bool) or drain < 0:
+        raise f.fail("drain_timeout_s", f"expected a number of seconds >= 0, got {drain!r}")
+    repo = data.get("model_repository")
+    if repo is not None:
+        repo = Path(os.path.expanduser(str(repo)))
+        if (
+            path is not None
+            and not repo.is_absolute()
+            and overrides.get("model_repository") is None
+        ):
+            repo = path.parent / repo  # relative to the config file
+        if not repo.is_dir():
+            raise f.fail("model_repository", f"expected a directory, {str(repo)!r} is not one")
+    return ServerConfig(
+        model_repository=repo,
+        host=f.text("host", "127.0.0.1"),
+        http_port=_port(f, "http_port", 8000),
+        metrics_port=_port(f, "metrics_port", 8002),
+        grpc_port=_port(f, "grpc_port", 8001),
+        metrics_summary_latencies=f.flag("metrics_summary_latencies", False),
+        shared_memory=_choice(f, "shared_memory", "off", ("off", "system")),
+        max_request_size=parse_size(data["max_request_size"], source, "max_request_size")
+        if "max_request_size" in data
+        else 64 * 2**20,
+        drain_timeout_s=float(drain),
+        default_max_batch_size=f.integer("default_max_batch_size", 8, minimum=1),
+        default_max_queue_size=f.integer("default_max_queue_size", 1024, minimum=1),
+        max_queued_bytes=_optional_size(data, source, "max_queued_bytes"),
+        max_queued_bytes_per_model=_optional_size(data, source, "max_queued_bytes_per_model"),
+        log_level=level,
+        event_loop=_choice(f, "event_loop", "auto", ("auto", "asyncio", "uvloop")),
+        mqtt=_mqtt(f, path, broker),
+        server_name=_server_name(f),
+        trace_file=_trace_file(f, path),
+        **_control(f, path),
+        **_limits(f),
+    )
+
+
+def _trace_file(f: Fields, base: Path | None) -> Path | None:
+    value = f.data.get("trace_file")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise f.fail("trace_file", f"expected a path, got {value!r}")
+    path = Path(os.path.expanduser(value))
+    if base is not None and not path.is_absolute():
+        path = base.parent / path  # relative to the config file
+    if not path.parent.is_dir() or path.is_dir():
+        raise f.fail("trace_file", f"expected a file in an existing folder, got {str(path)!r}")
+    return path
+
+
+def _server_name(f: Fields) -> str:
+    name = f.text("server_name", "appliance")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+        raise f.fail("server_name", f"expected 1-64 letters, digits, '.', '_' or '-', got {name!r}")
+    return name
+
+
+def _optional_size(data: dict[str, Any], source: str, key: str) -> int | None:
+    """A size, or None when absent or 'auto' (a default decided elsewhere)."""
+    value = data.get(key)
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None
+    return parse_size(value, source, key)
+
+
+def _port(f: Fields, key: str, default: int) -> int:
+    value = f.integer(key, default, minimum=-1)
+    if value > 65535:
+        raise f.fail(key, f"expected a port 0..65535 (or -1: off), got {value}")
+    return value
+
+
+def _choice(f: Fields, key: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = f.text(key, default)
+    if value not in allowed:
+        raise f.fail(key, f"expected one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+# ---- mqtt: the MQTT bridge (appliance/adapters/mqtt_bridge.py) ----------------------------------
+
+_MQTT_FIELDS = {
+    "host",
+    "port",
+    "device_id",
+    "client_id",
+    "topic_prefix",
+    "qos",
+    "models",
+    "shared_group",
+    "username",
+    "password",
+    "tls",
+    "keepalive_s",
+    "session_expiry_s",
+    "max_pending",
+    "dedup_window_s",
+    "dedup_max_entries",
+    "reconnect_min_s",
+    "reconnect_max_s",
+    "file_directory",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MqttTls:
+    ca_file: Path | None = None  # None: the system's trusted CAs
+    cert_file: Path | None = None  # client certificate (mutual TLS), with key_file
+    key_file: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MqttConfig:
+    """The ``mqtt:`` section of appliance.yaml (see docs/mqtt.md for each field)."""
+
+    host: str
+    port: int = 1883
+    device_id: str = ""  # default: the host name
+    client_id: str = ""  # default: the device id
+    topic_prefix: str = "appliance"
+    qos: int = 1  # subscriptions and replies: 0 or 1
+    models: tuple[str, ...] = ()  # () = every model
+    shared_group: str = ""  # also serve $share/<group>/<prefix>/infer/<model>
+    username: str = ""
+    password: str = ""
+    tls: MqttTls | None = None
+    keepalive_s: int = 30
+    session_expiry_s: int = 300  # the broker keeps our subscriptions and QoS 1 requests
+    max_pending: int = 64  # requests held at once (v5 Receive Maximum); beyond: "overloaded"
+    dedup_window_s: float = 60.0
+    dedup_max_entries: int = 10000
+    # a device on the LAN of its broker is back within ~1-2 s of the broker's return
+    reconnect_min_s: float = 0.5
+    reconnect_max_s: float = 2.0
+    file_directory: Path | None = None  # payloads may name files under it; None: refused
+
+
+def _seconds(f: Fields, key: str, default: float, minimum: float) -> float:
+    value = f.data.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < minimum:
+        raise f.fail(key, f"expected a number of seconds >= {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def _topic_level(f: Fields, key: str, default: str, allow_slash: bool = False) -> str:
+    """A topic part we publish or subscribe with: no wildcards, no empty levels."""
+    value = f.text(key, default)
+    if (
+        not value
+        or value.startswith("$")
+        or any(c in value for c in "+#\0")
+        or (not allow_slash and "/" in value)
+        or "" in value.split("/")
+    ):
+        what = "topic prefix (levels separated by '/')" if allow_slash else "topic level"
+        raise f.fail(
+            key,
+            f"expected a non-empty MQTT {what} without '+', '#', empty levels "
+            f"or a leading '$', got {value!r}",
+        )
+    return value
+
+
+def _file(f: Fields, key: str, base: Path | None, directory: bool = False) -> Path | None:
+    value = f.data.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise f.fail(key, f"expected a path, got {value!r}")
+    path = Path(os.path.expanduser(value))
+    if base is not None and not path.is_absolute():
+        path = base.parent / path  # relative to the config file
+    if not (path.is_dir() if directory else path.is_file()):
+        kind = "directory" if directory else "file"
+        raise f.fail(key, f"expected an existing {kind}, {str(path)!r} is not one")
+    return path
+
+
+def _mqtt(f: Fields, path: Path | None, broker: str | None) -> MqttConfig | None:
+    """The ``mqtt`` section, or None when it is absent and --mqtt-broker is not given."""
+    raw = f.data.get("mqtt")
+    if raw is None and broker is None:
+        return None
+    m = Fields(f.source, {} if raw is None else raw, f.at("mqtt"))
+    m.check_keys(_MQTT_FIELDS)
+    data = dict(m.data)
+    if broker is not None:
+        name, sep, number = str(broker).rpartition(":")
+        if not sep or not name or not number.isdigit() or not 0 < int(number) < 65536:
+            raise ConfigError(
+                "<command line>", "--mqtt-broker", f"expected HOST:PORT, got {broker!r}"
+            )
+        data.update(host=name.strip("[]"), port=int(number))
+    m = Fields(m.source, data, m.path)
+    host = m.text("host")
+    if not host:
+        raise m.fail("host", "expected the broker's host name or address")
+    port = m.integer("port", 1883, minimum=1)
+    if port > 65535:
+        raise m.fail("port", f"expected a port number 1..65535, got {port}")
+    qos = m.integer("qos", 1)
+    if qos > 1:
+        raise m.fail("qos", f"expected 0 or 1, got {qos}")
+    models = data.get("models", [])
+    if not isinstance(models, list) or not all(
+        isinstance(x, str) and x and not set(x) & set("+#/\0") for x in models
+    ):
+        raise m.fail("models", f"expected a list of model names, got {models!r}")
+    device_id = _topic_level(m, "device_id", socket.gethostname() or "appliance")
+    tls = None
+    if isinstance(data.get("tls"), bool):  # tls: true = the system's trusted CAs
+        tls = MqttTls() if data["tls"] else None
+    elif (t := m.sub("tls")) is not None:
+        t.check_keys({"ca_file", "cert_file", "key_file"})
+        files = [_file(t, key, path) for key in ("ca_file", "cert_file", "key_file")]
+        tls = MqttTls(*files)
+        if (tls.cert_file is None) != (tls.key_file is None):
+            raise t.fail("cert_file", "a client certificate needs both cert_file and key_file")
+    low = _seconds(m, "reconnect_min_s", 0.5, 0.01)
+    high = _seconds(m, "reconnect_max_s", max(2.0, low), low)
+    shared = data.get("shared_group") or ""
+    return MqttConfig(
+        host=host,
+        port=port,
+        device_id=device_id,
+        client_id=m.text("client_id", device_id) or device_id,
+        topic_prefix=_topic_level(m, "topic_prefix", "appliance", allow_slash=True),
+        qos=qos,
+        models=tuple(models),
+        shared_group=_topic_level(m, "shared_group", shared) if shared else "",
+        username=m.text("username"),
+        password=m.text("password"),
+        tls=tls,
+        keepalive_s=m.integer("keepalive_s", 30, minimum=5),
+        session_expiry_s=m.integer("session_expiry_s", 300),
+        max_pending=m.integer("max_pending", 64, minimum=1),
+        dedup_window_s=_seconds(m, "dedup_window_s", 60.0, 0.0),
+        dedup_max_entries=m.integer("dedup_max_entries", 10000, minimum=1),
+        reconnect_min_s=low,
+        reconnect_max_s=high,
+        file_directory=_file(m, "file_directory", path, directory=True),
+    )
+
+
+# ---- model control, memory budget, access (lifecycle.py, memory.py, access.py) --------
+
+
+def _control(f: Fields, path: Path | None) -> dict[str, Any]:
+    mode = _choice(f, "model_control_mode", "explicit", ("none", "explicit", "poll"))
+    names = f.data.get("load_model", ["*"])
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) and n for n in names):
+        raise f.fail("load_model", f"expected a list of model names (or '*'), got {names!r}")
+    if "load_model" in f.data and mode != "explicit":
+        raise f.fail("load_model", f"only applies to model_control_mode explicit, not {mode!r}")
+    poll = f.data.get("repository_poll_secs", 15.0)
+    if not isinstance(poll, (int, float)) or isinstance(poll, bool) or poll <= 0:
+        raise f.fail("repository_poll_secs", f"expected a number of seconds > 0, got {poll!r}")
+    require = f.flag("require_admin_token", False)
+    cert, key = _file(f, "tls_cert", path), _file(f, "tls_key", path)
+    if (cert is None) != (key is None):
+        missing = "tls_cert" if cert is None else "tls_key"
+        raise f.fail(missing, "HTTPS needs both tls_cert and tls_key")
+    client_ca = _file(f, "tls_client_ca", path)
+    if client_ca is not None and cert is None:
+        raise f.fail("tls_client_ca", "mutual TLS needs tls_cert and tls_key too")
+    return {
+        "model_control_mode": mode,
+        "load_model": tuple(names),
+        "repository_poll_secs": float(poll),
+        "memory_limit": parse_limit(f.data.get("memory_limit"), f.source, "memory_limit"),
+        "admin_token": f.text("admin_token"),
+        "inference_token": f.text("inference_token"),
+        "require_admin_token": require,
+        "tls_cert": cert,
+        "tls_key": key,
+        "tls_client_ca": client_ca,
+    }
+
+
+# ---- request limits and trust in the repository (limits.py, names.py, http_api.py) ----
+
+
+def _limits(f: Fields) -> dict[str, Any]:
+    return {
+        "allow_symlinked_models": f.flag("allow_symlinked_models", False),
+        "max_request_elements": f.integer(
+            "max_request_elements", DEFAULT_MAX_REQUEST_ELEMENTS, minimum=1
+        ),
+        "http_header_timeout_s": _seconds(f, "http_header_timeout_s", 30.0, 0.01),
+        "http_body_timeout_s": _seconds(f, "http_body_timeout_s", 60.0, 0.01),
+    }

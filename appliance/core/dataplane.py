@@ -1,0 +1,363 @@
+"""The data plane: the one entry every protocol adapter calls.
+
+HTTP, gRPC, MQTT and the in-process API all turn their wire format into an
+:class:`InferenceRequest` and call :meth:`DataPlane.infer`; metadata, config,
+statistics and repository control live here too, so no adapter holds logic of
+its own. Everything raises :class:`ApplianceError`, never a protocol status.
+
+Every model name and version that arrives is checked here first
+(:mod:`appliance.names`: INVALID_ARG for a name that is not one path component or
+a version that is not a number), so no adapter can route around the rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+
+from appliance import names
+from appliance.config.triton_config import json_to_dict, to_triton_json
+from appliance.core import reshape
+from appliance.core.cuda_shared_memory import CudaSharedMemory
+from appliance.core.lifecycle import ModelLifeCycle
+from appliance.core.limits import InputGate
+from appliance.core.log_settings import LogSettings
+from appliance.core.queue_bytes import Hold, QueuedBytes, default_limit, tensor_bytes
+from appliance.core.servable import Servable, State
+from appliance.core.shared_memory import SharedMemoryRegistry
+from appliance.core.trace import Tracer
+from appliance.decoupled import RequestInputs, ResponseStream
+from appliance.errors import ApplianceError, Code, FailureReason, invalid, unavailable
+from appliance.request import InferenceRequest, InferenceResponse
+from appliance.version import __version__
+
+EXTENSIONS = [
+    "classification",
+    "model_repository",
+    "model_configuration",
+    "statistics",
+    "binary_tensor_data",
+    "parameters",
+    "sequence",
+    "trace",
+    "logging",
+]
+
+
+def classify(arr: np.ndarray, k: int, batched: bool, labels: tuple[str, ...] = ()) -> np.ndarray:
+    """Triton's classification extension: the top-k entries of each batch row as
+    BYTES "value:index" strings, highest first ("value:index:label" where the output
+    has a ``label_filename``)."""
+    rows = arr.reshape(arr.shape[0] if batched else 1, -1)
+    if rows.dtype.kind not in "biuf":
+        raise invalid(f"classification needs a numeric output, got {rows.dtype}")
+    k = min(k, rows.shape[1])
+    top = np.argsort(-rows.astype(np.float64), axis=1, kind="stable")[:, :k]
+    out = np.empty((rows.shape[0], k), dtype=object)
+    for r in range(rows.shape[0]):
+        out[r] = [
+            (f"{rows[r, i]:f}:{i}" + (f":{labels[i]}" if i < len(labels) else "")).encode()
+            for i in top[r]
+        ]
+    return out if batched else out[0]
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # a worker thread
+        return None
+
+
+def _checked(name: str, version: str) -> tuple[str, str]:
+    """(name, version) once both are well formed; INVALID_ARG otherwise."""
+    return names.check_model_name(name), names.check_version(version)
+
+
+class DataPlane:
+    def __init__(self, lifecycle: ModelLifeCycle, shared_memory: SharedMemoryRegistry) -> None:
+        self.lifecycle = lifecycle
+        self.shared_memory = shared_memory
+        self.cuda_shared_memory = CudaSharedMemory()
+        self.tracer = Tracer(lifecycle.server.trace_file)
+        self.log_settings = LogSettings(lifecycle.server.log_level)
+        self.live = True
+        self.accepting = True  # False once shutdown began: readiness goes false first
+        server = lifecycle.server
+        self.queued = QueuedBytes(
+            server.max_queued_bytes or default_limit(server.memory_limit),
+            server.max_queued_bytes_per_model,
+        )
+
+    # ---- health and metadata -----------------------------------------------------------
+
+    def ready(self) -> bool:
+        return self.accepting and self.lifecycle.all_ready()
+
+    def server_metadata(self) -> dict[str, Any]:
+        extensions = EXTENSIONS + (["system_shared_memory"] if self.shared_memory.enabled else [])
+        if self.cuda_shared_memory.supported:
+            extensions.append("cuda_shared_memory")
+        name = self.lifecycle.server.server_name
+        return {"name": name, "version": __version__, "extensions": extensions}
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        """False for an unknown or unready model; INVALID_ARG for a malformed name."""
+        try:
+            return not self.model_unready_reason(name, version)
+        except ApplianceError as exc:
+            if exc.code is Code.NOT_FOUND:
+                return False
+            raise
+
+    def model_unready_reason(self, name: str, version: str = "") -> str:
+        """Why the model is not ready ("" when it is; an unknown model is not ready,
+        in Triton's words); NOT_FOUND for a version the model lacks."""
+        _checked(name, version)
+        try:
+            mv = self.lifecycle.get(name, version)
+        except ApplianceError as exc:
+            if exc.code is Code.NOT_FOUND:
+                raise
+            return exc.message
+        return "" if mv.state == State.READY else f"model '{name}' is {mv.state.value}"
+
+    def model_metadata(self, name: str, version: str = "") -> dict[str, Any]:
+        mv = self.lifecycle.get(*_checked(name, version))
+        versions = [str(v) for v in sorted(self.lifecycle.entry(name).versions)]
+        return mv.metadata(versions)
+
+    def model_config(self, name: str, version: str = "") -> dict[str, Any]:
+        return to_triton_json(self.lifecycle.get(*_checked(name, version)).config)
+
+    def input_gate(self, name: str, version: str = "") -> InputGate:
+        """The checks a codec runs on each input declaration of a request to this
+        model, before decoding it (:mod:`appliance.core.limits`). NOT_FOUND/UNAVAILABLE
+        for a model that cannot serve: the request is refused before it is read."""
+        mv = self.lifecycle.get(*_checked(name, version))
+        loop = asyncio.get_running_loop()
+
+        def refused(exc: ApplianceError) -> None:
+            # a big body is decoded on a worker thread: statistics change on the loop only
+            if _running_loop() is loop:
+                mv.stats.record_failure(exc.reason, 0)
+            else:
+                loop.call_soon_threadsafe(mv.stats.record_failure, exc.reason, 0)
+
+        return InputGate(mv.config, self.lifecycle.server.max_request_elements, refused)
+
+    def is_decoupled(self, name: str, version: str = "") -> bool:
+        """Whether the model may send 0..N responses a request (False if unknown)."""
+        try:
+            return self.lifecycle.get(name, version).config.decoupled
+        except ApplianceError:
+            return False
+
+    # ---- inference ---------------------------------------------------------------------
+
+    def reserve(self, name: str, version: str, nbytes: int) -> Hold:
+        """A hold of ``nbytes`` on the model's and the server's queued bytes, taken by an
+        adapter *before* it reads a request's payload (sized by what the request
+        declares); pass it to :meth:`infer`, and release it once answered. Raises
+        UNAVAILABLE when the bytes do not fit (nothing is held then). Shutting down is
+        answered by :meth:`infer`, after the body was read: a connection whose request
+        body is left unread would hold the shutdown while the server drains it."""
+        mv = self.lifecycle.get(*_checked(name, version))
+        hold = self.queued.hold(mv.stats, mv.config.max_queued_bytes)
+        try:
+            hold.set(nbytes)
+        except ApplianceError:
+            mv.stats.record_failure(FailureReason.REJECTED, 0)
+            raise
+        return hold
+
+    async def infer(
+        self, request: InferenceRequest, endpoint: str = "this endpoint", hold: Hold | None = None
+    ) -> InferenceResponse:
+        """One request, one response. A decoupled model is refused with Triton's text
+        (``endpoint`` names the caller: "HTTP end point", "ModelInfer RPC"). The decoded
+        inputs are held (``hold``, else a hold of its own) until the request is
+        answered: beyond the queued-bytes limits it is refused UNAVAILABLE."""
+        if not self.accepting:
+            raise unavailable("the server is shutting down")
+        mv = self.lifecycle.get(*_checked(request.model_name, request.model_version))
+        if mv.config.decoupled:
+            raise invalid(
+                f"{endpoint} doesn't support models with decoupled transaction policy "
+                f"(model '{mv.config.name}' may send any number of responses a request: "
+                "call it over a stream, e.g. gRPC ModelStreamInfer)"
+            )
+        own = hold is None
+        if hold is None:
+            hold = self.queued.hold(mv.stats, mv.config.max_queued_bytes)
+        try:
+            try:
+                hold.set(tensor_bytes(request.inputs))
+            except ApplianceError:
+                mv.stats.record_failure(FailureReason.REJECTED, 0)
+                raise
+            return await self._infer_one(mv, request)
+        finally:
+            if own:
+                hold.release()
+
+    async def _infer_one(self, mv: Servable, request: InferenceRequest) -> InferenceResponse:
+        """Run a request on its model version, traced when tracing picks it."""
+        trace = None
+        if self.tracer.active:  # one attribute read when tracing is off
+            trace = self.tracer.begin(mv.config.name, time.perf_counter_ns())
+        response: InferenceResponse = await mv.infer(request)
+        if trace is not None:
+            self.tracer.finish(
+                trace, response.model_version, request.id, response.timing, time.perf_counter_ns()
+            )
+        self._classify(request, response, mv.config)
+        return response
+
+    @staticmethod
+    def _classify(request: InferenceRequest, response: InferenceResponse, config: Any) -> None:
+        labels = {t.name: t.labels for t in config.outputs}
+        for name, k in request.classification.items():
+            response.outputs[name] = classify(
+                response.outputs[name], k, config.batch_size > 0, labels.get(name, ())
+            )
+
+    async def infer_stream(
+        self, request: InferenceRequest
+    ) -> AsyncIterator[tuple[InferenceResponse | ApplianceError, bool]]:
+        """The responses of one request with their "final" flag: exactly one for a
+        regular model; 0..N for a decoupled one, the last flagged final (its response
+        may be empty: the model sent only the flag). An error the model sent comes
+        as an :class:`ApplianceError` item and the stream goes on; a request that
+        fails before the model ran raises. Closing the iterator early cancels the
+        execution if it has not started."""
+        if not self.accepting:
+            raise unavailable("the server is shutting down")
+        mv = self.lifecycle.get(*_checked(request.model_name, request.model_version))
+        if not mv.config.decoupled:
+            yield await self._infer_one(mv, request), True
+            return
+        stream = ResponseStream(asyncio.get_running_loop(), mv.config.name)
+        request.inputs = RequestInputs(request.inputs, stream)
+        task = asyncio.get_running_loop().create_task(mv.infer(request))
+
+        def ended(t: asyncio.Task[InferenceResponse]) -> None:
+            if not t.cancelled() and t.exception() is not None:
+                error = t.exception()
+                stream.fail(error if isinstance(error, ApplianceError) else unavailable(str(error)))
+
+        task.add_done_callback(ended)
+        try:
+            async for item, final in stream:
+                if isinstance(item, ApplianceError):
+                    yield item, final
+                    continue
+                outputs = reshape.outputs_for_client(mv.config, item or {})
+                response = InferenceResponse(mv.config.name, str(mv.version), outputs, request.id)
+                self._classify(request, response, mv.config)
+                yield response, final
+        finally:
+            if not task.done():
+                task.cancel()
+
+    # ---- statistics and repository -----------------------------------------------------
+
+    def statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
+        if name:
+            _checked(name, version)
+            if version:
+                versions = [self.lifecycle.get(name, version)]
+            else:
+                versions = sorted(
+                    self.lifecycle.entry(name).versions.values(), key=lambda mv: mv.version
+                )
+        else:
+            versions = sorted(self.lifecycle.loaded(), key=lambda mv: (mv.config.name, mv.version))
+        return {"model_stats": [mv.stats.json() for mv in versions]}
+
+    def repository_index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+        rows = self.lifecycle.index()
+        return [r for r in rows if r.get("state") == "READY"] if ready_only else rows
+
+    def _check_control(self, what: str) -> None:
+        mode = self.lifecycle.server.model_control_mode
+        if mode == "none":
+            raise invalid(
+                f"cannot {what} models: model control is off (model_control_mode: none); "
+                "models load once at start"
+            )
+        if mode == "poll":
+            raise invalid(
+                f"cannot {what} models on request: the repository is polled "
+                "(model_control_mode: poll); change the files in the repository instead"
+            )
+
+    async def load_model(self, name: str, parameters: dict[str, Any] | None = None) -> None:
+        """Triton's repository load. Parameters: ``config`` (Triton's JSON model config,
+        used instead of the repository's config file for this load) and ``in_place``
+        (swap without room for two copies; the model is briefly unavailable) and
+        ``default_version`` (the version unversioned requests go to, while the others
+        are reachable by explicit version; absent: the newest)."""
+        names.check_model_name(name)
+        self._check_control("load")
+        params = dict(parameters or {})
+        files = sorted(k for k in params if k.startswith("file:"))
+        if files:
+            # Triton's override files: the model's files travel in the request. Not taken
+            # here: a Python model's files are code, and the appliance runs only what its
+            # own repository holds.
+            if "config" not in params:
+                raise invalid(
+                    f"failed to load '{name}': load parameter 'config' must be provided "
+                    f"together with model files {files}"
+                )
+            raise invalid(
+                f"failed to load '{name}', failed to poll from model repository: model files "
+                f"in a load request {files} are not accepted by this server; place them in "
+                "the model repository"
+            )
+        override = None
+        if "config" in params:
+            raw = params.pop("config")
+            if isinstance(raw, dict):
+                raw = json.dumps(raw)
+            if not isinstance(raw, str):
+                raise invalid("load parameter 'config' must be the model config as a JSON string")
+            try:
+                override = json_to_dict(raw, "load request parameter 'config'")
+            except ApplianceError as exc:  # Triton's clients look for "failed to load"
+                raise invalid(f"failed to load '{name}': {exc.message}") from None
+        in_place = params.pop("in_place", False)
+        if isinstance(in_place, str) and in_place.lower() in ("true", "false"):
+            in_place = in_place.lower() == "true"
+        if not isinstance(in_place, bool):
+            raise invalid(f"load parameter 'in_place' must be true or false, got {in_place!r}")
+        default = params.pop("default_version", 0)
+        if isinstance(default, str) and default.isdigit():
+            default = int(default)
+        if not isinstance(default, int) or isinstance(default, bool) or default < 0:
+            raise invalid(
+                f"load parameter 'default_version' must be a version number, got {default!r}"
+            )
+        if params:
+            raise invalid(
+                f"unsupported load parameter(s) {sorted(params)}: this server takes 'config', "
+                "'in_place' and 'default_version' (model files come from the model repository)"
+            )
+        entry = await self.lifecycle.load(name, override, in_place, default)
+        if entry.state != State.READY or entry.reason:  # a failed reload keeps the old copy
+            raise invalid(f"failed to load '{name}': {entry.reason}")
+
+    async def unload_model(self, name: str) -> None:
+        names.check_model_name(name)
+        self._check_control("unload")
+        await self.lifecycle.unload(name)
+
+    def memory(self) -> tuple[int | None, int]:
+        """The memory budget: (limit in bytes or None when unlimited, bytes in use)."""
+        return self.lifecycle.budget.limit, self.lifecycle.budget.used

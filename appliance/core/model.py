@@ -1,0 +1,174 @@
+"""One loaded model version: its config, validation, scheduler and statistics.
+
+A ModelVersion validates a request against its config (names, datatypes,
+shapes, batch size) before it is queued, so a bad request never reaches the
+engine or delays a batch, then hands it to its scheduler (see
+:mod:`appliance.core.scheduler`) and counts the outcome. How a version is built
+(backend, instances within the memory budget, completed config) is
+:mod:`appliance.core.loader`'s business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Hashable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from appliance import datatypes
+from appliance.config.model_config import ModelConfig, TensorConfig
+from appliance.core import limits, memory, reshape, scheduler
+from appliance.core.instances import InstanceGroup
+from appliance.core.servable import State, failures_counted, tensor_metadata
+from appliance.core.stats import ModelStats
+from appliance.errors import invalid
+from appliance.request import InferenceRequest, InferenceResponse
+
+__all__ = ["ModelVersion", "State", "check_input", "check_request"]
+
+
+class ModelVersion:
+    """A servable model version (see :class:`appliance.core.servable.Servable`), created
+    READY by :func:`appliance.core.loader.load_model_version`; :meth:`unload` drains it.
+
+    Memory: the copy's measured cost is ``memory``, charged to ``budget`` under
+    ``owner`` until :meth:`unload` has closed the instances.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        version: int,
+        instances: InstanceGroup,
+        max_queue_size: int,
+        usage: memory.Usage = memory.NOTHING,
+        budget: memory.MemoryBudget | None = None,
+        owner: object = None,
+        requested_instances: int = 0,
+    ) -> None:
+        self.config = config
+        self.version = version
+        self._state = State.READY
+        self.memory = usage
+        self.requested_instances = requested_instances or config.instance_count
+        self.stats = ModelStats(config.name, str(version))
+        self.stats.memory_usage = usage.json()
+        self.stats.instances = len(instances.instances)
+        self.stats.instances_requested = self.requested_instances
+        self._budget = budget
+        self._owner = owner
+        self._instances = instances
+        db = config.dynamic_batching
+        self._timeout_s = db.default_timeout_us / 1e6 if db and db.default_timeout_us else None
+        self._allow_override = db.allow_timeout_override if db else True
+        self.scheduler = scheduler.create(
+            config, f"{config.name}:{version}", instances, self.stats, max_queue_size
+        )
+
+    @property
+    def state(self) -> State:
+        """READY turns UNAVAILABLE while an instance has given up (a worker process in
+        a crash loop, see backends/process_host.py) until the model is loaded again."""
+        if self._state is State.READY and not self._instances.healthy:
+            return State.UNAVAILABLE
+        return self._state
+
+    @state.setter
+    def state(self, value: State) -> None:
+        self._state = value
+
+    @property
+    def ready(self) -> bool:
+        return self.state == State.READY
+
+    # ---- requests ---------------------------------------------------------------------
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        """Validate, queue, and wait for the result; records success/failure stats."""
+        start = time.perf_counter_ns()
+        with failures_counted(self.stats, start):
+            outputs, rows, signature = check_request(self.config, request)
+            timeout = self._timeout_s
+            if request.timeout_us and self._allow_override:
+                timeout = request.timeout_us / 1e6
+            inputs = reshape.inputs_for_model(self.config, request.inputs)
+            if inputs is not request.inputs:  # the engine sees the config's reshape
+                request = replace(request, inputs=inputs)
+            result = await self.scheduler.enqueue(request, outputs, rows, signature, timeout)
+        end = time.perf_counter_ns()
+        self.stats.record_success(
+            end - start, result.queue_ns, result.input_ns, result.infer_ns, result.output_ns
+        )
+        timing = (start, result.queue_ns, result.input_ns, result.infer_ns, result.output_ns, end)
+        return InferenceResponse(
+            self.config.name,
+            str(self.version),
+            reshape.outputs_for_client(self.config, result.outputs),
+            request.id,
+            timing,
+        )
+
+    def metadata(self, versions: list[str]) -> dict[str, Any]:
+        """KServe v2 model metadata."""
+        return tensor_metadata(self.config, versions)
+
+    async def unload(self, timeout_s: float) -> None:
+        """Drain queued and running requests (up to ``timeout_s``), free the instances,
+        hand the freed heap back to the OS and the charge back to the budget."""
+        self.state = State.UNLOADING
+        budget = self._budget or memory.MemoryBudget(None)
+        try:
+            await self.scheduler.stop(timeout_s)
+            # not while another copy is being measured: memory freed meanwhile would
+            # make that copy look cheaper than it is
+            async with budget.measuring():
+                await self._instances.close()
+                await asyncio.to_thread(memory.trim)
+        finally:
+            self.state = State.UNAVAILABLE
+            budget.release(self._owner)
+
+
+def check_input(config: ModelConfig, name: str, arr: np.ndarray, spec: TensorConfig) -> int:
+    """Validate one decoded input (the rules of :func:`appliance.core.limits.check_input`,
+    which the codecs already ran on its declaration); return its batch size (0 when
+    the model doesn't batch)."""
+    return limits.check_input(config, name, datatypes.from_numpy_dtype(arr.dtype), arr.shape)
+
+
+def check_request(
+    config: ModelConfig, request: InferenceRequest
+) -> tuple[tuple[str, ...], int, Hashable]:
+    """Validate ``request`` against ``config``: (the outputs to return, its batch
+    rows (1 when the model doesn't batch), the shape signature batches group by)."""
+    specs = {t.name: t for t in config.inputs}
+    for name in request.inputs:
+        if name not in specs:
+            raise invalid(
+                f"model '{config.name}' has no input '{name}'; its inputs are {sorted(specs)}"
+            )
+    rows: set[int] = set()
+    for name, spec in specs.items():
+        arr = request.inputs.get(name)
+        if arr is None:
+            if not spec.optional:
+                raise invalid(
+                    f"model '{config.name}' expects input '{name}', which the request lacks"
+                )
+            continue
+        rows.add(check_input(config, name, arr, spec))
+    if len(rows) > 1:
+        raise invalid(f"inputs of model '{config.name}' disagree on the batch size: {sorted(rows)}")
+    names = tuple(t.name for t in config.outputs)
+    for name in request.outputs:
+        if name not in names:
+            raise invalid(
+                f"model '{config.name}' has no output '{name}'; its outputs are {list(names)}"
+            )
+    outputs = request.outputs or names
+    # requests whose non-batch shapes differ must never share a batch
+    signature = tuple((n, a.shape[1:]) for n, a in sorted(request.inputs.items()))
+    return outputs, max(rows.pop(), 1) if rows else 1, signature

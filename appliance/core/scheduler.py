@@ -1,0 +1,63 @@
+"""Schedulers: how a model version's validated requests reach its instances.
+
+A :class:`Scheduler` owns a version's queue and decides which requests run
+together on which instance. The config picks one (:func:`create`):
+``sequence_batching`` gets the sequence batcher (stateful models, see
+:mod:`appliance.core.sequence_batcher`), anything else the dynamic batcher (which,
+without ``dynamic_batching``, runs one request per call). The model version only
+validates, hands over and counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Hashable
+from typing import Protocol
+
+from appliance.config.model_config import ModelConfig
+from appliance.core.batcher import BatchPolicy, BatchResult, DynamicBatcher
+from appliance.core.instances import InstanceGroup
+from appliance.core.sequence_batcher import SequenceBatcher
+from appliance.core.stats import ModelStats
+from appliance.request import InferenceRequest
+
+
+class Scheduler(Protocol):
+    """Contract: ``enqueue`` accepts or rejects at once (UNAVAILABLE when full or
+    stopping) and resolves with the request's share of one execution; ``stop``
+    stops accepting, drains within the timeout and fails the rest UNAVAILABLE."""
+
+    @property
+    def pending(self) -> int: ...
+
+    def enqueue(
+        self,
+        request: InferenceRequest,
+        outputs: tuple[str, ...],
+        rows: int,
+        signature: Hashable,
+        timeout_s: float | None,
+    ) -> Awaitable[BatchResult]: ...
+
+    async def stop(self, timeout_s: float) -> None: ...
+
+
+def create(
+    config: ModelConfig,
+    label: str,
+    instances: InstanceGroup,
+    stats: ModelStats,
+    default_max_queue_size: int,
+) -> Scheduler:
+    """The scheduler ``config`` asks for, serving ``instances``."""
+    if config.sequence_batching is not None:
+        return SequenceBatcher(label, config, instances, stats, default_max_queue_size)
+    db = config.dynamic_batching
+    policy = BatchPolicy(
+        max_batch_size=config.batch_size,
+        preferred_batch_sizes=db.preferred_batch_size if db else (),
+        max_queue_delay_s=(db.max_queue_delay_us / 1e6) if db else 0.0,
+        # a decoupled request runs alone: its response stream rides on its inputs
+        dynamic=db is not None and config.batch_size > 0 and not config.decoupled,
+    )
+    size = db.max_queue_size if db and db.max_queue_size else default_max_queue_size
+    return DynamicBatcher(label, instances, policy, size, stats)

@@ -1,0 +1,452 @@
+"""The batching decision (pure) and the DynamicBatcher driving fake backends.
+
+Every wait is bounded: the event-loop side with ``asyncio.wait_for``, the worker
+side with ``threading.Event.wait(timeout)``, so a regression fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+
+from appliance.core.batcher import BatchPolicy, BatchResult, Decision, DynamicBatcher, decide
+from appliance.core.instances import InstanceGroup
+from appliance.core.stats import ModelStats
+from appliance.errors import ApplianceError, Code, FailureReason
+from backends.base import TensorSpec
+
+T = TypeVar("T")
+LIMIT_S = 5.0  # upper bound on any single wait; only reached when a test is failing
+
+
+# ---- decide: pure, no event loop ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Item:
+    rows: int = 1
+    signature: Hashable = "a"
+    arrival: float = 0.0
+
+
+DYNAMIC = BatchPolicy(max_batch_size=8, max_queue_delay_s=1.0, dynamic=True)
+
+
+def test_decide_empty_queue_sends_nothing_and_waits_for_an_arrival() -> None:
+    assert decide([], 5.0, DYNAMIC) == Decision(send=(), wait_s=None)
+
+
+def test_decide_without_dynamic_batching_sends_one_request_at_a_time() -> None:
+    queue = [Item(), Item(), Item()]
+    assert decide(queue, 0.0, BatchPolicy(max_batch_size=8, dynamic=False)).send == (0,)
+    assert decide(queue, 0.0, BatchPolicy(max_batch_size=0, dynamic=True)).send == (0,)
+
+
+def test_decide_sends_at_once_when_max_batch_size_rows_are_queued() -> None:
+    queue = [Item(arrival=t) for t in (0.0, 0.1, 0.2, 0.3, 0.4)]
+    policy = BatchPolicy(max_batch_size=4, max_queue_delay_s=10.0, dynamic=True)
+    assert decide(queue, 0.5, policy) == Decision(send=(0, 1, 2, 3))
+
+
+def test_decide_waits_for_the_rest_of_the_delay_of_the_oldest_request() -> None:
+    queue = [Item(arrival=10.0), Item(arrival=10.5)]
+    decision = decide(queue, 10.6, DYNAMIC)
+    assert decision.send == ()
+    assert decision.wait_s == pytest.approx(0.4)  # 10.0 + 1.0 - 10.6, not from 10.5
+
+
+def test_decide_sends_everything_compatible_once_the_oldest_delay_expired() -> None:
+    queue = [Item(arrival=10.0), Item(arrival=10.9)]
+    assert decide(queue, 11.0, DYNAMIC).send == (0, 1)
+    assert decide(queue, 12.0, DYNAMIC).send == (0, 1)
+
+
+def test_decide_merges_multi_row_requests_up_to_max_batch_size() -> None:
+    policy = BatchPolicy(max_batch_size=6, max_queue_delay_s=1.0, dynamic=True)
+    assert decide([Item(rows=2), Item(rows=3)], 0.0, policy).wait_s == pytest.approx(1.0)
+    assert decide([Item(rows=2), Item(rows=3), Item(rows=1)], 0.0, policy).send == (0, 1, 2)
+
+
+def test_decide_a_request_that_would_overflow_blocks_the_batch_and_keeps_fifo() -> None:
+    policy = BatchPolicy(max_batch_size=4, max_queue_delay_s=10.0, dynamic=True)
+    # 2 + 3 > 4: the batch can't grow, so it goes now; the 1-row request that would
+    # fit must not jump ahead of the 3-row one
+    assert decide([Item(rows=2), Item(rows=3), Item(rows=1)], 0.0, policy) == Decision(send=(0,))
+
+
+def test_decide_skips_other_signatures_but_never_merges_them() -> None:
+    queue = [Item(signature="a"), Item(signature="b"), Item(signature="a"), Item(signature="b")]
+    assert decide(queue, 2.0, DYNAMIC).send == (0, 2)
+    # a big request of another shape doesn't block the head's batch either
+    policy = BatchPolicy(max_batch_size=4, max_queue_delay_s=1.0, dynamic=True)
+    queue = [Item(rows=2, signature="a"), Item(rows=4, signature="b"), Item(rows=2, signature="a")]
+    assert decide(queue, 0.0, policy).send == (0, 2)
+
+
+def test_decide_preferred_sizes_follow_triton() -> None:
+    policy = BatchPolicy(
+        max_batch_size=8, preferred_batch_sizes=(2, 4), max_queue_delay_s=10.0, dynamic=True
+    )
+    # below every preferred size: wait for the rest of the delay
+    assert decide([Item()], 0.0, policy).wait_s == pytest.approx(10.0)
+    # a preferred size is reachable: send the largest one reached, at once
+    assert decide([Item()] * 3, 0.0, policy).send == (0, 1)
+    assert decide([Item()] * 5, 0.0, policy).send == (0, 1, 2, 3)
+    # more queued than the largest preferred size: capped at it, not at max_batch_size
+    assert decide([Item()] * 10, 0.0, policy).send == (0, 1, 2, 3)
+    # 1 -> 2 (preferred) -> 5 rows: send the preferred 2
+    assert decide([Item(), Item(), Item(rows=3)], 0.0, policy).send == (0, 1)
+    # 3 rows can't reach 4 without passing it: send the 3 now
+    assert decide([Item(rows=3), Item(rows=2)], 0.0, policy).send == (0,)
+    # once the delay expired, everything that fits goes, up to max_batch_size
+    assert decide([Item(rows=3)] + [Item()] * 9, 11.0, policy).send == tuple(range(6))
+
+
+def test_decide_without_delay_sends_what_is_there() -> None:
+    policy = BatchPolicy(max_batch_size=8, max_queue_delay_s=0.0, dynamic=True)
+    assert decide([Item(), Item(rows=2)], 0.0, policy).send == (0, 1)
+
+
+# ---- DynamicBatcher with fake backends ------------------------------------------------
+
+
+class Doubler:
+    """Returns ``y = 2 x``; records each call's batch and thread; can hold calls.
+
+    While ``release`` is unset, every infer signals ``started`` and blocks on it, so
+    a test controls when a batch finishes.
+    """
+
+    inputs = [TensorSpec("x", "FP32", (-1, -1))]
+    outputs = [TensorSpec("y", "FP32", (-1, -1))]
+
+    def __init__(
+        self, hold: bool = False, fail_on_negative: bool = False, omit_outputs: bool = False
+    ) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+        if not hold:
+            self.release.set()
+        self.fail_on_negative = fail_on_negative
+        self.omit_outputs = omit_outputs
+        self.calls: list[np.ndarray] = []  # a copy of each call's x
+        self.threads: list[str] = []
+        self.closed = 0
+
+    def infer(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+        self.calls.append(inputs["x"].copy())
+        self.threads.append(threading.current_thread().name)
+        self.started.set()
+        if not self.release.wait(LIMIT_S):
+            raise RuntimeError("test never released the batch")
+        if self.fail_on_negative and (inputs["x"] < 0).any():
+            raise ValueError("negative input")
+        if self.omit_outputs:
+            return {}
+        return {"y": inputs["x"] * 2}
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def run(coro: Awaitable[T]) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, 10 * LIMIT_S)
+
+    return asyncio.run(bounded())
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    async def poll() -> None:
+        while not condition():
+            await asyncio.sleep(0.001)
+
+    await asyncio.wait_for(poll(), LIMIT_S)
+
+
+async def make_batcher(
+    backend: Any, policy: BatchPolicy, max_queue_size: int = 16, count: int = 1
+) -> tuple[DynamicBatcher, InstanceGroup, ModelStats]:
+    group = await InstanceGroup.create("m", count, lambda i: backend)
+    stats = ModelStats("m", "1")
+    return DynamicBatcher("m:1", group, policy, max_queue_size, stats), group, stats
+
+
+def x(value: float, rows: int = 1, cols: int = 2) -> np.ndarray:
+    return np.full((rows, cols), value, dtype=np.float32)
+
+
+def submit(
+    batcher: DynamicBatcher, arr: np.ndarray, timeout_s: float | None = None
+) -> asyncio.Task[BatchResult]:
+    return asyncio.get_running_loop().create_task(
+        batcher.submit({"x": arr}, ("y",), arr.shape[0], arr.shape[1:], timeout_s)
+    )
+
+
+async def shutdown(batcher: DynamicBatcher, group: InstanceGroup) -> None:
+    await batcher.stop(LIMIT_S)
+    await group.close()
+
+
+MERGE = BatchPolicy(max_batch_size=8, max_queue_delay_s=0.0, dynamic=True)
+
+
+def test_concurrent_requests_are_merged_into_one_call_and_split_back() -> None:
+    backend = Doubler(hold=True)
+
+    async def main() -> None:
+        batcher, group, stats = await make_batcher(backend, MERGE)
+        first = submit(batcher, x(1))
+        await until(backend.started.is_set)  # the instance is busy with `first`
+        rest = [
+            submit(batcher, x(2, rows=1)),
+            submit(batcher, x(3, rows=2)),
+            submit(batcher, x(4, rows=1)),
+        ]
+        await until(lambda: batcher.pending == 3)
+        assert stats.pending == 3
+        backend.release.set()
+        results = await asyncio.gather(first, *rest)
+        for value, rows, result in zip((1, 2, 3, 4), (1, 1, 2, 1), results, strict=True):
+            np.testing.assert_array_equal(result.outputs["y"], x(2 * value, rows))
+        assert [c.shape[0] for c in backend.calls] == [1, 4]
+        np.testing.assert_array_equal(backend.calls[1][:, 0], [2, 3, 3, 4])  # FIFO order
+        assert stats.execution_count == 2
+        assert stats.inference_count == 5
+        assert stats.execution_count < stats.inference_count
+        assert sorted(stats.batches) == [1, 4]
+        assert stats.pending == 0
+        await shutdown(batcher, group)
+
+    run(main())
+
+
+def test_a_full_batch_is_sent_without_waiting_for_the_queue_delay() -> None:
+    backend = Doubler()
+    policy = BatchPolicy(max_batch_size=4, max_queue_delay_s=30.0, dynamic=True)
+
+    async def main() -> None:
+        batcher, group, _ = await make_batcher(backend, policy)
+        tasks = [submit(batcher, x(v)) for v in range(4)]
+        # far below the 30 s delay: only "batch is full" can release these
+        results = await asyncio.wait_for(asyncio.gather(*tasks), LIMIT_S)
+        assert [r.outputs["y"][0, 0] for r in results] == [0, 2, 4, 6]
+        assert [c.shape[0] for c in backend.calls] == [4]
+        await shutdown(batcher, group)
+
+    run(main())
+
+
+def test_a_partial_batch_is_sent_when_the_oldest_request_waited_the_queue_delay() -> None:
+    backend = Doubler()
+    policy = BatchPolicy(max_batch_size=8, max_queue_delay_s=0.05, dynamic=True)
+
+    async def main() -> None:
+        batcher, group, _ = await make_batcher(backend, policy)
+        results = await asyncio.gather(submit(batcher, x(1)), submit(batcher, x(2)))
+        assert [r.outputs["y"][0, 0] for r in results] == [2, 4]
+        assert [c.shape[0] for c in backend.calls] == [2]
+        await shutdown(batcher, group)
+
+    run(main())
+
+
+def test_requests_with_different_non_batch_shapes_never_share_a_call() -> None:
+    backend = Doubler(hold=True)
+
+    async def main() -> None:
+        batcher, group, _ = await make_batcher(backend, MERGE)
+        first = submit(batcher, x(0, cols=2))
+        await until(backend.started.is_set)
+        rest = [submit(batcher, x(v, cols=c)) for v, c in ((1, 2), (2, 3), (3, 2), (4, 3))]
+        await until(lambda: batcher.pending == 4)
+        backend.release.set()
+        results = await asyncio.gather(first, *rest)
+        for (value, cols), result in zip(
+            ((0, 2), (1, 2), (2, 3), (3, 2), (4, 3)), results, strict=True
+        ):
+            np.testing.assert_array_equal(result.outputs["y"], x(2 * value, cols=cols))
+        assert [c.shape for c in backend.calls] == [(1, 2), (2, 2), (2, 3)]
+        np.testing.assert_array_equal(backend.calls[1][:, 0], [1, 3])
+        np.testing.assert_array_equal(backend.calls[2][:, 0], [2, 4])
+        await shutdown(batcher, group)
+
+    run(main())
+
+
+def test_a_full_queue_rejects_at_once_with_unavailable() -> None:
+    backend = Doubler(hold=True)
+
+    async def main() -> None:
+        batcher, group, _ = await make_batcher(backend, MERGE, max_queue_size=2)
+        running = submit(batcher, x(0))
+        await until(backend.started.is_set)
+        queued = [submit(batcher, x(1)), submit(batcher, x(2))]
+        await until(lambda: batcher.pending == 2)
+        with pytest.raises(ApplianceError) as info:
+            await batcher.submit({"x": x(3)}, ("y",), 1, (2,), None)  # no waiting involved
+        assert info.value.code is Code.UNAVAILABLE
+        assert info.value.reason is FailureReason.REJECTED
+        assert "queue is full" in info.value.message
+        assert batcher.pending == 2
+        backend.release.set()
+        results = await asyncio.gather(running, *queued)
+        assert [r.outputs["y"][0, 0] for r in results] == [0, 2, 4]
+        assert all((c != 3).all() for c in backend.calls)  # the rejected one never ran
+        await shutdown(batcher, group)
+
+    run(main())
+
+
+def test_a_request_that_cannot_be_served_in_time_gets_a_timeout_error() -> None:
+    backend = Doubler(hold=True)
+
+    async def main() -> None:
+        batcher, group, stats = await make_batcher(backend, MERGE)
+        running = submit(batcher, x(0))
+        await until(backend.started.is_set)
+        with pytest.raises(ApplianceError) as info:
+            await submit(batcher, x(7), timeout_s=0.05)
+        assert info.value.code is Code.UNAVAILABLE
+        assert info.value.reason is FailureReason.REJECTED
+        assert "timed out" in info.value.message
+        assert batcher.pending == 0
+        assert stats.pending == 0
+        backend.release.set()
+        assert (await running).outputs["y"][0, 0] == 0
+        ok = await submit(batcher, x(5), timeout_s=LIMIT_S)  # a generous timeout still works
+        assert ok.outputs["y"][0, 0] == 10
+        assert all((c != 7).all() for c in backend.calls)
+        await shutdown(batcher, group)
+
+    run(main())
+
+
+def test_a_backend_error_fails_only_its_batch() -> None:
+    backend = Doubler(hold=True, fail_on_negative=True)
+
+    async def main() -> None:
+        batcher, group, stats = await make_batcher(backend, MERGE)
+        held = submit(batcher, x(1))
+        await until(backend.started.is_set)
+        doomed = [submit(batcher, x(-1)), submit(batcher, x(2))]  # one batch with a bad row
+        await until(lambda: batcher.pending == 2)
+        backend.release.set()
+        assert (await held).outputs["y"][0, 0] == 2
+        for task in doomed:
+            with pytest.raises(ApplianceError) as info:
+                await task
+            assert info.value.code is Code.INTERNAL
+            assert info.value.reason is FailureReason.BACKEND
+            assert "negative input" in info.value.message
+        after = await submit(batcher, x(3))
+        assert after.outputs["y"][0, 0] == 6
+        assert stats.execution_count == 2  # failed executions aren't counted
+        await shutdown(batcher, group)
+
+    run(main())
+
+
+def test_a_backend_that_omits_a_requested_output_fails_the_request_instead_of_hanging() -> None:
+    backend = Doubler(omit_outputs=True)
+
+    async def main() -> None:
+        batcher, group, _ = await make_batcher(backend, MERGE)
+        with pytest.raises(ApplianceError) as info:
+            await asyncio.wait_for(submit(batcher, x(1)), LIMIT_S)
+        assert info.value.code is Code.INTERNAL
+        assert "'y'" in info.value.message
+        await shutdown(batcher, group)
+
+    run(main())
+
+
+def test_a_cancelled_caller_is_dropped_from_the_queue_and_others_are_unaffected() -> None:
+    backend = Doubler(hold=True)
+
+    async def main() -> None:
+        batcher, group, stats = await make_batcher(backend, MERGE)
+        running = submit(batcher, x(1))
+        await until(backend.started.is_set)
+        gone, kept = submit(batcher, x(2)), submit(batcher, x(3))
+        await until(lambda: batcher.pending == 2)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert batcher.pending == 1
+        assert stats.pending == 1
+        running.cancel()  # already executing: its result is dropped, the batch runs on
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        backend.release.set()
+        assert (await kept).outputs["y"][0, 0] == 6
+        assert all((c != 2).all() for c in backend.calls)  # the queued one never ran
+        assert [c[0, 0] for c in backend.calls] == [1, 3]
+        assert (await submit(batcher, x(4))).outputs["y"][0, 0] == 8
+        await shutdown(batcher, group)
+
+    run(main())
+
+
+def test_stop_drains_queued_work_then_refuses_new_requests() -> None:
+    backend = Doubler(hold=True)
+    one_at_a_time = BatchPolicy(max_batch_size=8, dynamic=False)
+
+    async def main() -> None:
+        batcher, group, stats = await make_batcher(backend, one_at_a_time)
+        tasks = [submit(batcher, x(0))]
+        await until(backend.started.is_set)
+        tasks += [submit(batcher, x(v)) for v in (1, 2, 3)]
+        await until(lambda: batcher.pending == 3)
+        stopping = asyncio.get_running_loop().create_task(batcher.stop(LIMIT_S))
+        await asyncio.sleep(0)
+        with pytest.raises(ApplianceError) as info:
+            await batcher.submit({"x": x(9)}, ("y",), 1, (2,), None)
+        assert info.value.code is Code.UNAVAILABLE
+        backend.release.set()
+        await stopping
+        # stop() returns only once every queued request has been answered, including
+        # those whose batches were dispatched while it was draining
+        assert all(t.done() for t in tasks)
+        assert [t.result().outputs["y"][0, 0] for t in tasks] == [0, 2, 4, 6]
+        assert stats.execution_count == 4
+        assert batcher.pending == 0
+        with pytest.raises(ApplianceError) as info:
+            await batcher.submit({"x": x(9)}, ("y",), 1, (2,), None)
+        assert info.value.code is Code.UNAVAILABLE
+        assert all((c != 9).all() for c in backend.calls)
+        await group.close()
+
+    run(main())
+
+
+def test_stop_fails_what_it_could_not_drain_in_time() -> None:
+    backend = Doubler(hold=True)
+
+    async def main() -> None:
+        batcher, group, _ = await make_batcher(backend, MERGE)
+        running = submit(batcher, x(0))
+        await until(backend.started.is_set)
+        queued = submit(batcher, x(1))
+        await until(lambda: batcher.pending == 1)
+        await batcher.stop(0.05)  # the held batch can't finish in time
+        for task in (running, queued):
+            assert task.done()
+            with pytest.raises(ApplianceError) as info:
+                task.result()
+            assert info.value.code is Code.UNAVAILABLE
+            assert "unloaded" in info.value.message
+        assert batcher.pending == 0
+        backend.release.set()  # let the worker thread finish before closing
+        await group.close()
+        assert backend.closed == 1
+        assert [c[0, 0] for c in backend.calls] == [0]
+
+    run(main())

@@ -1,0 +1,188 @@
+"""Memory-capped instance groups: measured costs, admission within the budget and the
+model's own limit, refusals that disturb nothing, and the figures in stats and metrics."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from appliance.config.fields import ConfigError, parse_limit, physical_memory
+from appliance.core.memory import Admission, MemoryBudget, MiB, Usage
+from devtools import modelgen
+
+UNSHARED = "parameters: {share_session: 'false'}\n"
+
+
+def _big(seed: int = 3) -> bytes:
+    """An MLP of ~24 MiB of weights: its cost dwarfs allocator noise."""
+    return modelgen.mlp(1024, 2048, 16, seed=seed)
+
+
+def _memory(client: httpclient.InferenceServerClient, model: str) -> int:
+    stats = client.get_inference_statistics(model)["model_stats"]
+    return sum(m["byte_size"] for s in stats for m in s["memory_usage"])
+
+
+def _scrape(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {
+        line.rpartition(" ")[0]: float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def _infer_big(client: httpclient.InferenceServerClient, model: str) -> None:
+    inp = httpclient.InferInput("input", [1, 1024], "FP32")
+    inp.set_data_from_numpy(np.ones((1, 1024), np.float32))
+    assert client.infer(model, [inp]).as_numpy("output").shape == (1, 16)
+
+
+# ---- the budget's arithmetic -----------------------------------------------------------
+
+
+def test_admission_charges_the_budget_and_names_every_figure_when_refusing() -> None:
+    budget = MemoryBudget(100 * MiB)
+    other = object()
+    budget.charge(other, "other", Usage(cpu=30 * MiB))
+    admission = Admission(budget, "m", cap=50 * MiB)
+    assert admission.fits(50 * MiB) and not admission.fits(51 * MiB)  # the cap binds
+    admission.add(Usage(cpu=40 * MiB, gpu=5 * MiB))
+    assert budget.used == 75 * MiB and budget.model_usage("m") == 45 * MiB
+    assert admission.room() == 5 * MiB
+    message = admission.refusal("another instance", 20 * MiB)
+    assert message == (
+        "model 'm': another instance needs 20.0 MiB, but the memory budget is 100.0 MiB, "
+        "75.0 MiB in use, 25.0 MiB free and the model's own limit "
+        "(parameters.memory_limit) is 50.0 MiB, 45.0 MiB already admitted"
+    )
+    budget.release(admission.owner)
+    assert budget.used == 30 * MiB and budget.free() == 70 * MiB
+
+
+def test_an_unlimited_budget_admits_everything_and_remembers_costs() -> None:
+    budget = MemoryBudget(None)
+    admission = Admission(budget, "m", cap=None)
+    assert admission.fits(10**15) and budget.free() is None
+    budget.remember("m", 1, Usage(cpu=8), Usage(cpu=2), 3)
+    assert budget.estimate("m", 1) == (Usage(cpu=8), Usage(cpu=2), 3)
+    assert budget.estimate("m", 7) == (Usage(cpu=8), Usage(cpu=2), 3)  # the newest known
+    assert budget.estimate("n", 1) is None
+    assert Usage(1, 2).json() == [
+        {"type": "CPU", "id": 0, "byte_size": 1},
+        {"type": "GPU", "id": 0, "byte_size": 2},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("1.5GiB", int(1.5 * 2**30)),
+        ("512MiB", 512 * MiB),
+        ("1048576B", MiB),
+        ("1048576 bytes", MiB),
+        ("50%", physical_memory() // 2),
+        (None, None),
+        ("none", None),
+        (0, None),
+    ],
+)
+def test_memory_limit_values(value: Any, expected: int | None) -> None:
+    assert parse_limit(value, "appliance.yaml", "memory_limit") == expected
+
+
+@pytest.mark.parametrize("value", ["lots", "150%", "0%", "-1GiB", "%", 60, "60"])
+def test_bad_memory_limits_name_the_field(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"^appliance.yaml: memory_limit: expected a"):
+        parse_limit(value, "appliance.yaml", "memory_limit")
+
+
+# ---- end to end: real models, real measurements ----------------------------------------
+
+
+def test_instances_are_admitted_while_they_fit_the_models_limit(
+    run_appliance, tmp_path: Path
+) -> None:
+    # a small model first: ONNX Runtime's one-time start-up memory is charged to it
+    modelgen.write_model(tmp_path, "a_first", modelgen.simple_add_sub())
+    modelgen.write_model(tmp_path, "big", _big(), UNSHARED)
+    srv = run_appliance(tmp_path)
+    client = httpclient.InferenceServerClient(srv.url)
+    one = _memory(client, "big")  # what one instance with its own session costs
+    assert one > 20 * MiB  # its ~24 MiB of weights are in the figure
+
+    # four asked for, room for two and a half: two admitted (config, stats, metrics, log)
+    limit = int(2.5 * one)
+    config = {
+        "instance_group": [{"count": 4, "kind": "KIND_CPU"}],
+        "parameters": {
+            "memory_limit": {"string_value": f"{limit}B"},
+            "share_session": {"string_value": "false"},
+        },
+    }
+    client.load_model("big", config=json.dumps(config))
+    assert client.get_model_config("big")["instance_group"][0]["count"] == 2
+    assert 1.6 * one < _memory(client, "big") < 2.4 * one
+    metrics = _scrape(srv.metrics_url)
+    assert metrics['appliance_model_instances{model="big",version="1"}'] == 2
+    assert metrics['appliance_model_instances_requested{model="big",version="1"}'] == 4
+    _infer_big(client, "big")
+
+    # with one shared session, further instances cost only their working memory
+    config["parameters"]["share_session"] = {"string_value": "true"}
+    client.load_model("big", config=json.dumps(config))
+    assert client.get_model_config("big")["instance_group"][0]["count"] == 4
+    assert _memory(client, "big") < 1.3 * one
+    _infer_big(client, "big")
+
+
+def test_a_model_that_cannot_fit_one_instance_is_refused_and_nothing_else_changes(
+    run_appliance, tmp_path: Path
+) -> None:
+    modelgen.write_model(tmp_path, "a_first", modelgen.simple_add_sub())
+    probe = run_appliance(tmp_path)
+    small = _memory(httpclient.InferenceServerClient(probe.url), "a_first")
+    probe.stop()
+    modelgen.write_model(tmp_path, "big", _big())
+    limit = small + 8 * MiB  # the big model needs ~24 MiB
+    srv = run_appliance(tmp_path, memory_limit=f"{limit}B")
+    client = httpclient.InferenceServerClient(srv.url)
+    rows = {r["name"]: r for r in client.get_model_repository_index()}
+    assert rows["a_first"]["state"] == "READY"
+    reason = rows["big"]["reason"]
+    assert rows["big"]["state"] == "UNAVAILABLE"
+    assert reason.startswith("model 'big': one instance "), reason
+    assert " needs " in reason
+    assert f"the memory budget is {limit / MiB:.1f} MiB" in reason and "in use" in reason
+    with pytest.raises(InferenceServerException, match=r"one instance .*needs") as info:
+        client.load_model("big")
+    assert info.value.status() == "400"
+    # the model already serving was not disturbed, and the budget holds only it
+    inputs = [httpclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+    for i in inputs:
+        i.set_data_from_numpy(np.ones((1, 16), np.int32))
+    np.testing.assert_array_equal(client.infer("a_first", inputs).as_numpy("OUTPUT0"), 2)
+    metrics = _scrape(srv.metrics_url)
+    assert metrics["appliance_memory_budget_bytes"] == limit
+    assert metrics["appliance_memory_budget_used_bytes"] == _memory(client, "a_first")
+
+
+def test_statistics_and_metrics_report_each_versions_memory(run_appliance) -> None:
+    srv = run_appliance()  # the demo models, unlimited budget
+    client = httpclient.InferenceServerClient(srv.url)
+    stats = client.get_inference_statistics("classifier")["model_stats"][0]
+    [usage] = stats["memory_usage"]
+    assert usage["type"] == "CPU" and usage["id"] == 0 and usage["byte_size"] > 0
+    metrics = _scrape(srv.metrics_url)
+    label = '{model="classifier",type="CPU",version="1"}'
+    assert metrics["appliance_model_memory_bytes" + label] == usage["byte_size"]
+    assert metrics["appliance_memory_budget_bytes"] == -1  # unlimited
+    total = _memory(client, "")  # every model of the demo repository
+    assert metrics["appliance_memory_budget_used_bytes"] == total
