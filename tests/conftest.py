@@ -23,7 +23,9 @@ from appliance.config.server_config import load_server_config
 from appliance.server import Server
 from devtools import modelgen
 
-BLOCKING_THRESHOLD_S = 0.5
+# a callback this long fails the test: the stalls this catches are seconds long (a request
+# decoded on the loop); a loaded machine delays callbacks by a good fraction of a second
+BLOCKING_THRESHOLD_S = 2.0
 
 
 def write_test_repository(repo: Path) -> Path:
