@@ -13,6 +13,8 @@ marker fails the test, so a snippet cannot be added unchecked. Kinds:
 - ``synopsis``: every ``--flag`` in it must be one ``appliance serve --help`` lists.
 - ``checked``: ``./scripts/test.sh``, which runs this suite: it must exist and be
   executable, and is not run from inside itself.
+- ``commands``: ``appliance`` command lines; each is parsed by the real command line
+  (every subcommand and flag must exist); the tests of that command run them.
 - ``text``: diagrams and layouts, not code.
 """
 
@@ -32,10 +34,12 @@ from pathlib import Path
 
 import pytest
 
+from appliance.cli import build_parser
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 MARKED = re.compile(r"<!-- readme-test: ([a-z ]+?)(?: \(.*?\))? -->\n```(\w*)\n(.*?)```", re.S)
-KINDS = {"server", "client", "python", "server config", "synopsis", "checked", "text"}
+KINDS = {"server", "client", "python", "server config", "synopsis", "checked", "commands", "text"}
 BLOCKS = [(m.group(1), m.group(2), m.group(3)) for m in MARKED.finditer(README)]
 
 
@@ -152,3 +156,17 @@ def test_the_test_command_exists() -> None:
     (command,) = _blocks("checked")
     script = ROOT / command.strip()
     assert script.is_file() and os.access(script, os.X_OK)
+
+
+@pytest.mark.parametrize("index", range(len(_blocks("commands"))))
+def test_command_lines_parse(index: int) -> None:
+    lines = [line for line in _blocks("commands")[index].splitlines() if line.strip()]
+    assert lines
+    parser = build_parser()
+    for line in lines:
+        argv = shlex.split(line)
+        assert argv[0] == "appliance", line
+        try:
+            parser.parse_args(argv[1:])
+        except SystemExit as exc:  # argparse's way of refusing
+            raise AssertionError(f"the command line refuses {line!r}") from exc
