@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from serve_process import start_serve
 
 from devtools import modelgen
 
@@ -25,57 +25,6 @@ GOOD = {
 }
 
 
-def _start(*args: str) -> tuple[subprocess.Popen[str], int, list[str]]:
-    """Start the real CLI on free ports; return it, its HTTP port and its log lines."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "appliance",
-            "serve",
-            "--http-port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--grpc-port",
-            "0",
-            *args,
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: list[str] = []
-    port_found = threading.Event()
-    port: list[int] = []
-
-    def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            m = re.search(r"listening: http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                port.append(int(m.group(1)))
-                port_found.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not port_found.wait(60):
-        proc.kill()
-        raise AssertionError("server did not start:\n" + "".join(lines))
-    for _ in range(600):  # ready once the models loaded (bounded: 60 s)
-        try:
-            if (
-                urllib.request.urlopen(
-                    f"http://127.0.0.1:{port[0]}/v2/health/ready", timeout=5
-                ).status
-                == 200
-            ):
-                break
-        except OSError:
-            pass
-        time.sleep(0.1)
-    return proc, port[0], lines
-
-
 def test_sigterm_drains_in_flight_requests_and_exits_zero(tmp_path: Path) -> None:
     # a long batching delay keeps requests in flight when SIGTERM arrives
     modelgen.write_model(
@@ -84,7 +33,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(tmp_path: Path) -> Non
         modelgen.simple_add_sub(),
         "max_batch_size: 8\ndynamic_batching: {max_queue_delay_microseconds: 1500000}\n",
     )
-    proc, port, lines = _start("--model-repository", str(tmp_path))
+    proc, port, lines = start_serve("--model-repository", str(tmp_path))
     try:
         statuses: list[int] = []
 
@@ -115,7 +64,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(tmp_path: Path) -> Non
 
 
 def test_demo_models_serve_with_no_arguments() -> None:
-    proc, port, _ = _start()
+    proc, port, _ = start_serve()
     try:
         doc = json.load(
             urllib.request.urlopen(

@@ -13,20 +13,16 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 from mosquitto import wait_until
+from serve_process import start_serve
 
 from devtools import modelgen
 
@@ -42,43 +38,6 @@ CLIENTS = 16
 EXIT_WAIT_S = 120  # generous: the drain timeout is 600 s, the in-flight work far less
 
 
-def _serve(repo: Path, config: Path) -> tuple[subprocess.Popen[str], int, list[str]]:
-    proc = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "appliance", "serve", "--config", str(config)),
-            *("--model-repository", str(repo), "--http-port", "0"),
-            *("--grpc-port", "0", "--metrics-port", "-1"),
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: list[str] = []
-    found = threading.Event()
-    port: list[int] = []
-
-    def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            m = re.search(r"listening: http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                port.append(int(m.group(1)))
-                found.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not found.wait(60):
-        proc.kill()
-        raise AssertionError("the server did not start:\n" + "".join(lines))
-    for _ in range(600):  # bounded: 60 s
-        try:
-            url = f"http://127.0.0.1:{port[0]}/v2/health/ready"
-            if urllib.request.urlopen(url, timeout=5).status == 200:
-                break
-        except OSError:
-            time.sleep(0.1)
-    return proc, port[0], lines
-
-
 def test_sigterm_under_load_answers_every_accepted_request(tmp_path: Path) -> None:
     # a short batching delay keeps requests queued at every moment of the load
     modelgen.write_model(
@@ -89,7 +48,14 @@ def test_sigterm_under_load_answers_every_accepted_request(tmp_path: Path) -> No
     )
     config = tmp_path / "appliance.yaml"
     config.write_text("drain_timeout_s: 600\n")
-    proc, port, lines = _serve(tmp_path / "repo", config)
+    proc, port, lines = start_serve(
+        "--config",
+        str(config),
+        "--model-repository",
+        str(tmp_path / "repo"),
+        "--metrics-port",
+        "-1",
+    )
     lock = threading.Lock()
     killed = [False]
     answered = threading.Semaphore(0)

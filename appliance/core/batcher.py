@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Hashable, Iterable
+from collections.abc import Awaitable, Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -401,14 +401,9 @@ class DynamicBatcher:
         then fail whatever is left with UNAVAILABLE and cancel the scheduler."""
         self._accepting = False
         self._wake.set()
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout_s
-        await asyncio.wait({self._scheduler}, timeout=timeout_s)
-        # only the scheduler dispatches, so once it has returned the running set is
-        # final; it holds batches dispatched during the drain, which must finish too
-        if self._running:
-            await asyncio.wait(set(self._running), timeout=max(0.0, end - loop.time()))
-        late = {t for t in (self._scheduler, *self._running) if not t.done()}
+        await wind_down(self._scheduler, self._running, timeout_s, self._fail_queued)
+
+    def _fail_queued(self) -> None:
         for item in self._queue:
             if not item.future.done():
                 item.future.set_exception(
@@ -419,7 +414,26 @@ class DynamicBatcher:
                 )
         self._queue.clear()
         self._stats.pending = 0
-        for task in late:
-            task.cancel()
-        if late:
-            await asyncio.wait(late)
+
+
+async def wind_down(
+    scheduler: asyncio.Task[None],
+    running: set[asyncio.Task[None]],
+    timeout_s: float,
+    fail_queued: Callable[[], None],
+) -> None:
+    """The stop both batchers share, once they stopped accepting and woke their
+    scheduler: wait for the scheduler to return, let the batches it dispatched finish
+    within what is left of ``timeout_s`` (only the scheduler dispatches, so once it has
+    returned the running set is final), fail what is still queued, cancel what is late."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    await asyncio.wait({scheduler}, timeout=timeout_s)
+    if running:
+        await asyncio.wait(set(running), timeout=max(0.0, end - loop.time()))
+    fail_queued()
+    late = {t for t in (scheduler, *running) if not t.done()}
+    for task in late:
+        task.cancel()
+    if late:
+        await asyncio.wait(late)

@@ -28,7 +28,7 @@ import time
 from collections.abc import Hashable
 
 from appliance.config.model_config import ModelConfig
-from appliance.core.batcher import BatchPolicy, BatchResult, run_batch
+from appliance.core.batcher import BatchPolicy, BatchResult, run_batch, wind_down
 from appliance.core.instances import InstanceGroup
 from appliance.core.sequence_feed import Feed
 from appliance.core.sequence_slots import Lane, Queued, Sequence, SlotTable
@@ -310,20 +310,9 @@ class SequenceBatcher:
         then fail whatever is left with UNAVAILABLE and cancel the scheduler."""
         self._accepting = False
         self._wake.set()
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout_s
-        await asyncio.wait({self._scheduler}, timeout=timeout_s)
-        # only the scheduler dispatches, so once it has returned the running set is final
-        if self._running:
-            await asyncio.wait(set(self._running), timeout=max(0.0, end - loop.time()))
-        self._fail_queued(
-            unavailable(
-                f"model '{self.model}' was unloaded before the request ran",
-                FailureReason.REJECTED,
-            )
+        unloaded = unavailable(
+            f"model '{self.model}' was unloaded before the request ran", FailureReason.REJECTED
         )
-        late = {t for t in (self._scheduler, *self._running) if not t.done()}
-        for task in late:
-            task.cancel()
-        if late:
-            await asyncio.wait(late)
+        await wind_down(
+            self._scheduler, self._running, timeout_s, lambda: self._fail_queued(unloaded)
+        )

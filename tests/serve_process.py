@@ -1,0 +1,50 @@
+"""The real ``appliance serve`` command in a subprocess, on free loopback ports: the
+tests that need a whole process (signals, exit codes) start it here."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+
+def start_serve(*args: str) -> tuple[subprocess.Popen[str], int, list[str]]:
+    """Start ``appliance serve`` with HTTP, gRPC and metrics on free ports (``args`` may
+    turn one off or add others); wait until ready. Returns the process, its HTTP port,
+    and its log lines (still growing, read by a thread)."""
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "appliance", "serve"),
+            *("--http-port", "0", "--metrics-port", "0", "--grpc-port", "0", *args),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    port_found = threading.Event()
+    port: list[int] = []
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            m = re.search(r"listening: http://127\.0\.0\.1:(\d+)", line)
+            if m:
+                port.append(int(m.group(1)))
+                port_found.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not port_found.wait(60):
+        proc.kill()
+        raise AssertionError("the server did not start:\n" + "".join(lines))
+    for _ in range(600):  # ready once the models loaded (bounded: 60 s)
+        try:
+            url = f"http://127.0.0.1:{port[0]}/v2/health/ready"
+            if urllib.request.urlopen(url, timeout=5).status == 200:
+                break
+        except OSError:
+            time.sleep(0.1)
+    return proc, port[0], lines
