@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 Hook = Callable[[str], None]  # called on entering each phase, after it is saved
 CLOCK_SLACK_S = 300.0
+_IDLE_BEAT_S = 10.0  # while waiting for the next check, the agent says it is alive this often
 
 
 class Rollback(OtaError):
@@ -65,11 +66,15 @@ class Agent:
         self.hook = hook
         self.reporter = Reporter(config.mqtt, config.device_id) if config.mqtt else None
         self._last_progress_save = 0.0
+        # when the agent last showed it is alive: a systemd watchdog pings only while
+        # this is recent, so a hung agent gets restarted (see ota/commands.py)
+        self.alive_at = time.monotonic()
 
     # ---- persistence and reporting --------------------------------------------------
 
     def _save(self) -> None:
         self.store.save(self.state)
+        self.alive_at = time.monotonic()
 
     def _enter(self, phase: str) -> None:
         self.state.phase = phase
@@ -140,7 +145,10 @@ class Agent:
                 self.run_once()
             except OtaError as exc:
                 log.error("ota: %s", exc)
-            stop.wait(max(0.0, self.state.next_check - time.time()))
+            while not stop.wait(min(_IDLE_BEAT_S, max(0.0, self.state.next_check - time.time()))):
+                self.alive_at = time.monotonic()  # idle, and alive
+                if time.time() >= self.state.next_check:
+                    break
 
     def _drive(self) -> bool:
         steps: dict[str, Callable[[Job], str]] = {
@@ -357,6 +365,7 @@ class Agent:
                 raise Rollback(f"probation: {verdict}")
             if time.monotonic() >= deadline:
                 return "commit"
+            self.alive_at = time.monotonic()
             time.sleep(min(self.cfg.probation_poll_s, max(0.0, deadline - time.monotonic())))
 
     # ---- commit and rollback ------------------------------------------------------------

@@ -11,6 +11,7 @@ import threading
 import time
 
 from appliance.errors import ApplianceError
+from appliance.sdnotify import Notifier
 from ota import OtaError, bundle, keys, repo, watch
 from ota import config as ota_config
 from ota.agent import Agent
@@ -97,7 +98,32 @@ def _ota(args: argparse.Namespace) -> int:
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
+        notifier = Notifier()  # systemd's Type=notify; nothing outside systemd
+        watchdog = _watchdog(notifier, agent, stop)
+        notifier.notify("READY=1", f"STATUS=checking {cfg.source} every {cfg.check_interval_s:g}s")
         agent.run_forever(stop)
+        notifier.notify("STOPPING=1")
+        if watchdog is not None:
+            watchdog.join()
         return 0
     finally:
         agent.close()
+
+
+def _watchdog(notifier: Notifier, agent: Agent, stop: threading.Event) -> threading.Thread | None:
+    """WATCHDOG=1 at the interval systemd asks, while the agent shows it is alive (it
+    saved its state or waited idle within the watchdog period): a hung agent stops the
+    pings and systemd restarts it; it resumes from its state file."""
+    interval = notifier.watchdog_s
+    if interval is None:
+        return None
+    limit = 2 * interval  # WatchdogSec: systemd's own deadline
+
+    def ping() -> None:
+        while not stop.wait(interval):
+            if time.monotonic() - agent.alive_at < limit:
+                notifier.notify("WATCHDOG=1")
+
+    thread = threading.Thread(target=ping, name="ota-watchdog", daemon=True)
+    thread.start()
+    return thread

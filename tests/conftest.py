@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sd_listener import Listener
 
 from appliance.config.server_config import load_server_config
 from appliance.server import Server
@@ -139,3 +142,13 @@ def run_appliance() -> Iterator[Callable[..., Running]]:
         running.stop()
     asyncio_log.removeHandler(detector)
     assert not detector.slow, f"the event loop was blocked: {detector.slow}"
+
+
+@pytest.fixture
+def listener() -> Iterator[Listener]:
+    """A notify socket, as systemd listens on one (tests of Type=notify units)."""
+    folder = Path(tempfile.mkdtemp(prefix="sdn-", dir="/tmp"))  # a short AF_UNIX path
+    listen = Listener(folder / "notify")
+    yield listen
+    listen.sock.close()
+    shutil.rmtree(folder)

@@ -13,13 +13,11 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
-import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sd_listener import Listener
 
 from appliance.sdnotify import Notifier, SystemdLink, socket_address, watchdog_interval
 from devtools import modelgen
@@ -101,37 +99,6 @@ def test_an_abstract_socket_name_is_reached() -> None:
         sock.settimeout(10)
         assert Notifier({"NOTIFY_SOCKET": "@" + name}).notify("READY=1", "STATUS=x")
         assert sock.recv(4096) == b"READY=1\nSTATUS=x"
-
-
-class Listener:
-    """The systemd side: a datagram socket collecting notify messages."""
-
-    def __init__(self, path: Path) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(path))
-        self.messages: list[dict[str, str]] = []
-
-    def until(self, key: str, value: str, at_least: int = 1, timeout: float = 60) -> None:
-        """Receive until ``at_least`` messages carried ``key=value``."""
-        deadline = time.monotonic() + timeout
-        while self.count(key, value) < at_least:
-            left = deadline - time.monotonic()
-            assert left > 0, f"{key}={value} x{at_least} never came: {self.messages}"
-            self.sock.settimeout(left)
-            data = self.sock.recv(65536).decode()
-            self.messages.append(dict(line.split("=", 1) for line in data.splitlines()))
-
-    def count(self, key: str, value: str) -> int:
-        return sum(1 for m in self.messages if m.get(key) == value)
-
-
-@pytest.fixture
-def listener() -> Iterator[Listener]:
-    folder = Path(tempfile.mkdtemp(prefix="sdn-", dir="/tmp"))  # a short AF_UNIX path
-    listen = Listener(folder / "notify")
-    yield listen
-    listen.sock.close()
-    shutil.rmtree(folder)
 
 
 def _http(port: int, path: str, body: dict[str, object] | None = None) -> int:
