@@ -37,6 +37,7 @@ from appliance.core.servable import Servable
 from appliance.errors import invalid
 from backends import process_host
 from backends.base import BackendOptions, TensorSpec, memory_usage
+from backends.parameters import Parameters
 
 log = logging.getLogger(__name__)
 
@@ -127,14 +128,8 @@ def declared_tensors(
 def thread_share(config: ModelConfig) -> int:
     """Intra-op threads per instance: ``parameters.intra_op_thread_count``, else an
     equal share of the cores among the requested instances."""
-    pinned = config.parameters.get("intra_op_thread_count", "0")
-    if not pinned.isdigit():
-        raise ConfigError(
-            config.source,
-            "parameters.intra_op_thread_count",
-            f"expected a positive integer, got {pinned!r}",
-        )
-    return int(pinned) or cpu_share(config.instance_count)
+    pinned = Parameters(config.name, config.parameters).integer(("intra_op_thread_count",), 0)
+    return pinned or cpu_share(config.instance_count)
 
 
 def backend_factory(
