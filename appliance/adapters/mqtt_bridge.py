@@ -60,6 +60,7 @@ from appliance.adapters.mqtt_protocol import (
     DedupWindow,
     Inbound,
     RequestTopic,
+    Room,
     Topics,
     backoff_delay,
     decode,
@@ -91,11 +92,7 @@ class MqttBridge:
         self.stats = MqttStats()
         self._dedup = DedupWindow(config.dedup_window_s, config.dedup_max_entries)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._lock = threading.Lock()  # guards _held and _accepting
-        # admitted requests not finished yet, by the connection (generation) that
-        # delivered them: the broker's Receive Maximum counts per connection
-        self._held: dict[int, int] = {}
-        self._accepting = False
+        self._room = Room(config.max_pending)  # requests in hand, by connection
         self._tasks: set[asyncio.Task[None]] = set()  # keep references: tasks are weak
         # each admitted request's task -> its connection, until its room is released
         # (exactly once: before its PUBACK, or when the task ends without one)
@@ -114,15 +111,10 @@ class MqttBridge:
 
     # ---- lifecycle ----------------------------------------------------------------------
 
-    @property
-    def connected(self) -> bool:
-        return self._link_up
-
     async def start(self) -> None:
         """Start the network thread; returns at once (the broker may be down)."""
         self._loop = asyncio.get_running_loop()
-        with self._lock:
-            self._accepting = True
+        self._room.open()
         self._thread = threading.Thread(
             target=self._network, name=f"mqtt-{self.config.device_id}", daemon=True
         )
@@ -141,8 +133,7 @@ class MqttBridge:
         rest -> publish ``offline`` -> disconnect cleanly -> end the network thread."""
         if self._loop is None:
             return  # never started
-        with self._lock:
-            self._accepting = False
+        self._room.close()
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=timeout_s)
             for task in pending:
@@ -288,17 +279,7 @@ class MqttBridge:
             self.stats.add("duplicates")
             client.ack(message.mid, message.qos)
             return
-        with self._lock:
-            accepting = self._accepting
-            held = self._held.get(inbound.generation, 0)
-            # QoS 1: the broker counts our unacknowledged requests against the Receive
-            # Maximum we announced; one that overshoots it (mosquitto 2.0 was seen
-            # sending one more right after an acknowledgement) is taken, up to twice
-            # max_pending, rather than answered "overloaded" while the model idles
-            room = self.config.max_pending * (2 if inbound.qos else 1)
-            admitted = accepting and held < room
-            if admitted:
-                self._held[inbound.generation] = held + 1
+        accepting, admitted = self._room.take(inbound.generation, inbound.qos)
         if not accepting:  # stopping: leave it unacknowledged, the broker keeps it
             self._forget(key)
             return
@@ -316,7 +297,7 @@ class MqttBridge:
             client.ack(message.mid, message.qos)
             return
         if not self._call(self._admit, inbound):
-            self._release(inbound.generation)
+            self._room.give_back(inbound.generation)
 
     # ---- the event loop -----------------------------------------------------------------
 
@@ -355,15 +336,7 @@ class MqttBridge:
     def _free(self, task: asyncio.Task[Any] | None) -> None:
         generation = self._holding.pop(task, None) if task is not None else None
         if generation is not None:
-            self._release(generation)
-
-    def _release(self, generation: int) -> None:
-        with self._lock:
-            left = self._held[generation] - 1
-            if left:
-                self._held[generation] = left
-            else:
-                del self._held[generation]
+            self._room.give_back(generation)
 
     def _forget(self, key: Hashable | None) -> None:
         if key is not None:
@@ -436,24 +409,21 @@ class MqttBridge:
         heavy = offload.tensor_bytes(response.outputs) > offload.OFFLOAD_BYTES
         body, length = await offload.run(heavy, http_codec.encode_response, response, fmt, shm)
         content = "application/json" if length is None else "application/octet-stream"
-        props = self._properties(msg, content, length)
+        props = reply_properties(msg, self.config.device_id, content, length, "")
         self._reply(msg.response_topic or self.topics.result(topic.model), body, props)
         self.stats.add("answered")
         return key
 
     # ---- replies and acknowledgements ---------------------------------------------------
 
-    def _properties(
-        self, msg: Inbound, content_type: str, header_length: int | None = None, code: str = ""
-    ) -> Properties:
-        return reply_properties(msg, self.config.device_id, content_type, header_length, code)
-
     def _error_reply(
         self, msg: Inbound, model: str, error: ApplianceError
     ) -> tuple[str, bytes, Properties]:
         """A KServe error object ``{"error": msg}`` for ``msg``, on its reply topic."""
         topic = msg.response_topic or self.topics.result(model or model_guess(msg.topic))
-        props = self._properties(msg, "application/json", code=error.code.value)
+        props = reply_properties(
+            msg, self.config.device_id, "application/json", None, error.code.value
+        )
         return topic, http_codec.error_body(error.message), props
 
     def _reply(self, topic: str, payload: bytes, props: Properties) -> None:

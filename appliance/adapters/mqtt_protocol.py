@@ -364,3 +364,46 @@ def model_guess(topic: str) -> str:
     """The model level of an unparseable request topic, for its error reply."""
     parts = topic.split("/infer/", 1)
     return parts[1].split("/")[0] if len(parts) == 2 and parts[1] else "unknown"
+
+
+class Room:
+    """The requests in hand, counted per connection (generation): the broker's Receive
+    Maximum counts per connection, and requests still in flight from an earlier
+    connection must not take the new one's room. Thread-safe: paho's network thread
+    takes room, the event loop gives it back."""
+
+    def __init__(self, max_pending: int) -> None:
+        self.max_pending = max_pending
+        self._lock = threading.Lock()
+        self._held: dict[int, int] = {}
+        self._accepting = False
+
+    def open(self) -> None:
+        with self._lock:
+            self._accepting = True
+
+    def close(self) -> None:
+        """No more requests are taken (stopping): the broker keeps them."""
+        with self._lock:
+            self._accepting = False
+
+    def take(self, generation: int, qos: int) -> tuple[bool, bool]:
+        """(accepting, admitted) for one more request on connection ``generation``.
+        QoS 1: the broker counts our unacknowledged requests against the Receive
+        Maximum we announced; one that overshoots it (mosquitto 2.0 was seen sending one
+        more right after an acknowledgement) is taken, up to twice max_pending, rather
+        than answered "overloaded" while the model idles."""
+        with self._lock:
+            held = self._held.get(generation, 0)
+            admitted = self._accepting and held < self.max_pending * (2 if qos else 1)
+            if admitted:
+                self._held[generation] = held + 1
+            return self._accepting, admitted
+
+    def give_back(self, generation: int) -> None:
+        with self._lock:
+            left = self._held[generation] - 1
+            if left:
+                self._held[generation] = left
+            else:
+                del self._held[generation]
