@@ -25,6 +25,7 @@ one place:
 
 from __future__ import annotations
 
+import functools
 import unicodedata
 from pathlib import Path
 
@@ -43,6 +44,13 @@ def name_problem(name: object) -> str:
     """Why ``name`` is not one safe path component ("" when it is)."""
     if not isinstance(name, str):
         return f"expected a string, got {type(name).__name__}"
+    return _str_problem(name)
+
+
+# every request names its model: the per-character checks run once per distinct name
+# (bounded, so a flood of made-up names cannot grow it)
+@functools.lru_cache(maxsize=4096)
+def _str_problem(name: str) -> str:
     if not name:
         return "it is empty"
     if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:

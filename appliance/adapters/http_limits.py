@@ -127,11 +127,17 @@ async def body(request: web.Request) -> bytes | bytearray:
         return cached
     if not request.body_exists:
         return b""
-    timeout: float | None = request.get(_BODY_TIMEOUT) or None
-    try:
-        data: bytes | bytearray = await asyncio.wait_for(_read(request), timeout)
-    except asyncio.TimeoutError:
-        raise _BodyTimeout(timeout) from None
+    data: bytes | bytearray
+    if request.content.is_eof() and request.content.total_bytes <= _YIELD_BYTES:
+        # a small body that arrived with its headers (the common case): all of it is
+        # buffered, so no timer and no task are needed to read it
+        data = await request.read()
+    else:
+        timeout: float | None = request.get(_BODY_TIMEOUT) or None
+        try:
+            data = await asyncio.wait_for(_read(request), timeout)
+        except asyncio.TimeoutError:
+            raise _BodyTimeout(timeout) from None
     request[_BODY] = data
     return data
 
