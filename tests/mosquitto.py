@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -279,3 +280,15 @@ class Client:
     def close(self) -> None:
         self.client.disconnect()
         self.client.loop_stop()
+
+
+def mqtt_metrics(srv: Any) -> dict[str, float]:
+    """The MQTT bridge's lines of a server's /metrics page, by name (labels kept)."""
+    with urllib.request.urlopen(srv.metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("appliance_mqtt_"):
+            name, value = line.rsplit(" ", 1)
+            out[name.removeprefix("appliance_mqtt_")] = float(value)
+    return out

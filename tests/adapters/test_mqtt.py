@@ -14,7 +14,6 @@ import struct
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import orjson
 import pytest
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
-from mosquitto import Broker, Client, Reply, find_mosquitto, free_port, wait_until
+from mosquitto import Broker, Client, Reply, find_mosquitto, free_port, mqtt_metrics, wait_until
 
 from appliance.adapters.mqtt_protocol import (
     DedupWindow,
@@ -134,18 +133,6 @@ def mqtt_options(port: int, device: str, **extra: Any) -> dict[str, Any]:
 
 def new_prefix() -> str:
     return f"test{os.getpid()}/p{next(_prefixes)}"
-
-
-def metrics(srv: Any) -> dict[str, float]:
-    """The MQTT lines of the server's /metrics page, by name (labels kept)."""
-    with urllib.request.urlopen(srv.metrics_url, timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("appliance_mqtt_"):
-            name, value = line.rsplit(" ", 1)
-            out[name.removeprefix("appliance_mqtt_")] = float(value)
-    return out
 
 
 def wait_online(c: Client, prefix: str, device: str) -> None:
@@ -294,7 +281,7 @@ def test_json_request_with_v5_response_topic(run_appliance, broker, client, mqtt
         out = outputs(reply)
         assert out["OUTPUT0"]["data"] == (A + b).ravel().tolist()
         assert out["OUTPUT1"]["data"] == (A - b).ravel().tolist()
-    m = metrics(srv)
+    m = mqtt_metrics(srv)
     assert m["connected"] == 1 and m["received"] == 2 and m["answered"] == 2 and m["errors"] == 0
 
 
@@ -513,7 +500,7 @@ def test_malformed_payloads_each_get_an_error_and_the_bridge_goes_on(
     assert (
         reply.correlation == b"ok" and outputs(reply)["OUTPUT0"]["data"] == (2 * A).ravel().tolist()
     )
-    m = metrics(srv)
+    m = mqtt_metrics(srv)
     assert m["errors"] == len(cases) and m["answered"] == 1 and m["received"] == len(cases) + 1
 
 
@@ -532,7 +519,7 @@ def test_duplicate_qos1_delivery_is_answered_once(run_appliance, broker, client,
         )
     replies = c.collect(2)
     assert sorted((r.correlation or b"") for r in replies) == [b"", b"dup"]
-    wait_until(lambda: metrics(srv)["duplicates"] == 2, what="two duplicates counted")
+    wait_until(lambda: mqtt_metrics(srv)["duplicates"] == 2, what="two duplicates counted")
     assert c.none_within(0.3) == []  # both duplicates were handled: no more replies coming
     stats = httpclient.InferenceServerClient(srv.url).get_inference_statistics("simple")
     assert stats["model_stats"][0]["inference_stats"]["success"]["count"] == 2
@@ -554,13 +541,15 @@ def test_expired_message_is_dropped_not_inferred(run_appliance, broker, client, 
         expiry_s=2,
     )
     wait_until(
-        lambda: metrics(srv)['dropped{reason="expired"}'] == 1, timeout=SLOW_DELAY_S, what="expiry"
+        lambda: mqtt_metrics(srv)['dropped{reason="expired"}'] == 1,
+        timeout=SLOW_DELAY_S,
+        what="expiry",
     )
     stats = httpclient.InferenceServerClient(srv.url).get_inference_statistics("slow")[
         "model_stats"
     ][0]
     assert stats["inference_count"] == 0 and stats["inference_stats"]["success"]["count"] == 0
-    m = metrics(srv)
+    m = mqtt_metrics(srv)
     assert m["answered"] == 0 and m["errors"] == 0
     assert c.replies.empty()
 
@@ -589,7 +578,7 @@ def test_qos1_backlog_waits_at_the_broker_not_overloaded(
     replies = c.collect(5, timeout=30)
     assert all(outputs(r)["OUTPUT0"]["data"] == [7.0] for r in replies)
     assert {r.correlation for r in replies} == {b"0", b"1", b"2", b"3", b"4"}
-    m = metrics(srv)
+    m = mqtt_metrics(srv)
     assert m['dropped{reason="overloaded"}'] == 0 and m["answered"] == 5
 
 
@@ -621,7 +610,7 @@ def test_overload_is_answered_at_once_not_buffered(run_appliance, broker, client
     rest = c.collect(2, timeout=SLOW_DELAY_S + 10)  # the two admitted ones, after the batch delay
     assert all(outputs(r)["OUTPUT0"]["data"] == [7.0] for r in rest)
     assert {r.correlation for r in first + rest} == {b"0", b"1", b"2", b"3", b"4"}
-    m = metrics(srv)
+    m = mqtt_metrics(srv)
     assert m['dropped{reason="overloaded"}'] == 3 and m["answered"] == 2 and m["in_flight"] == 0
 
 
@@ -649,7 +638,7 @@ def test_shared_subscription_splits_the_load(run_appliance, broker, client, mqtt
         assert outputs(r)["OUTPUT0"]["data"] == (A + int(r.correlation or b"0")).ravel().tolist()
     by_device = {d: sum(r.user["device-id"] == d for r in replies) for d in ("dev-a", "dev-b")}
     assert by_device["dev-a"] > 0 and by_device["dev-b"] > 0, by_device
-    answered = [metrics(s)["answered"] for s in servers]
+    answered = [mqtt_metrics(s)["answered"] for s in servers]
     assert answered == [by_device["dev-a"], by_device["dev-b"]]
     assert c.none_within(0.2) == []  # each request was answered by one device only
 
@@ -677,11 +666,13 @@ def test_broker_restart_mid_stream(run_appliance, make_broker, client, mqtt_repo
     assert len(c.collect(5)) == 5
     for i in range(3):  # in flight at the bridge (unacknowledged) when the broker dies
         send("slow", f"slow{i}")
-    wait_until(lambda: metrics(srv)["in_flight"] == 3, what="three requests in flight")
+    wait_until(lambda: mqtt_metrics(srv)["in_flight"] == 3, what="three requests in flight")
     broker.stop()
-    wait_until(lambda: metrics(srv)["connected"] == 0, what="the bridge to notice")
+    wait_until(lambda: mqtt_metrics(srv)["connected"] == 0, what="the bridge to notice")
     broker.start()  # same port, persistent sessions restored: the broker redelivers
-    wait_until(lambda: metrics(srv)["connected"] == 1, timeout=15, what="the bridge to reconnect")
+    wait_until(
+        lambda: mqtt_metrics(srv)["connected"] == 1, timeout=15, what="the bridge to reconnect"
+    )
     wait_until(lambda: c.connected, timeout=15, what="the test client to reconnect")
     for i in range(5):
         send("simple", f"after{i}")
@@ -689,7 +680,7 @@ def test_broker_restart_mid_stream(run_appliance, make_broker, client, mqtt_repo
     tags = sorted((r.correlation or b"").decode() for r in replies)
     assert tags == sorted([f"slow{i}" for i in range(3)] + [f"after{i}" for i in range(5)])
     assert [r for r in c.none_within(0.3) if r.topic == f"{prefix}/replies"] == []  # each once
-    m = metrics(srv)
+    m = mqtt_metrics(srv)
     assert m["reconnects"] == 1 and m["answered"] == 13
     # the broker redelivered the three unacknowledged requests; none was inferred twice
     assert m["duplicates"] == 3 and m["received"] == 16
@@ -701,8 +692,12 @@ def test_broker_restart_mid_stream(run_appliance, make_broker, client, mqtt_repo
     broker.persistence = False
     (broker.workdir / "mosquitto.db").unlink()
     broker.start()
-    wait_until(lambda: metrics(srv)["reconnects"] == 2, timeout=15, what="the second reconnect")
-    wait_until(lambda: metrics(srv)["connected"] == 1, timeout=15, what="the bridge to reconnect")
+    wait_until(
+        lambda: mqtt_metrics(srv)["reconnects"] == 2, timeout=15, what="the second reconnect"
+    )
+    wait_until(
+        lambda: mqtt_metrics(srv)["connected"] == 1, timeout=15, what="the bridge to reconnect"
+    )
     wait_until(lambda: c.connected, timeout=15, what="the test client to reconnect")
     wait_online(c, prefix, "cam1")  # "online" is published after the bridge subscribed
     c.subscribe(f"{prefix}/replies")  # the test client's own subscription went with the broker
@@ -722,9 +717,9 @@ def test_broker_down_at_start_does_not_touch_http(
     for i in inputs:
         i.set_data_from_numpy(A)
     np.testing.assert_array_equal(http.infer("simple", inputs).as_numpy("OUTPUT0"), 2 * A)
-    assert metrics(srv)["connected"] == 0
+    assert mqtt_metrics(srv)["connected"] == 0
     broker.start()
-    wait_until(lambda: metrics(srv)["connected"] == 1, timeout=15, what="the late broker")
+    wait_until(lambda: mqtt_metrics(srv)["connected"] == 1, timeout=15, what="the late broker")
     c = client(broker.port)
     wait_online(c, prefix, "cam1")
     c.subscribe(f"{prefix}/replies")
@@ -817,7 +812,7 @@ def test_a_broker_with_a_small_receive_maximum_is_respected(
             wait=False,
         )
     assert len({r.correlation for r in c.collect(12)}) == 12
-    m = metrics(srv)
+    m = mqtt_metrics(srv)
     assert m["reconnects"] == 1 and m["answered"] == 12 and m["connected"] == 1
 
 
@@ -871,4 +866,4 @@ def test_tls_with_a_client_certificate(
         reply.correlation == b"tls"
         and outputs(reply)["OUTPUT0"]["data"] == (2 * A).ravel().tolist()
     )
-    assert metrics(srv)["connected"] == 1
+    assert mqtt_metrics(srv)["connected"] == 1

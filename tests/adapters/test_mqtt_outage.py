@@ -18,7 +18,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -27,24 +26,13 @@ import numpy as np
 import orjson
 import pytest
 import tritonclient.http as httpclient
-from mosquitto import Broker, Client, Reply, find_mosquitto, wait_until
+from mosquitto import Broker, Client, Reply, find_mosquitto, mqtt_metrics, wait_until
 
 from devtools import modelgen
 
 A = np.arange(16, dtype=np.int32).reshape(1, 16)
 KILLS = 3
 RATE_S = 0.04  # a request every 40 ms: ~25 a second, as a camera would
-
-
-def _metrics(srv: Any) -> dict[str, float]:
-    with urllib.request.urlopen(srv.metrics_url, timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("appliance_mqtt_"):
-            name, value = line.rsplit(" ", 1)
-            out[name.removeprefix("appliance_mqtt_")] = float(value)
-    return out
 
 
 def _request(i: int) -> bytes:
@@ -78,7 +66,7 @@ def test_sigkilled_broker_loses_no_request_and_answers_each_once(
         mqtt = {"host": "127.0.0.1", "port": broker.port, "device_id": "cam"}
         srv = run_appliance(repo, mqtt=dict(mqtt, topic_prefix=prefix, keepalive_s=5))
         producer = Client(broker.port, session=True)
-        wait_until(lambda: _metrics(srv)["connected"] == 1, what="the bridge to connect")
+        wait_until(lambda: mqtt_metrics(srv)["connected"] == 1, what="the bridge to connect")
         producer.subscribe(f"{prefix}/replies")
         _saved(broker, broker.saves())
         sent: list[int] = []
@@ -107,7 +95,9 @@ def test_sigkilled_broker_loses_no_request_and_answers_each_once(
                 time.sleep(0.5)
                 saves = broker.saves()
                 broker.start()
-                wait_until(lambda: _metrics(srv)["connected"] == 1, timeout=20, what="the bridge")
+                wait_until(
+                    lambda: mqtt_metrics(srv)["connected"] == 1, timeout=20, what="the bridge"
+                )
                 wait_until(lambda: producer.connected, timeout=20, what="the producer")
                 _saved(broker, saves)  # the next kill loses nothing the two sides own
         finally:
@@ -126,7 +116,7 @@ def test_sigkilled_broker_loses_no_request_and_answers_each_once(
         # extra copies only where the broker itself sent a reply again after its restart
         extra = sum(n - 1 for n in replies.values())
         assert extra <= len(redelivered), (extra, replies.most_common(3))
-        m = _metrics(srv)
+        m = mqtt_metrics(srv)
         assert m["reconnects"] == KILLS
         assert m["answered"] == len(sent) and m["errors"] == 0  # each inferred and answered once
         stats = httpclient.InferenceServerClient(srv.url).get_inference_statistics("simple")
