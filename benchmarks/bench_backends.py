@@ -53,12 +53,16 @@ from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
-from machine import describe  # benchmarks/machine.py, next to this script
 
-import backends
-from appliance.core.instances import cpu_share
-from backends.base import Backend, BackendOptions
-from devtools import modelgen
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # run from a checkout: devtools/ is not installed
+
+from machine import describe  # noqa: E402  (benchmarks/machine.py, next to this script)
+
+import backends  # noqa: E402
+from appliance.core.instances import cpu_share  # noqa: E402
+from backends.base import Backend, BackendOptions  # noqa: E402
+from devtools import modelgen  # noqa: E402
 
 ENGINES = ("onnxruntime", "openvino")
 MODELS: dict[str, tuple[Callable[[], bytes], tuple[int, ...], int]] = {

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from machine import describe  # noqa: E402  (benchmarks/machine.py, next to this script)
 
-from appliance import modelgen  # noqa: E402
+from devtools import modelgen  # noqa: E402
 
 SHAPE = [1, 1080, 1920, 3]
 CONFIG = "max_batch_size: 4\ndynamic_batching: {max_queue_delay_microseconds: 0}\n"

@@ -39,7 +39,7 @@ from PIL import Image
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
 
-from appliance import modelgen  # noqa: E402
+from devtools import modelgen  # noqa: E402
 
 HEADER = "Inference-Header-Content-Length"
 

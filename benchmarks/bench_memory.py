@@ -15,14 +15,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import sys
 import tempfile
 from pathlib import Path
 
-from machine import describe  # benchmarks/machine.py, next to this script
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # run from a checkout: devtools/ is not installed
 
-from appliance import InProcessServer
-from appliance.core.memory import MiB, rss_bytes
-from devtools import modelgen
+from machine import describe  # noqa: E402  (benchmarks/machine.py, next to this script)
+
+from appliance import InProcessServer  # noqa: E402
+from appliance.core.memory import MiB, rss_bytes  # noqa: E402
+from devtools import modelgen  # noqa: E402
 
 WARM_B8 = (
     "model_warmup: [{name: b8, batch_size: 8, inputs: {input: "

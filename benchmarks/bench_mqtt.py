@@ -56,7 +56,7 @@ sys.path.insert(0, str(REPO_ROOT / "tests"))  # the broker helper the MQTT tests
 from machine import describe  # noqa: E402  (benchmarks/machine.py, next to this script)
 from mosquitto import Broker, find_mosquitto, free_port  # noqa: E402
 
-from appliance import modelgen  # noqa: E402
+from devtools import modelgen  # noqa: E402
 
 HEADER = "Inference-Header-Content-Length"
 CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -35,7 +35,7 @@ from machine import describe  # noqa: E402
 from mosquitto import free_port  # noqa: E402
 from ota_helpers import start_fleet  # noqa: E402
 
-from appliance import modelgen  # noqa: E402
+from devtools import modelgen  # noqa: E402
 from ota import bundle, repo  # noqa: E402
 from ota import config as ota_config  # noqa: E402
 from ota.agent import Agent  # noqa: E402

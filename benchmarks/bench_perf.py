@@ -43,7 +43,7 @@ from machine import describe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-from appliance import modelgen  # noqa: E402
+from devtools import modelgen  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
 MLP_CONFIG = """backend: onnxruntime

@@ -29,7 +29,8 @@ sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
 
 from machine import describe  # noqa: E402  (benchmarks/machine.py, next to this script)
 
-from appliance import InProcessServer, modelgen  # noqa: E402
+from appliance import InProcessServer  # noqa: E402
+from devtools import modelgen  # noqa: E402
 
 CONFIG = """\
 backend: onnxruntime

@@ -24,8 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from appliance import InProcessServer
-from devtools import modelgen
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))  # run from a checkout: devtools/ is not installed
+
+from appliance import InProcessServer  # noqa: E402
+from devtools import modelgen  # noqa: E402
 
 # (rtol, atol) against ONNX Runtime FP32 on the CPU, for the softmax output
 TOLERANCE = {"FP32": (1e-3, 1e-5), "FP16": (5e-2, 1e-4)}
