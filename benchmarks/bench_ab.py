@@ -14,33 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
+from probes import cpu_seconds, free_port, successes
+
 HERE = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def answered(port: int, model: str) -> int:
-    url = f"http://127.0.0.1:{port}/v2/models/{model}/stats"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        rows = json.load(r)["model_stats"]
-    return sum(int(s["inference_stats"]["success"]["count"]) for s in rows)
 
 
 def serve(tree: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
@@ -74,14 +56,14 @@ def main() -> int:
         for rep in range(a.repeats):
             for name, (proc, port) in sides.items():
                 for mode in a.modes.split(","):
-                    c0, n0 = cpu_s(proc.pid), answered(port, a.model)
+                    c0, n0 = cpu_seconds(proc.pid), successes(f"127.0.0.1:{port}", a.model)
                     cmd = [sys.executable, "-m", "appliance", "perf", "-m", a.model,
                            "-u", f"127.0.0.1:{port}", "--concurrency", str(a.concurrency),
                            "--warmup", "1", "--duration", str(a.seconds), "--quiet",
                            "--json", str(out)]  # fmt: skip
                     cmd += ["--json-data"] if mode == "json" else []
                     subprocess.run(cmd, env=env, check=True, timeout=600)
-                    c1, n1 = cpu_s(proc.pid), answered(port, a.model)
+                    c1, n1 = cpu_seconds(proc.pid), successes(f"127.0.0.1:{port}", a.model)
                     p = json.loads(out.read_text())["points"][0]
                     print(
                         f"| {rep + 1} | {name} | {mode} | {p['throughput_infer_s']:.0f} "

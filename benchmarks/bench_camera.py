@@ -24,7 +24,6 @@ import contextlib
 import datetime as dt
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,23 +39,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from machine import describe  # noqa: E402  (benchmarks/machine.py, next to this script)
+from probes import cpu_seconds, free_port  # noqa: E402
 
 from devtools import modelgen  # noqa: E402
 
 SHAPE = [1, 1080, 1920, 3]
 CONFIG = "max_batch_size: 4\ndynamic_batching: {max_queue_delay_microseconds: 0}\n"
 PROTOCOLS = ("http", "grpc", "http+shm", "grpc+shm")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Client:

@@ -22,7 +22,6 @@ import io
 import os
 import platform
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -35,6 +34,7 @@ import aiohttp
 import numpy as np
 import orjson
 from PIL import Image
+from probes import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
@@ -42,12 +42,6 @@ sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
 from devtools import modelgen  # noqa: E402
 
 HEADER = "Inference-Header-Content-Length"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def body(

@@ -35,7 +35,6 @@ import datetime
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,6 +52,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
 
 from machine import describe  # noqa: E402  (benchmarks/machine.py, next to this script)
+from probes import cpu_seconds, free_port  # noqa: E402
 
 from appliance.core.instances import cpu_share  # noqa: E402
 from backends.base import BackendOptions  # noqa: E402
@@ -245,19 +245,6 @@ async def measure_ceiling(
 
 
 # ---- (b) the server over HTTP ---------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, all threads (from /proc/<pid>/stat)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
 
 
 def system_busy_s() -> float:
@@ -544,14 +531,14 @@ async def run_case(
         workers = [asyncio.create_task(worker(session)) for _ in range(concurrency)]
         await asyncio.sleep(warmup_s)
         before = await model_stats(control, base, model)
-        cpu0, client0, busy0 = proc_cpu_s(server.pid), time.process_time(), system_busy_s()
+        cpu0, client0, busy0 = cpu_seconds(server.pid), time.process_time(), system_busy_s()
         start = time.perf_counter()
         t_end = start + seconds
         measuring = True
         while time.perf_counter() < t_end:
             await asyncio.sleep(min(0.05, max(0.0, t_end - time.perf_counter())))
         result.seconds = min(time.perf_counter(), t_end) - start
-        result.server_cpu_s = proc_cpu_s(server.pid) - cpu0
+        result.server_cpu_s = cpu_seconds(server.pid) - cpu0
         result.client_cpu_s = time.process_time() - client0
         result.other_cpu_s = max(
             0.0, system_busy_s() - busy0 - result.server_cpu_s - result.client_cpu_s

@@ -55,6 +55,7 @@ sys.path.insert(0, str(REPO_ROOT / "tests"))  # the broker helper the MQTT tests
 
 from machine import describe  # noqa: E402  (benchmarks/machine.py, next to this script)
 from mosquitto import Broker, find_mosquitto, free_port  # noqa: E402
+from probes import cpu_seconds  # noqa: E402
 
 from devtools import modelgen  # noqa: E402
 
@@ -66,12 +67,6 @@ DEVICE = "bench-device"
 
 def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 # ---- requests -----------------------------------------------------------------------------
@@ -392,14 +387,14 @@ def main(argv: list[str] | None = None) -> int:
                     for transport in ("mqtt", "http"):
                         case = Case(transport, work.model, level)
                         window = Window(args.warmup, args.seconds, args.max_requests)
-                        cpu0 = (cpu_s(server.pid), cpu_s(broker.process.pid))  # type: ignore[union-attr]
+                        cpu0 = (cpu_seconds(server.pid), cpu_seconds(broker.process.pid))  # type: ignore[union-attr]
                         if transport == "mqtt":
                             load.run(case, work, window)
                         else:
                             asyncio.run(
                                 http_case(f"http://127.0.0.1:{http_port}", case, work, window)
                             )
-                        cpu1 = (cpu_s(server.pid), cpu_s(broker.process.pid))  # type: ignore[union-attr]
+                        cpu1 = (cpu_seconds(server.pid), cpu_seconds(broker.process.pid))  # type: ignore[union-attr]
                         # CPU over warm-up + window, scaled to the window's share
                         share = case.seconds / (case.seconds + args.warmup)
                         case.server_cpu_s = (cpu1[0] - cpu0[0]) * share

@@ -28,7 +28,6 @@ import datetime
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,14 +43,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
 
 from machine import describe  # noqa: E402  (benchmarks/machine.py, next to this script)
+from probes import free_port  # noqa: E402
 
 HEADER = "Inference-Header-Content-Length"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss_mib(pid: int) -> float:

@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from machine import describe
+from probes import cpu_seconds, free_port, successes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
@@ -52,23 +52,6 @@ input: [{name: input, data_type: TYPE_FP32, dims: [256]}]
 output: [{name: output, data_type: TYPE_FP32, dims: [16]}]
 dynamic_batching: {max_queue_delay_microseconds: 1000}
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def successes(http: str, model: str) -> int:
-    with urllib.request.urlopen(f"http://{http}/v2/models/{model}/stats", timeout=10) as r:
-        rows = json.load(r)["model_stats"]
-    return sum(int(row["inference_stats"]["success"]["count"]) for row in rows)
 
 
 def perf(args: list[str], out: Path) -> dict[str, Any]:
@@ -169,9 +152,9 @@ def main() -> int:
                     args += ["-i", "inprocess", "--model-repository", str(repo)]
                 else:
                     args += ["-i", t]
-                n0, c0 = successes(http, model), cpu_s(server.pid)
+                n0, c0 = successes(http, model), cpu_seconds(server.pid)
                 p = perf(args, work / "p.json")
-                dn, dc = successes(http, model) - n0, cpu_s(server.pid) - c0
+                dn, dc = successes(http, model) - n0, cpu_seconds(server.pid) - c0
                 server_us = f"{dc * 1e6 / dn:.0f}" if dn > 0 and t != "inprocess" else "-"
                 rows.append(
                     f"| {model} | {t} | {p['throughput_infer_s']:.0f} | {p['p50_ms']:.2f} "
