@@ -364,6 +364,19 @@ def _state(pid: int) -> str:
         return ""
 
 
+def _exited(pid: int) -> bool:
+    """The process has finished dying: its leader is a zombie (or reaped) and no other
+    thread of it still runs. A killed multi-threaded process shows 'Z' for its leader
+    while its other threads are still exiting, and only the last one out closes its
+    files (the socket to the server) - until then it is not gone yet."""
+    if _state(pid) not in ("Z", ""):
+        return False
+    try:
+        return [t.name for t in Path(f"/proc/{pid}/task").iterdir()] in ([], [str(pid)])
+    except OSError:
+        return True
+
+
 def _wait_until(check: Any, seconds: float = 20.0) -> bool:
     """Poll ``check`` (bounded); a liveness wait, not a timing assertion."""
     deadline = time.monotonic() + seconds
@@ -381,7 +394,7 @@ def test_a_worker_killed_while_idle_is_replaced_before_the_next_request(
     client = httpclient.InferenceServerClient(srv.url)
     (pid,) = _pids(srv, "crashy")
     os.kill(pid, signal.SIGKILL)  # as the OOM killer would
-    assert _wait_until(lambda: _state(pid) in ("Z", ""))
+    assert _wait_until(lambda: _exited(pid))
     # nothing was in flight: this request is served by the successor
     result = _crashy(client, 4)
     np.testing.assert_array_equal(result.as_numpy("OUT"), [8, 10])
