@@ -10,6 +10,7 @@ memory budget (:func:`start_within_budget`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 from collections import deque
@@ -70,6 +71,11 @@ class ModelInstance:
         """Run ``fn(backend, *args)`` on this instance's thread."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, fn, self.backend, *args)
+
+    def occupy(self, fn: Callable[..., None], *args: Any) -> concurrent.futures.Future[None]:
+        """Hand this instance's thread to ``fn(backend, *args)`` until it returns (a
+        scheduler's loop); what is run later on the thread waits for it."""
+        return self._executor.submit(fn, self.backend, *args)
 
     async def run_measured(self, fn: Callable[..., T], *args: Any) -> tuple[T, memory.Usage]:
         """:meth:`run`, returning also the memory growth it caused."""

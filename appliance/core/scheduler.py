@@ -14,7 +14,8 @@ from collections.abc import Awaitable, Hashable
 from typing import Protocol
 
 from appliance.config.model_config import ModelConfig
-from appliance.core.batcher import BatchPolicy, BatchResult, DynamicBatcher
+from appliance.core.batcher import DynamicBatcher
+from appliance.core.batching import BatchPolicy, BatchResult
 from appliance.core.instances import InstanceGroup
 from appliance.core.sequence_batcher import SequenceBatcher
 from appliance.core.stats import ModelStats

@@ -28,7 +28,7 @@ import time
 from collections.abc import Hashable
 
 from appliance.config.model_config import ModelConfig
-from appliance.core.batcher import BatchPolicy, BatchResult, run_batch, wind_down
+from appliance.core.batching import BatchPolicy, BatchResult, run_batch, wind_down
 from appliance.core.instances import InstanceGroup
 from appliance.core.sequence_feed import Feed
 from appliance.core.sequence_slots import Lane, Queued, Sequence, SlotTable

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from appliance.core.batcher import BatchResult
+from appliance.core.batching import BatchResult
 from appliance.core.instances import ModelInstance
 from appliance.request import InferenceRequest
 

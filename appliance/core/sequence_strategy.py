@@ -1,7 +1,7 @@
 """The sequence batcher's strategies: which ready requests form an instance's next batch.
 
 Pure functions of the ready requests and a monotonic ``now``, like
-:func:`appliance.core.batcher.decide`, so their rules are unit-tested without an event
+:func:`appliance.core.batching.decide`, so their rules are unit-tested without an event
 loop. Each instance's sequences sit in slots; at most one request per sequence
 (the oldest it has queued, its *head*) is ready at a time.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from appliance.core.batcher import BatchPolicy, Queued, decide
+from appliance.core.batching import BatchPolicy, Queued, decide
 
 
 @dataclass(frozen=True, slots=True)

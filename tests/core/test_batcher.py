@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from appliance.core.batcher import BatchPolicy, BatchResult, Decision, DynamicBatcher, decide
+from appliance.core.batcher import DynamicBatcher
+from appliance.core.batching import BatchPolicy, BatchResult, Decision, decide
 from appliance.core.instances import InstanceGroup
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, Code, FailureReason
@@ -223,6 +224,36 @@ def test_concurrent_requests_are_merged_into_one_call_and_split_back() -> None:
         assert stats.execution_count < stats.inference_count
         assert sorted(stats.batches) == [1, 4]
         assert stats.pending == 0
+        await shutdown(batcher, group)
+
+    run(main())
+
+
+def test_an_instance_takes_its_next_batch_without_the_event_loop() -> None:
+    """Each instance's thread is its own scheduler (Triton's model): queued requests
+    run back to back even while the event loop is busy with something else."""
+    backend = Doubler(hold=True)
+    one_at_a_time = BatchPolicy(max_batch_size=8, dynamic=False)
+
+    async def main() -> None:
+        batcher, group, stats = await make_batcher(backend, one_at_a_time)
+        tasks = [submit(batcher, x(0))]
+        await until(backend.started.is_set)
+        tasks += [submit(batcher, x(v)) for v in (1, 2, 3)]
+        await until(lambda: batcher.pending == 3)
+        backend.release.set()
+        # the loop is blocked from here on: only the instance's thread can make progress
+        ran_all = threading.Event()
+        for _ in range(int(LIMIT_S / 0.01)):
+            if len(backend.calls) == 4:
+                ran_all.set()
+                break
+            threading.Event().wait(0.01)
+        assert ran_all.is_set(), [c[0, 0] for c in backend.calls]
+        assert [c[0, 0] for c in backend.calls] == [0, 1, 2, 3]
+        results = await asyncio.gather(*tasks)  # delivered once the loop runs again
+        assert [r.outputs["y"][0, 0] for r in results] == [0, 2, 4, 6]
+        assert stats.execution_count == 4
         await shutdown(batcher, group)
 
     run(main())

@@ -12,7 +12,8 @@ from typing import TypeVar
 import numpy as np
 import pytest
 
-from appliance.core.batcher import BatchPolicy, DynamicBatcher
+from appliance.core.batcher import DynamicBatcher
+from appliance.core.batching import BatchPolicy
 from appliance.core.instances import InstanceGroup, cpu_share
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, Code

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from appliance.config.model_config import ModelConfig, parse_model_config
-from appliance.core.batcher import BatchResult
+from appliance.core.batching import BatchResult
 from appliance.core.instances import InstanceGroup
 from appliance.core.sequence_batcher import SequenceBatcher
 from appliance.core.stats import ModelStats

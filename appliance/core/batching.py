@@ -1,0 +1,179 @@
+"""Batching, the parts every scheduler shares: the dynamic-batching decision, one
+execution of a batch on an instance's thread, and the stop both batchers share.
+
+The decision is the pure function :func:`decide` (queue view + monotonic now ->
+send these requests now, or wait N seconds), as Triton's DynamicBatchScheduler
+does. A batch is formed from decoded tensors (gathered on the instance's thread,
+never on the event loop) and results are split back by each request's row count
+as views (:func:`run_batch`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from appliance.errors import FailureReason, internal
+from backends.base import Backend
+
+
+class Queued(Protocol):
+    """What the decision looks at for each queued request."""
+
+    @property
+    def rows(self) -> int: ...
+    @property
+    def signature(self) -> Hashable: ...
+    @property
+    def arrival(self) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPolicy:
+    """How a model batches. ``max_batch_size == 0`` or ``dynamic=False``: one request per call."""
+
+    max_batch_size: int = 0
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_s: float = 0.0
+    dynamic: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """``send``: queue positions to execute now (empty: nothing yet).
+    ``wait_s``: when nothing is sent, how long until the decision may change
+    without a new arrival (None: only a new arrival can change it)."""
+
+    send: tuple[int, ...] = ()
+    wait_s: float | None = None
+
+
+def decide(queue: Iterable[Queued], now: float, policy: BatchPolicy) -> Decision:
+    """Pick the next batch from ``queue`` (oldest first) at monotonic time ``now``.
+
+    Triton's dynamic-batcher rules. The oldest request always leads; later requests
+    join if their non-batch shapes match (same ``signature``) and their rows fit
+    under max_batch_size; requests with other shapes are skipped, keep their place
+    and are never merged. Then, in order:
+
+    1. If the batch reached a preferred size (or can't reach the largest preferred
+       size without passing it) and the oldest request's delay has not expired,
+       send the largest such batch now.
+    2. Send everything picked if the batch is full or can't grow (the next matching
+       request doesn't fit), reached the largest preferred size, the delay expired,
+       or there is no delay.
+    3. Otherwise wait for the rest of the oldest request's max_queue_delay.
+    """
+    it = iter(queue)
+    head = next(it, None)
+    if head is None:
+        return Decision()
+    if not policy.dynamic or policy.max_batch_size <= 0:
+        return Decision(send=(0,))
+    limit = policy.max_batch_size
+    preferred = set(policy.preferred_batch_sizes)
+    largest_preferred = min(max(preferred), limit) if preferred else limit
+    picked, rows, blocked = [0], head.rows, False
+    best = 1 if rows in preferred else 0  # number of picked requests to send early
+    for index, item in enumerate(it, start=1):
+        if rows >= limit:
+            break
+        if item.signature != head.signature:
+            continue
+        if rows + item.rows > largest_preferred and not best:
+            best = len(picked)  # growing further passes every preferred size
+        if rows + item.rows > limit:
+            blocked = True  # FIFO among compatible requests: later ones don't jump ahead
+            break
+        picked.append(index)
+        rows += item.rows
+        if rows in preferred:
+            best = len(picked)
+    delay = policy.max_queue_delay_s
+    expired = delay <= 0 or now - head.arrival >= delay
+    if best and not expired:
+        return Decision(send=tuple(picked[:best]))
+    if blocked or expired or rows >= largest_preferred:
+        return Decision(send=tuple(picked))
+    return Decision(wait_s=head.arrival + delay - now)
+
+
+@dataclass(slots=True)
+class BatchResult:
+    """What one request gets back: its slice of the outputs and the batch timings."""
+
+    outputs: dict[str, np.ndarray]
+    queue_ns: int
+    input_ns: int
+    infer_ns: int
+    output_ns: int
+
+
+def run_batch(
+    backend: Backend,
+    items: list[dict[str, np.ndarray]],
+    rows: list[int],
+    outputs: list[str],
+    batched: bool,
+) -> tuple[list[dict[str, np.ndarray]], int, int, int]:
+    """Worker-thread side of one execution: gather inputs, infer, split outputs."""
+    t0 = time.perf_counter_ns()
+    if len(items) == 1:
+        batch = items[0]  # the common unbatched case: zero copies
+    else:
+        batch = {name: np.concatenate([it[name] for it in items]) for name in items[0]}
+    t1 = time.perf_counter_ns()
+    result = backend.infer(batch, outputs)
+    t2 = time.perf_counter_ns()
+    missing = [name for name in outputs if name not in result]
+    if missing:  # caught here, on the worker, it fails the batch instead of stranding futures
+        raise internal(
+            f"the backend did not return the requested output(s) {', '.join(map(repr, missing))}",
+            FailureReason.BACKEND,
+        )
+    if len(items) == 1:
+        parts = [result]
+    else:
+        total = sum(rows)
+        for name, arr in result.items():
+            if arr.ndim == 0 or arr.shape[0] != total:
+                raise internal(
+                    f"output '{name}' has shape {list(arr.shape)} but the batch had {total} rows",
+                    FailureReason.BACKEND,
+                )
+        parts, start = [], 0
+        for n in rows:
+            parts.append({name: arr[start : start + n] for name, arr in result.items()})
+            start += n
+    if batched:
+        del batch  # release the gathered inputs before the results travel back
+    t3 = time.perf_counter_ns()
+    return parts, t1 - t0, t2 - t1, t3 - t2
+
+
+async def wind_down(
+    scheduler: asyncio.Task[None],
+    running: set[asyncio.Task[None]],
+    timeout_s: float,
+    fail_queued: Callable[[], None],
+) -> None:
+    """The stop both batchers share, once they stopped accepting and woke their
+    scheduler: wait for the scheduler to return, let the batches it dispatched finish
+    within what is left of ``timeout_s`` (only the scheduler dispatches, so once it has
+    returned the running set is final), fail what is still queued, cancel what is late."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    await asyncio.wait({scheduler}, timeout=timeout_s)
+    if running:
+        await asyncio.wait(set(running), timeout=max(0.0, end - loop.time()))
+    fail_queued()
+    late = {t for t in (scheduler, *running) if not t.done()}
+    for task in late:
+        task.cancel()
+    if late:
+        await asyncio.wait(late)
