@@ -51,7 +51,7 @@ def main() -> int:
     out = work / "p.json"
     try:
         time.sleep(12)  # both load their demo models
-        print("| repeat | side | body | infer/s | p50 ms | p99 ms | server CPU ms/req |")
+        print("| repeat | side | body | infer/s | p50 ms | p99 ms | server CPU us/req |")
         print("|---|---|---|---|---|---|---|")
         for rep in range(a.repeats):
             for name, (proc, port) in sides.items():
@@ -68,7 +68,7 @@ def main() -> int:
                     print(
                         f"| {rep + 1} | {name} | {mode} | {p['throughput_infer_s']:.0f} "
                         f"| {p['p50_ms']:.1f} | {p['p99_ms']:.1f} "
-                        f"| {(c1 - c0) * 1000 / max(1, n1 - n0):.2f} |",
+                        f"| {(c1 - c0) * 1e6 / max(1, n1 - n0):.0f} |",
                         flush=True,
                     )
     finally:

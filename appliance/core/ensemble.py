@@ -33,7 +33,7 @@ from appliance.config.fields import ConfigError
 from appliance.config.model_config import ModelConfig, TensorConfig
 from appliance.config.server_config import ServerConfig
 from appliance.core import memory
-from appliance.core.model import check_request
+from appliance.core.model import RequestRules
 from appliance.core.servable import Servable, State, failures_counted, tensor_metadata
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, FailureReason, unavailable
@@ -174,6 +174,7 @@ class EnsembleVersion:
 
     def __init__(self, config: ModelConfig, version: int, server: ServerConfig, resolve: Resolver):
         self.config = config
+        self._rules = RequestRules(config)
         self.version = version
         self.state = State.READY
         self.memory = memory.NOTHING
@@ -202,7 +203,7 @@ class EnsembleVersion:
                 raise unavailable(
                     f"model '{self.config.name}' is unloading", FailureReason.REJECTED
                 )
-            outputs, _, _ = check_request(self.config, request)
+            outputs, _, _ = self._rules.check(request)
             task = asyncio.ensure_future(self._run(dict(request.inputs), request))
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)

@@ -22,12 +22,12 @@ from appliance import datatypes
 from appliance.config.model_config import ModelConfig, TensorConfig
 from appliance.core import limits, memory, reshape, scheduler
 from appliance.core.instances import InstanceGroup
-from appliance.core.servable import State, failures_counted, tensor_metadata
+from appliance.core.servable import State, tensor_metadata
 from appliance.core.stats import ModelStats
-from appliance.errors import invalid
+from appliance.errors import ApplianceError, FailureReason, invalid
 from appliance.request import InferenceRequest, InferenceResponse
 
-__all__ = ["ModelVersion", "State", "check_input", "check_request"]
+__all__ = ["ModelVersion", "RequestRules", "State", "check_input", "check_request"]
 
 
 class ModelVersion:
@@ -64,6 +64,9 @@ class ModelVersion:
         db = config.dynamic_batching
         self._timeout_s = db.default_timeout_us / 1e6 if db and db.default_timeout_us else None
         self._allow_override = db.allow_timeout_override if db else True
+        self._rules = RequestRules(config)
+        # reshape only when the config asks for it (most configs don't)
+        self._reshapes = any(t.reshape is not None for t in (*config.inputs, *config.outputs))
         self.scheduler = scheduler.create(
             config, f"{config.name}:{version}", instances, self.stats, max_queue_size
         )
@@ -89,26 +92,32 @@ class ModelVersion:
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         """Validate, queue, and wait for the result; records success/failure stats."""
         start = time.perf_counter_ns()
-        with failures_counted(self.stats, start):
-            outputs, rows, signature = check_request(self.config, request)
+        try:
+            outputs, rows, signature = self._rules.check(request)
             timeout = self._timeout_s
             if request.timeout_us and self._allow_override:
                 timeout = request.timeout_us / 1e6
-            inputs = reshape.inputs_for_model(self.config, request.inputs)
-            if inputs is not request.inputs:  # the engine sees the config's reshape
-                request = replace(request, inputs=inputs)
+            if self._reshapes:  # the engine sees the config's reshape
+                inputs = reshape.inputs_for_model(self.config, request.inputs)
+                if inputs is not request.inputs:
+                    request = replace(request, inputs=inputs)
             result = await self.scheduler.enqueue(request, outputs, rows, signature, timeout)
+        except ApplianceError as exc:  # servable.failures_counted, inline on the hot path
+            self.stats.record_failure(exc.reason, time.perf_counter_ns() - start)
+            raise
+        except asyncio.CancelledError:  # the caller went away
+            self.stats.record_failure(FailureReason.CANCELED, time.perf_counter_ns() - start)
+            raise
         end = time.perf_counter_ns()
         self.stats.record_success(
             end - start, result.queue_ns, result.input_ns, result.infer_ns, result.output_ns
         )
         timing = (start, result.queue_ns, result.input_ns, result.infer_ns, result.output_ns, end)
+        outputs_out = result.outputs
+        if self._reshapes:
+            outputs_out = reshape.outputs_for_client(self.config, outputs_out)
         return InferenceResponse(
-            self.config.name,
-            str(self.version),
-            reshape.outputs_for_client(self.config, result.outputs),
-            request.id,
-            timing,
+            self.config.name, str(self.version), outputs_out, request.id, timing
         )
 
     def metadata(self, versions: list[str]) -> dict[str, Any]:
@@ -139,36 +148,58 @@ def check_input(config: ModelConfig, name: str, arr: np.ndarray, spec: TensorCon
     return limits.check_input(config, name, datatypes.from_numpy_dtype(arr.dtype), arr.shape)
 
 
+class RequestRules:
+    """What :func:`check_request` checks, derived once from a config (a model
+    version keeps one: nothing is rebuilt per request)."""
+
+    __slots__ = ("_outputs", "_specs", "config")
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self._specs = {t.name: t for t in config.inputs}
+        self._outputs = tuple(t.name for t in config.outputs)
+
+    def check(self, request: InferenceRequest) -> tuple[tuple[str, ...], int, Hashable]:
+        """Validate ``request``: (the outputs to return, its batch rows (1 when the
+        model doesn't batch), the shape signature batches group by)."""
+        config, specs, inputs = self.config, self._specs, request.inputs
+        for name in inputs:
+            if name not in specs:
+                raise invalid(
+                    f"model '{config.name}' has no input '{name}'; its inputs are {sorted(specs)}"
+                )
+        rows: set[int] = set()
+        for name, spec in specs.items():
+            arr = inputs.get(name)
+            if arr is None:
+                if not spec.optional:
+                    raise invalid(
+                        f"model '{config.name}' expects input '{name}', which the request lacks"
+                    )
+                continue
+            rows.add(check_input(config, name, arr, spec))
+        if len(rows) > 1:
+            raise invalid(
+                f"inputs of model '{config.name}' disagree on the batch size: {sorted(rows)}"
+            )
+        names = self._outputs
+        for name in request.outputs:
+            if name not in names:
+                raise invalid(
+                    f"model '{config.name}' has no output '{name}'; its outputs are {list(names)}"
+                )
+        # requests whose non-batch shapes differ must never share a batch
+        if len(inputs) == 1:
+            ((only, arr),) = inputs.items()
+            signature: Hashable = ((only, arr.shape[1:]),)
+        else:
+            signature = tuple((n, a.shape[1:]) for n, a in sorted(inputs.items()))
+        return request.outputs or names, max(rows.pop(), 1) if rows else 1, signature
+
+
 def check_request(
     config: ModelConfig, request: InferenceRequest
 ) -> tuple[tuple[str, ...], int, Hashable]:
-    """Validate ``request`` against ``config``: (the outputs to return, its batch
-    rows (1 when the model doesn't batch), the shape signature batches group by)."""
-    specs = {t.name: t for t in config.inputs}
-    for name in request.inputs:
-        if name not in specs:
-            raise invalid(
-                f"model '{config.name}' has no input '{name}'; its inputs are {sorted(specs)}"
-            )
-    rows: set[int] = set()
-    for name, spec in specs.items():
-        arr = request.inputs.get(name)
-        if arr is None:
-            if not spec.optional:
-                raise invalid(
-                    f"model '{config.name}' expects input '{name}', which the request lacks"
-                )
-            continue
-        rows.add(check_input(config, name, arr, spec))
-    if len(rows) > 1:
-        raise invalid(f"inputs of model '{config.name}' disagree on the batch size: {sorted(rows)}")
-    names = tuple(t.name for t in config.outputs)
-    for name in request.outputs:
-        if name not in names:
-            raise invalid(
-                f"model '{config.name}' has no output '{name}'; its outputs are {list(names)}"
-            )
-    outputs = request.outputs or names
-    # requests whose non-batch shapes differ must never share a batch
-    signature = tuple((n, a.shape[1:]) for n, a in sorted(request.inputs.items()))
-    return outputs, max(rows.pop(), 1) if rows else 1, signature
+    """Validate ``request`` against ``config`` (:meth:`RequestRules.check`, for a
+    config checked once)."""
+    return RequestRules(config).check(request)
