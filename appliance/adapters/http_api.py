@@ -18,10 +18,12 @@ from typing import Any
 
 import orjson
 from aiohttp import web, web_protocol
+from aiohttp.typedefs import Middleware
 
 from appliance.adapters import http_codec, http_limits, offload
 from appliance.adapters.access import AccessPolicy, Scope
 from appliance.core.dataplane import DataPlane
+from appliance.core.limits import InputGate
 from appliance.core.queue_bytes import Hold
 from appliance.errors import ApplianceError, Code, invalid
 
@@ -55,42 +57,60 @@ def _error(status: int, message: str) -> web.Response:
     )
 
 
-@web.middleware
-async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except (ConnectionResetError, web_protocol.RequestPayloadError) as exc:
-        # the client went away or broke off its body: its event, not a server error
-        # (re-raised, aiohttp would log it as an error with a traceback)
-        log.debug("client %s left: %s %s: %s", request.remote, request.method, request.path, exc)
-        return _error(400, f"the request body was cut off: {exc}")
-    except ApplianceError as exc:
-        return _error(STATUS[exc.code], exc.message)
-    except web.HTTPRequestEntityTooLarge as exc:
-        return _error(
-            413,
-            f"request body exceeds the server's limit of "
-            f"{request.app[MAX_REQUEST_SIZE]} bytes ({exc.text})",
-        )
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        response = _error(exc.status, f"{exc.reason}: {request.method} {request.path}")
-        if "Allow" in exc.headers:  # a 405 says which methods the route takes
-            response.headers["Allow"] = exc.headers["Allow"]
-        return response
-    except Exception as exc:  # a bug: answer 500 and keep serving
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _error(500, f"internal error: {exc}")
+def _front(limits: http_limits.BodyLimits) -> Middleware:
+    """The one middleware every request passes: who may call (bearer tokens by
+    route scope), the body limits (413 at once, 408 when the body is late), and
+    errors mapped to their status codes (a bug answers 500 and the server keeps
+    serving). One coroutine frame instead of three on the hot path."""
+
+    @web.middleware
+    async def front(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            denial = _denied(request)
+            if denial is not None:
+                return denial
+            refusal = limits.refuse(request)
+            if refusal is not None:
+                return refusal
+            return await handler(request)
+        except http_limits.BodyTimeout:
+            return limits.timed_out(request)
+        except (ConnectionResetError, web_protocol.RequestPayloadError) as exc:
+            # the client went away or broke off its body: its event, not a server error
+            # (re-raised, aiohttp would log it as an error with a traceback)
+            log.debug(
+                "client %s left: %s %s: %s", request.remote, request.method, request.path, exc
+            )
+            return _error(400, f"the request body was cut off: {exc}")
+        except ApplianceError as exc:
+            return _error(STATUS[exc.code], exc.message)
+        except web.HTTPRequestEntityTooLarge as exc:
+            return _error(
+                413,
+                f"request body exceeds the server's limit of "
+                f"{request.app[MAX_REQUEST_SIZE]} bytes ({exc.text})",
+            )
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            response = _error(exc.status, f"{exc.reason}: {request.method} {request.path}")
+            if "Allow" in exc.headers:  # a 405 says which methods the route takes
+                response.headers["Allow"] = exc.headers["Allow"]
+            return response
+        except Exception as exc:  # a bug: answer 500 and keep serving
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            return _error(500, f"internal error: {exc}")
+
+    return front
 
 
-@web.middleware
-async def _access(request: web.Request, handler: Handler) -> web.StreamResponse:
+def _denied(request: web.Request) -> web.Response | None:
+    """401/403 when the route's scope needs a token the call lacks, else None."""
     route = request.match_info.route.handler
     scope = _ADMIN_ROUTES.get(route) or _PUBLIC_ROUTES.get(route) or Scope.INFERENCE
     denial = request.app[ACCESS].check_all(scope, request.headers.getall("Authorization", []))
     if denial is None:
-        return await handler(request)
+        return None
     if denial.forbidden:
         return _error(403, denial.message)
     response = _error(401, denial.message)
@@ -151,17 +171,22 @@ async def infer(request: web.Request) -> web.Response:
     model, version = _model(request)
     # the body is held from before it is read: an overloaded model or server answers
     # 503 without taking the payload into memory (appliance.core.queue_bytes)
-    hold = dataplane.reserve(model, version, request.content_length or 0)
+    # and every input declaration is checked against the model before it is decoded
+    hold, gate = dataplane.admit(model, version, request.content_length or 0)
     try:
-        return await _infer(request, dataplane, model, version, hold)
+        return await _infer(request, dataplane, model, version, hold, gate)
     finally:
         hold.release()
 
 
 async def _infer(
-    request: web.Request, dataplane: DataPlane, model: str, version: str, hold: Hold
+    request: web.Request,
+    dataplane: DataPlane,
+    model: str,
+    version: str,
+    hold: Hold,
+    gate: InputGate,
 ) -> web.Response:
-    gate = dataplane.input_gate(model, version)  # checked before any tensor is decoded
     body = await http_limits.body(request)
     header_length = http_codec.parse_header_length(
         request.headers.get(http_codec.HEADER_LENGTH), len(body)
@@ -333,8 +358,8 @@ def create_app(
     access: AccessPolicy | None = None,
     body_timeout_s: float = 60.0,
 ) -> web.Application:
-    limits = http_limits.body_limits(max_request_size, body_timeout_s)
-    app = web.Application(client_max_size=max_request_size, middlewares=[_errors, _access, limits])
+    limits = http_limits.BodyLimits(max_request_size, body_timeout_s)
+    app = web.Application(client_max_size=max_request_size, middlewares=[_front(limits)])
     app[DATAPLANE] = dataplane
     app[MAX_REQUEST_SIZE] = max_request_size
     app[ACCESS] = access or AccessPolicy()

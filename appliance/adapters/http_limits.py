@@ -27,7 +27,6 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http import HttpVersion11
-from aiohttp.typedefs import Middleware
 
 from appliance.adapters.http_codec import error_body
 from appliance.config.server_config import ServerConfig
@@ -38,7 +37,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # aiohttp's own lingering default: longer gives a slow client nothing
 _MAX_LINGER_S = 10.0
-# the body once read, and how long reading it may take (set by body_limits)
+# the body once read, and how long reading it may take (set by BodyLimits.refuse)
 _BODY: web.RequestKey[bytes | bytearray] = web.RequestKey("appliance.body")
 _BODY_TIMEOUT: web.RequestKey[float] = web.RequestKey("appliance.body_timeout_s")
 _YIELD_BYTES = 2**20  # bytes copied between two turns of the event loop
@@ -113,8 +112,8 @@ async def _read(request: web.Request) -> bytes | bytearray:
     return buffer
 
 
-class _BodyTimeout(Exception):
-    """The body did not arrive in time: :func:`body_limits` answers 408."""
+class BodyTimeout(Exception):
+    """The body did not arrive in time: :meth:`BodyLimits.timed_out` answers 408."""
 
 
 async def body(request: web.Request) -> bytes | bytearray:
@@ -137,29 +136,33 @@ async def body(request: web.Request) -> bytes | bytearray:
         try:
             data = await asyncio.wait_for(_read(request), timeout)
         except asyncio.TimeoutError:
-            raise _BodyTimeout(timeout) from None
+            raise BodyTimeout(timeout) from None
     request[_BODY] = data
     return data
 
 
-def body_limits(limit: int, body_timeout_s: float) -> Middleware:
-    """Middleware: refuse an oversized declared body (413) at once; a body that a
-    handler reads (:func:`body`) must arrive within ``body_timeout_s`` (408)."""
+class BodyLimits:
+    """The body rules of every request, applied by the HTTP front middleware: refuse
+    an oversized declared body (413) at once (:meth:`refuse`); a body that a handler
+    reads (:func:`body`) must arrive within ``body_timeout_s``, else :class:`BodyTimeout`
+    is raised and answered 408 (:meth:`timed_out`)."""
 
-    @web.middleware
-    async def limits(request: web.Request, handler: Handler) -> web.StreamResponse:
-        refusal = _too_large(request, limit)
-        if refusal is not None:
-            return refusal
-        request[_BODY_TIMEOUT] = body_timeout_s
-        try:
-            return await handler(request)
-        except _BodyTimeout:
-            log.debug("body from %s not complete in %.1fs", request.remote, body_timeout_s)
-            return _refusal(
-                408,
-                f"the request body did not arrive within {body_timeout_s:g}s "
-                f"(http_body_timeout_s)",
-            )
+    __slots__ = ("body_timeout_s", "limit")
 
-    return limits
+    def __init__(self, limit: int, body_timeout_s: float) -> None:
+        self.limit = limit
+        self.body_timeout_s = body_timeout_s
+
+    def refuse(self, request: web.Request) -> web.Response | None:
+        refusal = _too_large(request, self.limit)
+        if refusal is None:
+            request[_BODY_TIMEOUT] = self.body_timeout_s
+        return refusal
+
+    def timed_out(self, request: web.Request) -> web.Response:
+        log.debug("body from %s not complete in %.1fs", request.remote, self.body_timeout_s)
+        return _refusal(
+            408,
+            f"the request body did not arrive within {self.body_timeout_s:g}s "
+            f"(http_body_timeout_s)",
+        )

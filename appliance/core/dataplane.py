@@ -139,7 +139,9 @@ class DataPlane:
         """The checks a codec runs on each input declaration of a request to this
         model, before decoding it (:mod:`appliance.core.limits`). NOT_FOUND/UNAVAILABLE
         for a model that cannot serve: the request is refused before it is read."""
-        mv = self.lifecycle.get(*_checked(name, version))
+        return self._gate(self.lifecycle.get(*_checked(name, version)))
+
+    def _gate(self, mv: Servable) -> InputGate:
         loop = asyncio.get_running_loop()
 
         def refused(exc: ApplianceError) -> None:
@@ -160,13 +162,14 @@ class DataPlane:
 
     # ---- inference ---------------------------------------------------------------------
 
-    def reserve(self, name: str, version: str, nbytes: int) -> Hold:
-        """A hold of ``nbytes`` on the model's and the server's queued bytes, taken by an
-        adapter *before* it reads a request's payload (sized by what the request
-        declares); pass it to :meth:`infer`, and release it once answered. Raises
-        UNAVAILABLE when the bytes do not fit (nothing is held then). Shutting down is
-        answered by :meth:`infer`, after the body was read: a connection whose request
-        body is left unread would hold the shutdown while the server drains it."""
+    def admit(self, name: str, version: str, nbytes: int) -> tuple[Hold, InputGate]:
+        """What an adapter takes *before* it reads a request's payload: a hold of
+        ``nbytes`` (sized by what the request declares) on the model's and the
+        server's queued bytes, and the model's :meth:`input_gate`. Pass the hold to
+        :meth:`infer` and release it once answered. Raises UNAVAILABLE when the bytes
+        do not fit (nothing is held then). Shutting down is answered by :meth:`infer`,
+        after the body was read: a connection whose request body is left unread would
+        hold the shutdown while the server drains it."""
         mv = self.lifecycle.get(*_checked(name, version))
         hold = self.queued.hold(mv.stats, mv.config.max_queued_bytes)
         try:
@@ -174,7 +177,7 @@ class DataPlane:
         except ApplianceError:
             mv.stats.record_failure(FailureReason.REJECTED, 0)
             raise
-        return hold
+        return hold, self._gate(mv)
 
     async def infer(
         self, request: InferenceRequest, endpoint: str = "this endpoint", hold: Hold | None = None
