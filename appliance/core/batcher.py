@@ -18,6 +18,7 @@ always after checking ``done()`` since the caller may have been cancelled.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures.thread
 import logging
 import math
 import threading
@@ -36,6 +37,10 @@ from appliance.request import InferenceRequest
 from backends.base import Backend
 
 log = logging.getLogger(__name__)
+
+# an idle instance thread looks up this often whether its batcher was abandoned
+# (never stopped); a batcher that is stopped is woken at once
+IDLE_CHECK_S = 1.0
 
 
 @dataclass(slots=True, eq=False)
@@ -176,15 +181,23 @@ class DynamicBatcher:
             while True:
                 if self._halted or (not self._accepting and not self._queue):
                     return None
-                wait_s: float | None = None
+                if self._abandoned():
+                    return None
+                wait_s = IDLE_CHECK_S
                 if self._queue:
                     # once stopping, waiting for fuller batches only delays the drain
                     now = time.monotonic() if self._accepting else math.inf
                     decision = decide(self._queue, now, self.policy)
                     if decision.send:
                         return self._pop(index, decision.send)
-                    wait_s = decision.wait_s
+                    if decision.wait_s is not None:
+                        wait_s = min(wait_s, decision.wait_s)
                 self._ready.wait(wait_s)
+
+    def _abandoned(self) -> bool:
+        """Nobody will ever stop this batcher: its event loop is closed, or the
+        interpreter is exiting (which joins every executor thread, this one too)."""
+        return self._loop.is_closed() or getattr(concurrent.futures.thread, "_shutdown", False)
 
     def _pop(self, index: int, positions: tuple[int, ...]) -> list[_Pending]:
         if positions == (0,):

@@ -7,9 +7,14 @@ side with ``threading.Event.wait(timeout)``, so a regression fails instead of ha
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -23,6 +28,7 @@ from appliance.errors import ApplianceError, Code, FailureReason
 from backends.base import TensorSpec
 
 T = TypeVar("T")
+REPO_ROOT = Path(__file__).resolve().parents[2]
 LIMIT_S = 5.0  # upper bound on any single wait; only reached when a test is failing
 
 
@@ -481,3 +487,41 @@ def test_stop_fails_what_it_could_not_drain_in_time() -> None:
         assert [c[0, 0] for c in backend.calls] == [0]
 
     run(main())
+
+
+def test_a_batcher_never_stopped_does_not_hold_the_interpreter_at_exit() -> None:
+    """The instance threads wait for work; a batcher nobody stopped (its loop closed
+    without an unload) must not keep the process from exiting."""
+    script = textwrap.dedent(
+        """
+        import asyncio
+        import numpy as np
+        from appliance.core.batcher import DynamicBatcher
+        from appliance.core.batching import BatchPolicy
+        from appliance.core.instances import InstanceGroup
+        from appliance.core.stats import ModelStats
+
+        class Echo:
+            def infer(self, inputs, outputs):
+                return {"y": inputs["x"]}
+
+            def close(self):
+                pass
+
+        async def main():
+            group = await InstanceGroup.create("m", 2, lambda i: Echo())
+            policy = BatchPolicy(max_batch_size=8, dynamic=True)
+            batcher = DynamicBatcher("m:1", group, policy, 4, ModelStats("m", "1"))
+            x = np.ones((1, 2), np.float32)
+            result = await batcher.submit({"x": x}, ("y",), 1, (2,), None)
+            print("answered", result.outputs["y"].tolist())  # and no stop()
+
+        asyncio.run(main())
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert "answered [[1.0, 1.0]]" in done.stdout
