@@ -370,6 +370,10 @@ def create_app(
     def post(path: str, handler: Handler) -> None:
         r.add_post(path, handler, expect_handler=expect)
 
+    # inference first: routes that share a prefix are tried in the order they were
+    # added, and this is the one every request of the hot path takes
+    for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+        post(base + "/infer", infer)
     r.add_get("/v2", server_metadata)
     r.add_get("/v2/", server_metadata)  # the KServe spec's spelling
     r.add_get("/v2/health/live", live)
@@ -381,7 +385,6 @@ def create_app(
         r.add_get(base + "/ready", model_ready)
         r.add_get(base + "/config", model_config)
         r.add_get(base + "/stats", model_stats)
-        post(base + "/infer", infer)
         r.add_get(base + "/trace/setting", trace_setting)
         post(base + "/trace/setting", trace_setting)
     r.add_get("/v2/trace/setting", trace_setting)

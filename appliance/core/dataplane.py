@@ -219,7 +219,8 @@ class DataPlane:
             self.tracer.finish(
                 trace, response.model_version, request.id, response.timing, time.perf_counter_ns()
             )
-        self._classify(request, response, mv.config)
+        if request.classification:
+            self._classify(request, response, mv.config)
         return response
 
     @staticmethod
