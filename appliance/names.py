@@ -115,6 +115,25 @@ def check_version(version: object) -> str:
     return version
 
 
+# (name, version) pairs that passed both checks: every request names its model, and
+# the hot path then costs one dict lookup (bounded: cleared when full, so a flood of
+# made-up names cannot grow it; refused pairs are never kept)
+_GOOD_PAIRS: dict[tuple[str, str], None] = {}
+_GOOD_PAIRS_MAX = 4096
+
+
+def check_model_and_version(name: object, version: object) -> tuple[str, str]:
+    """(``name``, ``version``) when both are valid (:func:`check_model_name`,
+    :func:`check_version`); INVALID_ARG naming the first that is not."""
+    if type(name) is str and type(version) is str and (name, version) in _GOOD_PAIRS:
+        return name, version
+    pair = check_model_name(name), check_version(version)
+    if len(_GOOD_PAIRS) >= _GOOD_PAIRS_MAX:
+        _GOOD_PAIRS.clear()
+    _GOOD_PAIRS[pair] = None
+    return pair
+
+
 def version_folder(name: str) -> int | None:
     """The version a folder name stands for; None when it is not a version number."""
     return int(name) if name and not version_problem(name) else None

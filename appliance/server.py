@@ -137,9 +137,7 @@ class Server:
         log.info("listening: %s", ", ".join(e for e in endpoints if e) or "in-process only")
         tokens = self.config.admin_token or self.config.inference_token
         if tokens and not is_loopback(host) and tls is None:
-            log.warning(
-                "bearer tokens travel in clear text on %s: set tls_cert and tls_key", host
-            )
+            log.warning("bearer tokens travel in clear text on %s: set tls_cert and tls_key", host)
         # Python models calling other models (BLS) reach them through this data plane
         self._bls = bls.register(self.repository, asyncio.get_running_loop(), self.dataplane)
         await self.lifecycle.start()

@@ -25,9 +25,11 @@ from probes import cpu_seconds, free_port, successes
 HERE = Path(__file__).resolve().parent.parent
 
 
-def serve(tree: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+def serve(tree: Path, port: int, log: Path, repo: Path | None) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "appliance", "serve", "--http-port", str(port),
            "--grpc-port", "-1", "--metrics-port", "-1", "--log-level", "warning"]  # fmt: skip
+    if repo is not None:  # else each side serves its own demo models
+        cmd += ["--model-repository", str(repo)]
     env = {**os.environ, "PYTHONPATH": str(tree)}
     return subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL,
                             stderr=open(log, "wb"))  # fmt: skip
@@ -41,12 +43,18 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--model-repository",
+        type=Path,
+        help="serve this repository on both sides (default: each side's demo models; "
+        "e.g. the repository benchmarks/bench_http.py writes, for its mlp and classifier)",
+    )
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-ab-"))
     sides = {}
     for name, tree in (("baseline", a.baseline.resolve()), ("this tree", HERE)):
         port = free_port()
-        sides[name] = (serve(tree, port, work / f"{port}.log"), port)
+        sides[name] = (serve(tree, port, work / f"{port}.log", a.model_repository), port)
     env = {**os.environ, "PYTHONPATH": str(HERE)}
     out = work / "p.json"
     try:

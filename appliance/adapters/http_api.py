@@ -23,8 +23,6 @@ from aiohttp.typedefs import Middleware
 from appliance.adapters import http_codec, http_limits, offload
 from appliance.adapters.access import AccessPolicy, Scope
 from appliance.core.dataplane import DataPlane
-from appliance.core.limits import InputGate
-from appliance.core.queue_bytes import Hold
 from appliance.errors import ApplianceError, Code, invalid
 
 log = logging.getLogger(__name__)
@@ -173,55 +171,56 @@ async def infer(request: web.Request) -> web.Response:
     # 503 without taking the payload into memory (appliance.core.queue_bytes)
     # and every input declaration is checked against the model before it is decoded
     hold, gate = dataplane.admit(model, version, request.content_length or 0)
+    shm = dataplane.shared_memory
+    # one coroutine for the whole request, and the offload rule (appliance.adapters.
+    # offload) applied inline: big or object-heavy work goes to a thread, the rest
+    # runs here without a coroutine of its own
     try:
-        return await _infer(request, dataplane, model, version, hold, gate)
+        body = await http_limits.body(request)
+        header_length = http_codec.parse_header_length(
+            request.headers.get(http_codec.HEADER_LENGTH), len(body)
+        )
+        json_bytes = len(body) if header_length is None else header_length
+        if json_bytes > offload.OFFLOAD_BYTES:
+            inference, fmt = await asyncio.to_thread(
+                http_codec.decode_request, body, header_length, model, version, shm, gate
+            )
+        else:
+            prepared = http_codec.prepare_request(body, header_length, model, version, shm, gate)
+            if prepared.object_elements > offload.LOOP_OBJECTS:
+                inference, fmt = await asyncio.to_thread(prepared.build)
+            else:
+                inference, fmt = prepared.build()
+        response = await dataplane.infer(inference, "HTTP end point", hold)
+        if _heavy_response(response.outputs, fmt):
+            out, length = await asyncio.to_thread(http_codec.encode_response, response, fmt, shm)
+        else:
+            out, length = http_codec.encode_response(response, fmt, shm)
     finally:
         hold.release()
-
-
-async def _infer(
-    request: web.Request,
-    dataplane: DataPlane,
-    model: str,
-    version: str,
-    hold: Hold,
-    gate: InputGate,
-) -> web.Response:
-    body = await http_limits.body(request)
-    header_length = http_codec.parse_header_length(
-        request.headers.get(http_codec.HEADER_LENGTH), len(body)
-    )
-    json_bytes = len(body) if header_length is None else header_length
-    shm = dataplane.shared_memory
-    if json_bytes > offload.OFFLOAD_BYTES:
-        decoded = await asyncio.to_thread(
-            http_codec.decode_request, body, header_length, model, version, shm, gate
-        )
-    else:
-        prepared = http_codec.prepare_request(body, header_length, model, version, shm, gate)
-        decoded = await offload.run(prepared.object_elements > offload.LOOP_OBJECTS, prepared.build)
-    inference, fmt = decoded
-    response = await dataplane.infer(inference, "HTTP end point", hold)
-    text_bytes = copy_bytes = objects = 0
-    for name, arr in response.outputs.items():
-        if name in fmt.shared_memory:
-            copy_bytes += arr.nbytes
-        elif not fmt.is_binary(name):
-            text_bytes += arr.nbytes
-        if arr.dtype.kind in "OUS":  # BYTES: serialized element by element
-            objects += arr.size
-    heavy = (
-        text_bytes > offload.OFFLOAD_BYTES
-        or copy_bytes > offload.OFFLOAD_COPY_BYTES
-        or objects > offload.LOOP_OBJECTS
-    )
-    out, length = await offload.run(heavy, http_codec.encode_response, response, fmt, shm)
     if length is None:
         return web.Response(body=out, content_type="application/json")
     return web.Response(
         body=out,
         content_type="application/octet-stream",
         headers={http_codec.HEADER_LENGTH: str(length)},
+    )
+
+
+def _heavy_response(outputs: dict[str, Any], fmt: http_codec.OutputFormat) -> bool:
+    """Whether encoding ``outputs`` belongs on a worker thread (the offload rule)."""
+    text_bytes = copy_bytes = objects = 0
+    for name, arr in outputs.items():
+        if name in fmt.shared_memory:
+            copy_bytes += arr.nbytes
+        elif not fmt.is_binary(name):
+            text_bytes += arr.nbytes
+        if arr.dtype.kind in "OUS":  # BYTES: serialized element by element
+            objects += arr.size
+    return (
+        text_bytes > offload.OFFLOAD_BYTES
+        or copy_bytes > offload.OFFLOAD_COPY_BYTES
+        or objects > offload.LOOP_OBJECTS
     )
 
 

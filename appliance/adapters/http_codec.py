@@ -277,6 +277,7 @@ def prepare_request(
         sequence_id=sequence,
         sequence_start=_flag(req_params, "sequence_start", "request"),
         sequence_end=_flag(req_params, "sequence_end", "request"),
+        checked_against=getattr(gate, "config", None),
     )
     return PreparedRequest(inputs, request, fmt, objects)
 

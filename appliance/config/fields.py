@@ -47,9 +47,7 @@ class Fields:
             if key not in allowed:
                 near = difflib.get_close_matches(str(key), sorted(allowed), n=1)
                 hint = f"did you mean {near[0]}? " if near else ""
-                raise self.fail(
-                    str(key), f"unknown field, {hint}expected one of {sorted(allowed)}"
-                )
+                raise self.fail(str(key), f"unknown field, {hint}expected one of {sorted(allowed)}")
 
     def integer(self, key: str, default: int, minimum: int = 0) -> int:
         value = self.data.get(key, default)

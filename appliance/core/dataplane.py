@@ -76,7 +76,7 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 
 def _checked(name: str, version: str) -> tuple[str, str]:
     """(name, version) once both are well formed; INVALID_ARG otherwise."""
-    return names.check_model_name(name), names.check_version(version)
+    return names.check_model_and_version(name, version)
 
 
 class DataPlane:

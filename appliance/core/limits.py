@@ -30,7 +30,6 @@ from appliance.errors import ApplianceError, invalid
 __all__ = ["MAX_RANK", "InputGate", "bounded_count", "check_input"]
 
 
-
 def check_input(config: ModelConfig, name: str, datatype: str, shape: Sequence[int]) -> int:
     """Check one input against the model's config; its batch size (0 when the model
     does not batch). INVALID_ARG naming the model and the input otherwise."""

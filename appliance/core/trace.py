@@ -153,9 +153,9 @@ class Tracer:
         self._seen[model] = 0
         if count > 0:
             own = self._models.get(model)
-            (own if own is not None and "trace_count" in own else self._global)[
-                "trace_count"
-            ] = str(count - 1)
+            (own if own is not None and "trace_count" in own else self._global)["trace_count"] = (
+                str(count - 1)
+            )
         return Trace(next(self._ids), model, start_ns)
 
     def finish(

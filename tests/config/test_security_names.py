@@ -77,8 +77,21 @@ BAD_NAMES = [
     pytest.param("\u00e9" * 128, id="too-long-utf8"),
 ]
 GOOD_NAMES = ["simple", "densenet_onnx", "model-v2", "a.b", "x" * 255, "r\u00e9seau", "1"]
-BAD_VERSIONS = ["\u00b2", "\uff11", "1.0", "-1", "0", "+1", " 1", "1 ", "99999999999999999999",
-                "9223372036854775808", "..", "1/../2", "0x10"]
+BAD_VERSIONS = [
+    "\u00b2",
+    "\uff11",
+    "1.0",
+    "-1",
+    "0",
+    "+1",
+    " 1",
+    "1 ",
+    "99999999999999999999",
+    "9223372036854775808",
+    "..",
+    "1/../2",
+    "0x10",
+]
 
 
 def _evil(tmp_path: Path) -> Path:
@@ -100,8 +113,9 @@ def _marker(evil: Path) -> Path:
     return evil / "1" / "PWNED"
 
 
-def _http(url: str, method: str = "GET", body: bytes | None = None,
-          headers: dict[str, str] | None = None) -> tuple[int, Any]:
+def _http(
+    url: str, method: str = "GET", body: bytes | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
     request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
@@ -138,8 +152,36 @@ def test_bad_versions_are_refused(version: str) -> None:
 
 def test_good_versions_pass() -> None:
     assert [names.check_version(v) for v in ("", "1", "007", "9223372036854775807")] == [
-        "", "1", "007", "9223372036854775807"
+        "",
+        "1",
+        "007",
+        "9223372036854775807",
     ]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_the_hot_path_pair_check_refuses_what_the_rule_refuses(name: str) -> None:
+    # asked twice: a refusal is never remembered as a pass
+    for _ in range(2):
+        with pytest.raises(ApplianceError) as info:
+            names.check_model_and_version(name, "")
+        assert info.value.code is Code.INVALID_ARG
+    with pytest.raises(ApplianceError):
+        names.check_model_and_version("simple", "1/../2")
+
+
+@pytest.mark.parametrize("odd", [None, 3, ["simple"], {"a": 1}, b"simple"])
+def test_the_pair_check_refuses_values_that_are_not_strings(odd: Any) -> None:
+    for name, version in ((odd, ""), ("simple", odd)):
+        with pytest.raises(ApplianceError) as info:  # INVALID_ARG, never a TypeError
+            names.check_model_and_version(name, version)
+        assert info.value.code is Code.INVALID_ARG
+
+
+def test_the_pair_check_remembers_a_bounded_number_of_good_pairs() -> None:
+    for i in range(names._GOOD_PAIRS_MAX + 10):
+        assert names.check_model_and_version(f"m{i}", "1") == (f"m{i}", "1")
+    assert 0 < len(names._GOOD_PAIRS) <= names._GOOD_PAIRS_MAX
 
 
 @pytest.mark.parametrize("name", BAD_NAMES)
@@ -155,8 +197,11 @@ def test_bad_names_in_mqtt_topics_are_refused(name: str) -> None:
 def test_bad_mqtt_topic_shapes_and_versions_are_refused() -> None:
     topics = Topics("appliance", "dev")
     assert topics.parse("appliance/dev/infer/simple/2").version == "2"
-    for topic in ("appliance/dev/infer/simple/../evil", "appliance/dev/infer//evil",
-                  "appliance/dev/infer/a/b/c"):
+    for topic in (
+        "appliance/dev/infer/simple/../evil",
+        "appliance/dev/infer//evil",
+        "appliance/dev/infer/a/b/c",
+    ):
         with pytest.raises(ApplianceError, match=r"expected \.\.\./infer/<model>"):
             topics.parse(topic)
     for version in ("\u00b2", "0", "1.0", ".."):
@@ -174,8 +219,16 @@ def test_bad_mqtt_topic_shapes_and_versions_are_refused() -> None:
     ],
 )
 @pytest.mark.parametrize(
-    "value", ["../../evil/1/model.py", "/etc/passwd", "..", ".hidden", "a/b", "a\x00b",
-              "\uff0e\uff0e\uff0fx"]
+    "value",
+    [
+        "../../evil/1/model.py",
+        "/etc/passwd",
+        "..",
+        ".hidden",
+        "a/b",
+        "a\x00b",
+        "\uff0e\uff0e\uff0fx",
+    ],
 )
 def test_file_and_step_names_in_configs_are_one_component(
     key: str, where: str | None, value: str
@@ -187,12 +240,19 @@ def test_file_and_step_names_in_configs_are_one_component(
     elif where == "output":
         doc["output"] = [{**tensor, key: value}]
     elif where == "warmup":
-        doc["model_warmup"] = [{"name": "w", "inputs": {"x": {"data_type": "TYPE_FP32",
-                                                               "dims": [1], key: value}}}]
+        doc["model_warmup"] = [
+            {"name": "w", "inputs": {"x": {"data_type": "TYPE_FP32", "dims": [1], key: value}}}
+        ]
     else:
-        doc = {"platform": "ensemble", "max_batch_size": 0, "input": [tensor],
-               "output": [tensor], "ensemble_scheduling": {"step": [
-                   {key: value, "input_map": {"x": "x"}, "output_map": {"x": "x"}}]}}
+        doc = {
+            "platform": "ensemble",
+            "max_batch_size": 0,
+            "input": [tensor],
+            "output": [tensor],
+            "ensemble_scheduling": {
+                "step": [{key: value, "input_map": {"x": "x"}, "output_map": {"x": "x"}}]
+            },
+        }
     with pytest.raises(ConfigError, match="one path component"):
         parse_model_config(doc, "m", "m/config.yaml")
 
@@ -202,13 +262,17 @@ def test_file_and_step_names_in_configs_are_one_component(
 
 def _http_names(evil: Path) -> list[tuple[str, str]]:
     """(label, path segment as sent) of names that try to reach ``evil``."""
-    plain = [("traversal-%2f", "simple%2f..%2f..%2fevil"),
-             ("traversal-%2F", "simple%2F..%2F..%2Fevil"),
-             ("absolute", urllib.parse.quote(str(evil), safe="")),
-             ("backslash", "simple%5c..%5c..%5cevil"), ("nul", "evil%00"),
-             ("leading-dot", ".hidden"), ("encoded-dotdot", "%2e%2e"),
-             ("fullwidth", urllib.parse.quote("\uff0e\uff0e\uff0fevil", safe="")),
-             ("double-encoded", "simple%252f..%252f..%252fevil")]
+    plain = [
+        ("traversal-%2f", "simple%2f..%2f..%2fevil"),
+        ("traversal-%2F", "simple%2F..%2F..%2Fevil"),
+        ("absolute", urllib.parse.quote(str(evil), safe="")),
+        ("backslash", "simple%5c..%5c..%5cevil"),
+        ("nul", "evil%00"),
+        ("leading-dot", ".hidden"),
+        ("encoded-dotdot", "%2e%2e"),
+        ("fullwidth", urllib.parse.quote("\uff0e\uff0e\uff0fevil", safe="")),
+        ("double-encoded", "simple%252f..%252f..%252fevil"),
+    ]
     return plain
 
 
@@ -237,9 +301,7 @@ def test_http_never_loads_or_serves_a_model_outside_the_repository(
     assert status == 200 and {r["name"] for r in rows} == {"simple"}
 
 
-def test_an_admin_token_does_not_open_other_directories(
-    run_appliance: Any, tmp_path: Path
-) -> None:
+def test_an_admin_token_does_not_open_other_directories(run_appliance: Any, tmp_path: Path) -> None:
     evil = _evil(tmp_path)
     srv = run_appliance(_repository(tmp_path), admin_token="s3cret")
     auth = {"Authorization": "Bearer s3cret"}
@@ -267,9 +329,11 @@ def test_grpc_refuses_every_bad_name(run_appliance: Any, tmp_path: Path) -> None
         stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
         calls = {
             "load": lambda n: stub.RepositoryModelLoad(
-                service_pb2.RepositoryModelLoadRequest(model_name=n)),
+                service_pb2.RepositoryModelLoadRequest(model_name=n)
+            ),
             "unload": lambda n: stub.RepositoryModelUnload(
-                service_pb2.RepositoryModelUnloadRequest(model_name=n)),
+                service_pb2.RepositoryModelUnloadRequest(model_name=n)
+            ),
             "metadata": lambda n: stub.ModelMetadata(service_pb2.ModelMetadataRequest(name=n)),
             "ready": lambda n: stub.ModelReady(service_pb2.ModelReadyRequest(name=n)),
             "config": lambda n: stub.ModelConfig(service_pb2.ModelConfigRequest(name=n)),
@@ -299,8 +363,12 @@ def test_load_config_override_cannot_name_files_outside(run_appliance: Any, tmp_
     srv = run_appliance(_repository(tmp_path))
     url = f"http://{srv.url}/v2/repository/models/simple/load"
     tensor = {"name": "IN", "data_type": "TYPE_FP32", "dims": [1]}
-    python = {"backend": "python", "max_batch_size": 0, "input": [tensor],
-              "output": [{**tensor, "name": "OUT"}]}
+    python = {
+        "backend": "python",
+        "max_batch_size": 0,
+        "input": [tensor],
+        "output": [{**tensor, "name": "OUT"}],
+    }
     for override in (
         {**python, "default_model_filename": "../../../evil/1/model.py"},
         {**python, "default_model_filename": str(evil / "1" / "model.py")},
@@ -354,7 +422,9 @@ def test_links_out_of_version_folders_files_and_warmup_are_refused(
     os.symlink(outside / "1", repo / "version_link" / "1")
     (repo / "version_link" / "config.yaml").write_text(config)
     warm = modelgen.write_model(
-        repo, "warmup_link", modelgen.simple_add_sub(),
+        repo,
+        "warmup_link",
+        modelgen.simple_add_sub(),
         config + "model_warmup: [{name: w, batch_size: 1, inputs: {"
         "INPUT0: {data_type: TYPE_INT32, dims: [16], input_data_file: data.bin}, "
         "INPUT1: {data_type: TYPE_INT32, dims: [16], zero_data: true}}}]\n",
@@ -385,6 +455,7 @@ def test_the_operator_may_allow_linked_models(run_appliance: Any, tmp_path: Path
     # trusting links does not make a request's name a path
     status, body = _http(
         f"http://{srv.url}/v2/repository/models/linked%2f..%2f..%2felsewhere%2fshared/load",
-        "POST", b"",
+        "POST",
+        b"",
     )
     assert status == 400 and "invalid model name" in body["error"]
