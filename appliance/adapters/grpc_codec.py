@@ -207,6 +207,8 @@ def decode_request(
         sequence_id=check_sequence_id(sequence),
         sequence_start=bool(param(msg.parameters, "sequence_start", "bool_param", "request")),
         sequence_end=bool(param(msg.parameters, "sequence_end", "bool_param", "request")),
+        # every input above was declared to the gate and decoded to its declaration
+        checked_against=getattr(gate, "config", None),
     )
     return request, shm_outputs
 
