@@ -202,6 +202,19 @@ async def shutdown(batcher: DynamicBatcher, group: InstanceGroup) -> None:
     await group.close()
 
 
+async def one_running_three_queued(
+    backend: Doubler,
+) -> tuple[DynamicBatcher, InstanceGroup, ModelStats, list[asyncio.Task[BatchResult]]]:
+    """A batcher running one request at a time: x=0 held in the backend, x=1..3 queued."""
+    one_at_a_time = BatchPolicy(max_batch_size=8, dynamic=False)
+    batcher, group, stats = await make_batcher(backend, one_at_a_time)
+    tasks = [submit(batcher, x(0))]
+    await until(backend.started.is_set)
+    tasks += [submit(batcher, x(v)) for v in (1, 2, 3)]
+    await until(lambda: batcher.pending == 3)
+    return batcher, group, stats, tasks
+
+
 MERGE = BatchPolicy(max_batch_size=8, max_queue_delay_s=0.0, dynamic=True)
 
 
@@ -239,14 +252,9 @@ def test_an_instance_takes_its_next_batch_without_the_event_loop() -> None:
     """Each instance's thread is its own scheduler (Triton's model): queued requests
     run back to back even while the event loop is busy with something else."""
     backend = Doubler(hold=True)
-    one_at_a_time = BatchPolicy(max_batch_size=8, dynamic=False)
 
     async def main() -> None:
-        batcher, group, stats = await make_batcher(backend, one_at_a_time)
-        tasks = [submit(batcher, x(0))]
-        await until(backend.started.is_set)
-        tasks += [submit(batcher, x(v)) for v in (1, 2, 3)]
-        await until(lambda: batcher.pending == 3)
+        batcher, group, stats, tasks = await one_running_three_queued(backend)
         backend.release.set()
         # the loop is blocked from here on: only the instance's thread can make progress
         ran_all = threading.Event()
@@ -434,14 +442,9 @@ def test_a_cancelled_caller_is_dropped_from_the_queue_and_others_are_unaffected(
 
 def test_stop_drains_queued_work_then_refuses_new_requests() -> None:
     backend = Doubler(hold=True)
-    one_at_a_time = BatchPolicy(max_batch_size=8, dynamic=False)
 
     async def main() -> None:
-        batcher, group, stats = await make_batcher(backend, one_at_a_time)
-        tasks = [submit(batcher, x(0))]
-        await until(backend.started.is_set)
-        tasks += [submit(batcher, x(v)) for v in (1, 2, 3)]
-        await until(lambda: batcher.pending == 3)
+        batcher, group, stats, tasks = await one_running_three_queued(backend)
         stopping = asyncio.get_running_loop().create_task(batcher.stop(LIMIT_S))
         await asyncio.sleep(0)
         with pytest.raises(ApplianceError) as info:
