@@ -13,7 +13,6 @@ import asyncio
 import concurrent.futures
 import logging
 import os
-from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -92,15 +91,15 @@ class ModelInstance:
 
 
 class InstanceGroup:
-    """The instances of one model version and which of them are idle.
+    """The instances of one model version.
 
-    Ownership: the batcher acquires an idle instance, runs one batch on it and
-    releases it; ``close`` must only be called once no batch is running.
+    Ownership: the model's scheduler occupies each instance's thread (the dynamic
+    batcher's loops) or runs batches on it; ``close`` must only be called once the
+    scheduler stopped and no batch is running.
     """
 
     def __init__(self, instances: list[ModelInstance]) -> None:
         self.instances = instances
-        self._idle: deque[ModelInstance] = deque(instances)
 
     @classmethod
     async def create(
@@ -127,16 +126,6 @@ class InstanceGroup:
         """False once an instance's backend gave up (``healthy`` False: an isolated
         model's worker process crashed too often in a row)."""
         return all(getattr(i.backend, "healthy", True) for i in self.instances)
-
-    @property
-    def idle_count(self) -> int:
-        return len(self._idle)
-
-    def acquire(self) -> ModelInstance | None:
-        return self._idle.popleft() if self._idle else None
-
-    def release(self, instance: ModelInstance) -> None:
-        self._idle.append(instance)
 
     async def close(self) -> None:
         results = await asyncio.gather(*(i.close() for i in self.instances), return_exceptions=True)
