@@ -29,7 +29,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from appliance.core.batching import BatchPolicy, BatchResult, decide, run_batch
+from appliance.core.batching import (
+    BatchPolicy,
+    BatchResult,
+    answer,
+    decide,
+    failed_batch,
+    run_batch,
+)
 from appliance.core.instances import InstanceGroup
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, FailureReason, internal, unavailable
@@ -56,7 +63,7 @@ class _Pending:
 
 
 # what a batch came to: (parts, input_ns, infer_ns, output_ns), or the error it raised
-_Outcome = tuple[list[dict[str, np.ndarray]], int, int, int] | BaseException
+_Outcome = tuple[list[dict[str, np.ndarray]], int, int, int] | Exception
 
 
 class DynamicBatcher:
@@ -251,13 +258,8 @@ class DynamicBatcher:
         for it in items:
             if it.timer is not None:
                 it.timer.cancel()
-        if isinstance(outcome, BaseException):
-            error = outcome
-            if not isinstance(error, ApplianceError):  # an engine error fails this batch only
-                log.error("model '%s': inference failed", self.model, exc_info=error)
-                error = internal(
-                    f"model '{self.model}' failed to run: {error}", FailureReason.BACKEND
-                )
+        if isinstance(outcome, Exception):
+            error = failed_batch(self.model, outcome)
             for it in items:
                 if not it.future.done():
                     it.future.set_exception(error)
@@ -265,16 +267,15 @@ class DynamicBatcher:
         parts, input_ns, infer_ns, output_ns = outcome
         self._stats.record_execution(sum(it.rows for it in items), input_ns, infer_ns, output_ns)
         for it, part in zip(items, parts, strict=True):
-            if not it.future.done():
-                it.future.set_result(
-                    BatchResult(
-                        {k: part[k] for k in it.outputs},
-                        start_ns - it.enqueued_ns,
-                        input_ns,
-                        infer_ns,
-                        output_ns,
-                    )
-                )
+            answer(
+                it.future,
+                part,
+                it.outputs,
+                start_ns - it.enqueued_ns,
+                input_ns,
+                infer_ns,
+                output_ns,
+            )
 
     def _fail_all(self, error: ApplianceError, running: ApplianceError | None = None) -> None:
         """Fail every queued request with ``error`` (and, given ``running``, every

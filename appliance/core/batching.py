@@ -11,6 +11,7 @@ as views (:func:`run_batch`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
@@ -18,8 +19,10 @@ from typing import Protocol
 
 import numpy as np
 
-from appliance.errors import FailureReason, internal
+from appliance.errors import ApplianceError, FailureReason, internal
 from backends.base import Backend
+
+log = logging.getLogger(__name__)
 
 
 class Queued(Protocol):
@@ -112,6 +115,33 @@ class BatchResult:
     input_ns: int
     infer_ns: int
     output_ns: int
+
+
+def failed_batch(model: str, exc: Exception) -> ApplianceError:
+    """What every caller of a failed batch gets: an :class:`ApplianceError` as raised;
+    anything else (an engine error, which fails this batch only) logged and turned
+    into INTERNAL naming the model."""
+    if isinstance(exc, ApplianceError):
+        return exc
+    log.error("model '%s': inference failed", model, exc_info=exc)
+    return internal(f"model '{model}' failed to run: {exc}", FailureReason.BACKEND)
+
+
+def answer(
+    future: asyncio.Future[BatchResult],
+    part: dict[str, np.ndarray],
+    outputs: tuple[str, ...],
+    queue_ns: int,
+    input_ns: int,
+    infer_ns: int,
+    output_ns: int,
+) -> None:
+    """Resolve one caller's future with the outputs it asked for from its rows of the
+    batch, unless the caller went away."""
+    if not future.done():
+        future.set_result(
+            BatchResult({k: part[k] for k in outputs}, queue_ns, input_ns, infer_ns, output_ns)
+        )
 
 
 def run_batch(

@@ -27,7 +27,7 @@ from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, FailureReason, invalid
 from appliance.request import InferenceRequest, InferenceResponse
 
-__all__ = ["ModelVersion", "RequestRules", "State", "check_input", "check_request"]
+__all__ = ["ModelVersion", "RequestRules", "State", "check_input"]
 
 
 class ModelVersion:
@@ -149,8 +149,9 @@ def check_input(config: ModelConfig, name: str, arr: np.ndarray, spec: TensorCon
 
 
 class RequestRules:
-    """What :func:`check_request` checks, derived once from a config (a model
-    version keeps one: nothing is rebuilt per request)."""
+    """How a request is checked against a config: names, datatypes, shapes and
+    batch size, with what it needs derived once (a model version keeps one: nothing
+    is rebuilt per request)."""
 
     __slots__ = ("_outputs", "_specs", "config")
 
@@ -201,11 +202,3 @@ class RequestRules:
         else:
             signature = tuple((n, a.shape[1:]) for n, a in sorted(inputs.items()))
         return request.outputs or names, max(rows.pop(), 1) if rows else 1, signature
-
-
-def check_request(
-    config: ModelConfig, request: InferenceRequest
-) -> tuple[tuple[str, ...], int, Hashable]:
-    """Validate ``request`` against ``config`` (:meth:`RequestRules.check`, for a
-    config checked once)."""
-    return RequestRules(config).check(request)

@@ -28,7 +28,14 @@ import time
 from collections.abc import Hashable
 
 from appliance.config.model_config import ModelConfig
-from appliance.core.batching import BatchPolicy, BatchResult, run_batch, wind_down
+from appliance.core.batching import (
+    BatchPolicy,
+    BatchResult,
+    answer,
+    failed_batch,
+    run_batch,
+    wind_down,
+)
 from appliance.core.instances import InstanceGroup
 from appliance.core.sequence_feed import Feed
 from appliance.core.sequence_slots import Lane, Queued, Sequence, SlotTable
@@ -250,16 +257,13 @@ class SequenceBatcher:
             parts, input_ns, infer_ns, output_ns = await lane.instance.run(
                 run_batch, feeds, [1] * len(feeds), outputs, self._batched
             )
-        except ApplianceError as exc:
-            error = exc
         except asyncio.CancelledError:  # stop() gave up waiting for this batch
             error = unavailable(
                 f"model '{self.model}' was unloaded while the request ran", FailureReason.REJECTED
             )
             raise
-        except Exception as exc:  # an engine error fails this batch only
-            log.exception("model '%s': inference failed", self.model)
-            error = internal(f"model '{self.model}' failed to run: {exc}", FailureReason.BACKEND)
+        except Exception as exc:
+            error = failed_batch(self.model, exc)
         finally:
             if error is not None:
                 for q in real:
@@ -278,16 +282,9 @@ class SequenceBatcher:
                 continue
             if q.sequence.lane is not None or not q.sequence.closing:
                 q.sequence.state = self._feed.next_state(part)
-            if not q.future.done():
-                q.future.set_result(
-                    BatchResult(
-                        {k: part[k] for k in q.outputs},
-                        start_ns - q.enqueued_ns,
-                        input_ns,
-                        infer_ns,
-                        output_ns,
-                    )
-                )
+            answer(
+                q.future, part, q.outputs, start_ns - q.enqueued_ns, input_ns, infer_ns, output_ns
+            )
 
     def _scheduler_done(self, task: asyncio.Task[None]) -> None:
         """A scheduler that died of a bug must not strand its callers."""
