@@ -179,10 +179,14 @@ def test_a_swap_the_budget_cannot_hold_is_refused_unless_in_place(
 ) -> None:
     modelgen.write_model(tmp_path, "a_first", modelgen.simple_add_sub())
     folder = modelgen.write_model(tmp_path, "m", _mlp(seed=1))
-    probe = run_appliance(tmp_path)
-    client = httpclient.InferenceServerClient(probe.url)
-    small, copy = _used_of(client, "a_first"), _used_of(client, "m")
-    probe.stop()
+    # measured as the budgeted server will measure: servers here run in this process,
+    # and only the first one in a process is charged ONNX Runtime's one-time start-up
+    # memory, so a probe that may be that first one is run and thrown away first
+    for _ in range(2):
+        probe = run_appliance(tmp_path)
+        client = httpclient.InferenceServerClient(probe.url)
+        small, copy = _used_of(client, "a_first"), _used_of(client, "m")
+        probe.stop()
     # room for every model once, and half a copy more: never for two copies of "m"
     srv = run_appliance(tmp_path, memory_limit=f"{int(small + 1.5 * copy)}B")
     client = httpclient.InferenceServerClient(srv.url)
