@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 from collections.abc import Callable
@@ -155,6 +156,11 @@ def measure(fn: Callable[..., T], *args: Any) -> tuple[T, Usage]:
     measures one instance at a time (:meth:`MemoryBudget.measuring`).
     """
     _allocator(loading=True)
+    # no garbage collection while measuring: a collection that frees what an earlier
+    # copy left in reference cycles (a swapped-out session, a stopped server) would be
+    # subtracted from this copy's cost, which then measures near zero
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         trim()
         cpu, gpu = rss_bytes(), _NVML.used()
@@ -162,6 +168,8 @@ def measure(fn: Callable[..., T], *args: Any) -> tuple[T, Usage]:
         trim()  # what fn freed again (parsed protobufs, copies) is not its cost
         return result, Usage(max(0, rss_bytes() - cpu), max(0, _NVML.used() - gpu))
     finally:
+        if collecting:
+            gc.enable()
         _allocator(loading=False)
 
 
