@@ -26,17 +26,54 @@ except ImportError:  # pragma: no cover - exercised only on such images
 log = logging.getLogger(__name__)
 
 
-_ADMIN_RPCS = {
-    "RepositoryModelLoad",
-    "RepositoryModelUnload",
-    "SystemSharedMemoryRegister",
-    "SystemSharedMemoryUnregister",
-    "CudaSharedMemoryRegister",
-    "CudaSharedMemoryUnregister",
-    "TraceSetting",
-    "LogSettings",
+SERVICE = "inference.GRPCInferenceService"
+HEALTH = "grpc.health.v1.Health"
+# who may call each RPC of the services this listener registers (GrpcEndpoint.start);
+# an RPC missing here counts as admin (tests/adapters/test_auth.py checks every RPC of
+# both services is declared)
+RPC_SCOPES: dict[str, Scope] = {
+    f"/{service}/{method}": scope
+    for service, scope, methods in (
+        (HEALTH, Scope.PUBLIC, ("Check", "Watch", "List")),
+        (SERVICE, Scope.PUBLIC, ("ServerLive", "ServerReady", "ServerMetadata")),
+        (
+            SERVICE,
+            Scope.INFERENCE,
+            (
+                "ModelReady",
+                "ModelMetadata",
+                "ModelConfig",
+                "ModelStatistics",
+                "ModelInfer",
+                "ModelStreamInfer",
+                "RepositoryIndex",
+                "SystemSharedMemoryStatus",
+                "CudaSharedMemoryStatus",
+            ),
+        ),
+        (
+            SERVICE,
+            Scope.ADMIN,
+            (
+                "RepositoryModelLoad",
+                "RepositoryModelUnload",
+                "SystemSharedMemoryRegister",
+                "SystemSharedMemoryUnregister",
+                "CudaSharedMemoryRegister",
+                "CudaSharedMemoryUnregister",
+                "TraceSetting",
+                "LogSettings",
+            ),
+        ),
+    )
+    for method in methods
 }
-_PUBLIC_RPCS = {"ServerLive", "ServerReady", "ServerMetadata"}
+
+
+def rpc_scope(method: str) -> Scope:
+    """Who may call ``method`` (``/package.Service/Method``): its declared scope, else
+    admin."""
+    return RPC_SCOPES.get(method, Scope.ADMIN)
 
 
 class _AccessInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -48,11 +85,7 @@ class _AccessInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._policy = policy
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
-        service, _, method = details.method.lstrip("/").partition("/")
-        if service.startswith("grpc.health.") or method in _PUBLIC_RPCS:
-            scope = Scope.PUBLIC
-        else:
-            scope = Scope.ADMIN if method in _ADMIN_RPCS else Scope.INFERENCE
+        scope = rpc_scope(details.method)
         tokens = [v for k, v in details.invocation_metadata or () if k == "authorization"]
         denial = self._policy.check_all(scope, tokens)
         handler = await continuation(details)

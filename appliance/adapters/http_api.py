@@ -3,7 +3,9 @@
 Routes decode the wire into data-plane calls and map :class:`ApplianceError`
 codes to HTTP statuses as Triton does; every error body is ``{"error": msg}``.
 Access (bearer tokens, :mod:`appliance.adapters.access`) is checked by a middleware before
-any route runs: 401 without a valid token, 403 where admin calls are disabled.
+any route runs: 401 without a valid token, 403 where admin calls are disabled. Each
+route's scope is declared where :func:`create_app` registers it; a route registered
+without one counts as admin (never open by omission).
 Body sizes and read timeouts are :mod:`appliance.adapters.http_limits`; an inference body
 is checked against the model (:meth:`DataPlane.input_gate`) before any tensor in
 it is decoded.
@@ -30,6 +32,8 @@ log = logging.getLogger(__name__)
 DATAPLANE = web.AppKey("dataplane", DataPlane)
 MAX_REQUEST_SIZE = web.AppKey("max_request_size", int)
 ACCESS = web.AppKey("access", AccessPolicy)
+# every registered route -> who may call it (declared with the route in create_app)
+SCOPES = web.AppKey("scopes", dict)
 STATUS = {
     Code.INVALID_ARG: 400,
     Code.NOT_FOUND: 404,
@@ -104,8 +108,11 @@ def _front(limits: http_limits.BodyLimits) -> Middleware:
 
 def _denied(request: web.Request) -> web.Response | None:
     """401/403 when the route's scope needs a token the call lacks, else None."""
-    route = request.match_info.route.handler
-    scope = _ADMIN_ROUTES.get(route) or _PUBLIC_ROUTES.get(route) or Scope.INFERENCE
+    info = request.match_info
+    if info.http_exception is not None:  # no route matched: a 404/405 with no handler
+        scope = Scope.INFERENCE
+    else:  # a route registered without a declared scope is an admin route
+        scope = request.app[SCOPES].get(info.route, Scope.ADMIN)
     denial = request.app[ACCESS].check_all(scope, request.headers.getall("Authorization", []))
     if denial is None:
         return None
@@ -328,22 +335,6 @@ async def cuda_shm_unregister(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
-_ADMIN_ROUTES: dict[Any, Scope] = {
-    h: Scope.ADMIN
-    for h in (
-        repository_load,
-        repository_unload,
-        shm_register,
-        shm_unregister,
-        cuda_shm_register,
-        cuda_shm_unregister,
-        trace_setting,
-        log_setting,
-    )
-}
-_PUBLIC_ROUTES: dict[Any, Scope] = {h: Scope.PUBLIC for h in (live, ready, server_metadata)}
-
-
 async def _close_when_stopping(request: web.Request, response: web.StreamResponse) -> None:
     """Shutting down: tell keep-alive clients not to send another request on this
     connection (``Connection: close``); the server closes it after this answer."""
@@ -363,46 +354,54 @@ def create_app(
     app[MAX_REQUEST_SIZE] = max_request_size
     app[ACCESS] = access or AccessPolicy()
     app.on_response_prepare.append(_close_when_stopping)
-    r = app.router
+    scopes: dict[web.AbstractRoute, Scope] = {}
+    app[SCOPES] = scopes
     expect = http_limits.expect_handler(max_request_size)
+    public, inference, admin = Scope.PUBLIC, Scope.INFERENCE, Scope.ADMIN
 
-    def post(path: str, handler: Handler) -> None:
-        r.add_post(path, handler, expect_handler=expect)
+    def get(path: str, handler: Handler, scope: Scope) -> None:
+        resource = app.router.add_resource(path)
+        scopes[resource.add_route("HEAD", handler)] = scope
+        scopes[resource.add_route("GET", handler)] = scope
+
+    def post(path: str, handler: Handler, scope: Scope) -> None:
+        resource = app.router.add_resource(path)
+        scopes[resource.add_route("POST", handler, expect_handler=expect)] = scope
 
     # inference first: routes that share a prefix are tried in the order they were
     # added, and this is the one every request of the hot path takes
     for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-        post(base + "/infer", infer)
-    r.add_get("/v2", server_metadata)
-    r.add_get("/v2/", server_metadata)  # the KServe spec's spelling
-    r.add_get("/v2/health/live", live)
-    r.add_get("/v2/health/ready", ready)
-    r.add_get("/v2/models", model_list)
-    r.add_get("/v2/models/stats", model_stats)  # before /v2/models/{model}
+        post(base + "/infer", infer, inference)
+    get("/v2", server_metadata, public)
+    get("/v2/", server_metadata, public)  # the KServe spec's spelling
+    get("/v2/health/live", live, public)
+    get("/v2/health/ready", ready, public)
+    get("/v2/models", model_list, inference)
+    get("/v2/models/stats", model_stats, inference)  # before /v2/models/{model}
     for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-        r.add_get(base, model_metadata)
-        r.add_get(base + "/ready", model_ready)
-        r.add_get(base + "/config", model_config)
-        r.add_get(base + "/stats", model_stats)
-        r.add_get(base + "/trace/setting", trace_setting)
-        post(base + "/trace/setting", trace_setting)
-    r.add_get("/v2/trace/setting", trace_setting)
-    post("/v2/trace/setting", trace_setting)
-    r.add_get("/v2/logging", log_setting)
-    post("/v2/logging", log_setting)
-    post("/v2/repository/index", repository_index)
-    post("/v2/repository/models/{model}/load", repository_load)
-    post("/v2/repository/models/{model}/unload", repository_unload)
+        get(base, model_metadata, inference)
+        get(base + "/ready", model_ready, inference)
+        get(base + "/config", model_config, inference)
+        get(base + "/stats", model_stats, inference)
+        get(base + "/trace/setting", trace_setting, admin)
+        post(base + "/trace/setting", trace_setting, admin)
+    get("/v2/trace/setting", trace_setting, admin)
+    post("/v2/trace/setting", trace_setting, admin)
+    get("/v2/logging", log_setting, admin)
+    post("/v2/logging", log_setting, admin)
+    post("/v2/repository/index", repository_index, inference)
+    post("/v2/repository/models/{model}/load", repository_load, admin)
+    post("/v2/repository/models/{model}/unload", repository_unload, admin)
     shm = "/v2/systemsharedmemory"
-    r.add_get(shm + "/status", shm_status)
-    r.add_get(shm + "/region/{region}/status", shm_status)
-    post(shm + "/region/{region}/register", shm_register)
-    post(shm + "/unregister", shm_unregister)
-    post(shm + "/region/{region}/unregister", shm_unregister)
+    get(shm + "/status", shm_status, inference)
+    get(shm + "/region/{region}/status", shm_status, inference)
+    post(shm + "/region/{region}/register", shm_register, admin)
+    post(shm + "/unregister", shm_unregister, admin)
+    post(shm + "/region/{region}/unregister", shm_unregister, admin)
     cuda = "/v2/cudasharedmemory"
-    r.add_get(cuda + "/status", cuda_shm_status)
-    r.add_get(cuda + "/region/{region}/status", cuda_shm_status)
-    post(cuda + "/region/{region}/register", cuda_shm_register)
-    post(cuda + "/unregister", cuda_shm_unregister)
-    post(cuda + "/region/{region}/unregister", cuda_shm_unregister)
+    get(cuda + "/status", cuda_shm_status, inference)
+    get(cuda + "/region/{region}/status", cuda_shm_status, inference)
+    post(cuda + "/region/{region}/register", cuda_shm_register, admin)
+    post(cuda + "/unregister", cuda_shm_unregister, admin)
+    post(cuda + "/region/{region}/unregister", cuda_shm_unregister, admin)
     return app

@@ -266,3 +266,72 @@ def test_tls_settings_are_checked_at_the_edge(tmp_path: Path) -> None:
         load_server_config(None, {"tls_cert": str(cert)})
     with pytest.raises(ConfigError, match="tls_key: expected an existing file"):
         load_server_config(None, {"tls_cert": str(cert), "tls_key": str(tmp_path / "nope")})
+
+
+def test_every_http_route_declares_its_scope_and_an_undeclared_one_is_admin(
+    run_appliance, tmp_path: Path
+) -> None:
+    from aiohttp import web
+
+    from appliance.adapters import http_api
+
+    modelgen.write_model(tmp_path, "simple", modelgen.simple_add_sub())
+    srv = run_appliance(tmp_path, admin_token=ADMIN, inference_token=INFER)
+    policy = AccessPolicy.from_config(srv.server.config)
+    app = http_api.create_app(srv.server.dataplane, 1 << 20, policy)
+    scopes = app[http_api.SCOPES]
+    routes = list(app.router.routes())
+    assert routes and all(route in scopes for route in routes)  # nothing left to a default
+    by_path = {(r.method, r.resource.canonical): scopes[r] for r in routes if r.resource}
+    assert by_path[("GET", "/v2/health/ready")] is Scope.PUBLIC
+    assert by_path[("HEAD", "/v2/models/{model}")] is Scope.INFERENCE
+    assert by_path[("POST", "/v2/repository/models/{model}/load")] is Scope.ADMIN
+
+    async def extra(request: web.Request) -> web.Response:
+        return web.Response(text="ran")
+
+    app.router.add_get("/v2/extra", extra)  # registered without a scope: admin
+
+    async def serve() -> tuple[web.AppRunner, int]:
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    runner, port = srv.call(serve())
+    try:
+        url = f"http://127.0.0.1:{port}/v2/extra"
+        assert _request(url)[0] == 401
+        status, body, _ = _request(url, token=INFER)
+        assert status == 401 and "needs an admin token" in body
+        assert _request(url, token=ADMIN)[:2] == (200, "ran")
+        # the declared scopes hold on this app too, HEAD included
+        head = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/simple", method="HEAD")
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(head, timeout=30)
+        assert info.value.code == 401
+        assert _request(f"http://127.0.0.1:{port}/v2/health/live")[0] == 200
+        # an unknown path is still a plain 404 to a caller holding an inference token
+        assert _request(f"http://127.0.0.1:{port}/v2/nowhere", token=INFER)[0] == 404
+    finally:
+        srv.call(runner.cleanup())
+
+
+def test_every_grpc_rpc_declares_its_scope_and_an_undeclared_one_is_admin() -> None:
+    from grpc_health.v1 import health_pb2
+    from tritonclient.grpc import service_pb2
+
+    from appliance.adapters import grpc_server
+
+    services = (
+        health_pb2.DESCRIPTOR.services_by_name["Health"],
+        service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"],
+    )
+    methods = {f"/{s.full_name}/{m.name}" for s in services for m in s.methods}
+    assert methods == set(grpc_server.RPC_SCOPES)  # every RPC declared, none made up
+    assert grpc_server.rpc_scope("/inference.GRPCInferenceService/ModelInfer") is Scope.INFERENCE
+    assert grpc_server.rpc_scope("/grpc.health.v1.Health/Check") is Scope.PUBLIC
+    assert grpc_server.rpc_scope("/inference.GRPCInferenceService/LogSettings") is Scope.ADMIN
+    assert grpc_server.rpc_scope("/inference.GRPCInferenceService/SomethingNew") is Scope.ADMIN
+    assert grpc_server.rpc_scope("/some.Other/Service") is Scope.ADMIN
