@@ -11,7 +11,10 @@ until the abandoned call returns, further batches fail fast with UNAVAILABLE
 instead of touching the model object from two threads. A crash of the
 interpreter itself (a segfault in an extension) is not contained.
 
-The model declares its tensors in its config (there is no graph to read).
+The model declares its tensors in its config (there is no graph to read). Each
+instance imports ``model.py`` and the helpers beside it in a namespace of its own
+(:mod:`backends.python_imports`): two models' ``utils.py`` never collide, and a new
+version runs its own helpers after a hot swap.
 
 Triton compatibility: ``import triton_python_backend_utils as pb_utils`` resolves
 to :mod:`appliance.python_model`; BLS calls from ``execute`` go through the
@@ -24,9 +27,7 @@ request's :class:`~appliance.decoupled.ResponseStream`.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import inspect
-import itertools
 import json
 import sys
 import threading
@@ -40,29 +41,18 @@ from appliance import python_model as pb
 from appliance.config.fields import ConfigError
 from appliance.errors import ApplianceError, FailureReason, internal, invalid, unavailable
 from backends.base import BackendOptions, TensorSpec, check_inputs
+from backends.python_imports import Namespace
 
-_MODULES = itertools.count(1)  # each instance imports its own copy of model.py
 
-
-def _load_module(options: BackendOptions) -> ModuleType:
-    name = f"appliance_python_model_{next(_MODULES)}"
-    spec = importlib.util.spec_from_file_location(name, options.model_path)
-    if spec is None or spec.loader is None:
-        raise invalid(f"model '{options.model_name}': cannot import {options.model_path}")
-    module = importlib.util.module_from_spec(spec)
+def _load_module(options: BackendOptions, namespace: Namespace) -> ModuleType:
+    """``model.py`` imported in the instance's own namespace (its helpers beside it
+    are private to it: :mod:`backends.python_imports`)."""
     # Triton's name for the utilities: a Triton repository's model.py imports it as is
     sys.modules.setdefault("triton_python_backend_utils", pb)
-    # model.py may import helpers that sit next to it
-    folder = str(options.model_path.parent)
-    added = folder not in sys.path
-    if added:
-        sys.path.insert(0, folder)
     try:
-        spec.loader.exec_module(module)
-    finally:
-        if added:
-            sys.path.remove(folder)
-    return module
+        return namespace.load(options.model_path)
+    except FileNotFoundError:
+        raise invalid(f"model '{options.model_name}': cannot import {options.model_path}") from None
 
 
 def _as_error(model: str, error: BaseException) -> ApplianceError:
@@ -108,14 +98,23 @@ class PythonBackend:
         self._loop: asyncio.AbstractEventLoop | None = None  # for ``async def execute``
         self._bls = bls.lookup(options.model_path.parent.parent.parent)
         bls.bind_thread(self._bls, self._name)
-        module = _load_module(options)
+        self._namespace = Namespace(options.model_path.parent)
+        try:
+            self._model = self._start(options)
+        except BaseException:
+            self._namespace.close()
+            raise
+
+    def _start(self, options: BackendOptions) -> Any:
+        """Import ``model.py``, make its ``TritonPythonModel`` and initialize it."""
+        module = _load_module(options, self._namespace)
         cls = getattr(module, "TritonPythonModel", None)
         if cls is None:
             raise invalid(
                 f"model '{self._name}': {options.model_path} defines no TritonPythonModel"
             )
-        self._model = cls()
-        init = getattr(self._model, "initialize", None)
+        model = cls()
+        init = getattr(model, "initialize", None)
         if init is not None:
             init(
                 {
@@ -128,6 +127,7 @@ class PythonBackend:
                     "model_name": self._name,
                 }
             )
+        return model
 
     def infer(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
         check_inputs(self._name, self.inputs, inputs)
@@ -231,8 +231,11 @@ class PythonBackend:
         return box["result"]
 
     def close(self) -> None:
-        finalize = getattr(self._model, "finalize", None)
-        if finalize is not None and (self._busy is None or not self._busy.is_alive()):
-            finalize()
-        if self._loop is not None:
-            self._loop.close()
+        try:
+            finalize = getattr(self._model, "finalize", None)
+            if finalize is not None and (self._busy is None or not self._busy.is_alive()):
+                finalize()
+        finally:
+            if self._loop is not None:
+                self._loop.close()
+            self._namespace.close()

@@ -171,3 +171,78 @@ def test_python_model_that_fails_to_initialize_does_not_load(tmp_path: Path) -> 
     write_python_model(tmp_path, "double", source, CONFIG)
     reason = asyncio.run(_load(tmp_path, "double"))
     assert "ValueError" in reason or "nope" in reason
+
+
+HELPER_MODEL_PY = """
+import numpy as np
+import utils
+from appliance import python_model as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            responses.append(pb_utils.InferenceResponse(
+                [pb_utils.Tensor("OUT", utils.transform(x).astype(np.float32))]))
+        return responses
+"""
+
+HELPER_CONFIG = """
+backend: python
+max_batch_size: 4
+parameters: {{execution: {execution}}}
+input:
+  - {{name: IN, data_type: TYPE_FP32, dims: [3]}}
+output:
+  - {{name: OUT, data_type: TYPE_FP32, dims: [3]}}
+"""
+
+
+def _helper_model(repo: Path, name: str, version: int, body: str, execution: str) -> None:
+    folder = repo / name / str(version)
+    folder.mkdir(parents=True)
+    (folder / "model.py").write_text(textwrap.dedent(HELPER_MODEL_PY))
+    (folder / "utils.py").write_text(f"def transform(x):\n    return {body}\n")
+    (repo / name / "config.yaml").write_text(HELPER_CONFIG.format(execution=execution))
+
+
+def _out(client: httpclient.InferenceServerClient, model: str) -> np.ndarray:
+    a = httpclient.InferInput("IN", [1, 3], "FP32")
+    a.set_data_from_numpy(np.array([[1, 2, 3]], np.float32))
+    out: np.ndarray = client.infer(model, [a]).as_numpy("OUT")
+    return out
+
+
+@pytest.mark.parametrize("execution", ["in_process", "process"])
+def test_two_python_models_with_a_utils_py_each_run_their_own(
+    run_appliance, tmp_path: Path, execution: str
+) -> None:
+    import sys
+
+    _helper_model(tmp_path, "plus", 1, "x + 1", execution)
+    _helper_model(tmp_path, "times", 1, "x * 10", execution)
+    srv = run_appliance(tmp_path)
+    client = httpclient.InferenceServerClient(srv.url)
+    np.testing.assert_array_equal(_out(client, "plus"), [[2, 3, 4]])
+    np.testing.assert_array_equal(_out(client, "times"), [[10, 20, 30]])
+    assert "utils" not in sys.modules  # the server's own namespace is untouched
+
+
+@pytest.mark.parametrize("execution", ["in_process", "process"])
+def test_a_hot_swap_to_a_version_with_a_changed_utils_py_runs_the_new_helper(
+    run_appliance, tmp_path: Path, execution: str
+) -> None:
+    _helper_model(tmp_path, "m", 1, "x + 1", execution)
+    srv = run_appliance(tmp_path)
+    client = httpclient.InferenceServerClient(srv.url)
+    np.testing.assert_array_equal(_out(client, "m"), [[2, 3, 4]])
+    folder = tmp_path / "m" / "2"  # what an OTA install adds: a new version folder
+    folder.mkdir()
+    (folder / "model.py").write_text((tmp_path / "m" / "1" / "model.py").read_text())
+    (folder / "utils.py").write_text("def transform(x):\n    return x - 1\n")
+    client.load_model("m")  # the default policy serves the latest version only
+    np.testing.assert_array_equal(_out(client, "m"), [[0, 1, 2]])
+    ready = [m["version"] for m in client.get_model_repository_index() if m["state"] == "READY"]
+    assert ready == ["2"]  # version 1 may still be unloading
