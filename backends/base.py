@@ -18,6 +18,21 @@ from appliance import datatypes
 from appliance.datatypes import TensorSpec as TensorSpec
 from appliance.errors import invalid
 
+# an engine's error text is kept whole up to this (OpenVINO names every failing node,
+# then sums up), and its start and end past it
+MESSAGE_CHARS = 16384
+
+
+def engine_message(error: BaseException | str) -> str:
+    """An engine's error as text for a load error or log line: stripped, whole up to
+    :data:`MESSAGE_CHARS`, else its start and its end (the summary) with the count of
+    characters left out between them."""
+    text = str(error).strip()
+    if len(text) <= MESSAGE_CHARS:
+        return text
+    keep = MESSAGE_CHARS // 2
+    return f"{text[:keep]} ... [{len(text) - 2 * keep} characters left out] ... {text[-keep:]}"
+
 
 @dataclass(frozen=True, slots=True)
 class BackendOptions:

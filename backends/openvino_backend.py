@@ -33,7 +33,7 @@ import numpy as np
 import openvino as ov
 
 from appliance.errors import invalid
-from backends.base import BackendOptions, TensorSpec, check_inputs
+from backends.base import BackendOptions, TensorSpec, check_inputs, engine_message
 from backends.parameters import Parameters
 from backends.shared import SharedCache, file_identity
 
@@ -155,11 +155,12 @@ def _check_device(core: ov.Core, device: str, model: str) -> None:
         )
 
 
-def _spec(port: ov.Output, model: str, kind: str) -> TensorSpec:
+def _spec(port: ov.Output, model: str, kind: str, name: str = "") -> TensorSpec:
+    """The tensor ``port`` serves, named ``name`` (one of its names) or its any-name."""
     names = port.get_names()
     if not names:
         raise invalid(f"model '{model}': an {kind} of the model has no tensor name")
-    name = port.get_any_name()
+    name = name or port.get_any_name()
     element = port.get_element_type().get_type_name()
     datatype = _TYPES.get(element)
     if element == "string":
@@ -214,7 +215,27 @@ def _batchable(ov_model: ov.Model, max_batch: int, model: str) -> None:
             )
 
 
-def _compile(path: Path, s: OpenVinoSettings, max_batch: int, model: str) -> _Compiled:
+def _name(port: ov.Output, wanted: frozenset[str]) -> str:
+    """The name a port of the model as read is served under: the one the config
+    declares among its names, else its any-name."""
+    declared = sorted(wanted.intersection(port.get_names()))
+    return declared[0] if declared else port.get_any_name()
+
+
+def _specs(ports: list[ov.Output], read: list[str], model: str, kind: str) -> list[TensorSpec]:
+    """The compiled ``ports``, each named as the same port of the model as read (when
+    it still answers to that name, else by its any-name)."""
+    if len(read) != len(ports):
+        read = [""] * len(ports)
+    return [
+        _spec(port, model, kind, name if name in port.get_names() else "")
+        for port, name in zip(ports, read, strict=True)
+    ]
+
+
+def _compile(
+    path: Path, s: OpenVinoSettings, max_batch: int, model: str, wanted: frozenset[str]
+) -> _Compiled:
     started = time.perf_counter()
     core = _get_core()
     _check_device(core, s.device, model)
@@ -230,10 +251,14 @@ def _compile(path: Path, s: OpenVinoSettings, max_batch: int, model: str) -> _Co
         ov_model = core.read_model(str(path))
     except RuntimeError as exc:
         raise invalid(
-            f"model '{model}': OpenVINO cannot read {path.name}: {str(exc).strip()[:300]}"
+            f"model '{model}': OpenVINO cannot read {path.name}: {engine_message(exc)}"
         ) from None
     for port in ov_model.inputs:
         _spec(port, model, "input")
+    # the names as read: compiling can give a port more names (an ``If`` inlined adds
+    # its branch's), and the any-name of the compiled port may then be an internal one
+    read_in = [_name(port, wanted) for port in ov_model.inputs]
+    read_out = [_name(port, wanted) for port in ov_model.outputs]
     if max_batch > 0:
         _batchable(ov_model, max_batch, model)
     try:
@@ -241,11 +266,11 @@ def _compile(path: Path, s: OpenVinoSettings, max_batch: int, model: str) -> _Co
     except RuntimeError as exc:
         raise invalid(
             f"model '{model}': OpenVINO cannot compile {path.name} for {s.device}: "
-            f"{str(exc).strip()[:300]}"
+            f"{engine_message(exc)}"
         ) from None
     del ov_model  # the compiled model keeps what it needs
-    inputs = [_spec(p, model, "input") for p in compiled.inputs]
-    outputs = [_spec(p, model, "output") for p in compiled.outputs]
+    inputs = _specs(compiled.inputs, read_in, model, "input")
+    outputs = _specs(compiled.outputs, read_out, model, "output")
     log.info("model '%s': OpenVINO compiled in %.2fs", model, time.perf_counter() - started)
     return _Compiled(compiled, inputs, outputs)
 
@@ -269,8 +294,10 @@ class OpenVinoBackend:
         # group each instance compiles its own
         group = options.share_group or object()
         key = (group, file_identity(*files), self.settings, max_batch)
+        # names the config declares: an output with several names is served by that one
+        wanted = frozenset(spec.name for spec in (*options.inputs, *options.outputs))
         self._lease = _COMPILED.acquire(
-            key, lambda: _compile(path, self.settings, max_batch, self._model)
+            key, lambda: _compile(path, self.settings, max_batch, self._model, wanted)
         )
         shared = self._lease.value
         try:

@@ -35,7 +35,7 @@ import numpy as np
 
 from appliance import datatypes
 from appliance.errors import ApplianceError, Code, FailureReason, internal
-from backends.base import BackendOptions, TensorSpec
+from backends.base import BackendOptions, TensorSpec, engine_message
 
 ALIGN = 64  # every tensor starts on a cache line
 MAX_FRAME = 16 * 2**20  # control frames carry metadata only
@@ -305,6 +305,6 @@ def error_from_frame(reply: dict[str, Any]) -> ApplianceError:
     reasons = {r.value: r for r in FailureReason}
     return ApplianceError(
         codes.get(str(reply.get("code")), Code.INTERNAL),
-        str(reply.get("message", "no message"))[:4096],
+        engine_message(str(reply.get("message", "no message"))),
         reasons.get(str(reply.get("reason")), FailureReason.BACKEND),
     )

@@ -282,6 +282,35 @@ def frame_mean() -> bytes:
     return _finish("frame_mean", nodes, [frame], [mean])
 
 
+def inlined_if() -> bytes:
+    """FP32 "input" [batch, 4] -> "output" [batch, 1]: an ``If`` on a constant condition
+    (row mean, else row max), as exporters leave them. OpenVINO inlines the taken branch
+    and its compiled output then also answers to the branch's internal tensor name,
+    which sorts before "output" (``If_0_then_branch/ReduceMean_output_0``)."""
+
+    def branch(name: str, op: str) -> onnx.GraphProto:
+        out = f"{name}/{op}_output_0"
+        node = helper.make_node(op, ["input"], [out], axes=[1], keepdims=1, name=f"{name}/{op}")
+        value = helper.make_tensor_value_info(out, TensorProto.FLOAT, [BATCH, 1])
+        return helper.make_graph([node], name, [], [value])
+
+    condition = helper.make_tensor("condition", TensorProto.BOOL, [], [True])
+    nodes = [
+        helper.make_node("Constant", [], ["condition"], value=condition, name="condition"),
+        helper.make_node(
+            "If",
+            ["condition"],
+            ["output"],
+            then_branch=branch("If_0_then_branch", "ReduceMean"),
+            else_branch=branch("If_0_else_branch", "ReduceMax"),
+            name="If_0",
+        ),
+    ]
+    x = helper.make_tensor_value_info("input", TensorProto.FLOAT, [BATCH, 4])
+    y = helper.make_tensor_value_info("output", TensorProto.FLOAT, [BATCH, 1])
+    return _finish("inlined_if", nodes, [x], [y])
+
+
 def write_model(
     repo: Path, name: str, model: bytes, config: str | None = None, version: int = 1
 ) -> Path:
@@ -321,8 +350,6 @@ DEMO_MODELS: dict[str, tuple[Callable[[], bytes], str]] = {
 # and are copied from there.
 PIPELINE_MODELS = ("preprocess", "postprocess", "image_classifier")
 DEMO_DIR = Path(__file__).resolve().parent.parent / "appliance" / "demo_models"
-
-
 
 
 def write_demo_repository(repo: Path) -> None:

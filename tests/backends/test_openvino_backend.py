@@ -255,3 +255,77 @@ def test_served_by_the_appliance(tmp_path: Path) -> None:
             assert stats["inference_count"] == 6
 
     asyncio.run(main())
+
+
+def test_an_output_keeps_its_name_when_openvino_inlines_an_if(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    config = "backend: openvino\ndefault_model_filename: model.onnx\nmax_batch_size: 4\n"
+    modelgen.write_model(repo, "ov_if", modelgen.inlined_if(), config)
+    # a config naming the output (as a Triton user writes it) is served by that name too
+    declared = config + "output: [{name: output, data_type: TYPE_FP32, dims: [1]}]\n"
+    modelgen.write_model(repo, "ov_if_declared", modelgen.inlined_if(), declared)
+    modelgen.write_model(repo, "ort_if", modelgen.inlined_if())
+    compiled = ov.Core().compile_model(str(repo / "ov_if" / "1" / "model.onnx"), "CPU")
+    assert compiled.outputs[0].get_any_name() != "output"  # what the backend must not use
+    rows = np.arange(8, dtype=np.float32).reshape(2, 4)
+
+    async def main() -> None:
+        async with InProcessServer(repo) as server:
+            want = (await server.infer("ort_if", {"input": rows}))["output"]
+            np.testing.assert_allclose(want, rows.mean(axis=1, keepdims=True))
+            for name in ("ov_if", "ov_if_declared"):
+                assert server.metadata(name)["outputs"][0]["name"] == "output"
+                got = await server.infer(name, {"input": rows})
+                np.testing.assert_allclose(got["output"], want, rtol=1e-6)
+
+    asyncio.run(main())
+
+
+def test_a_load_error_keeps_openvinos_whole_reason(tmp_path: Path, caplog) -> None:
+    # ops OpenVINO has no conversion rule for, with long names: its report names them
+    # all and ends with its summary, far past 300 characters
+    ops = [f"UnconvertibleOperationNumber{i}WithAVeryLongName" for i in range(12)]
+    nodes = [
+        onnx.helper.make_node(op, [f"t{i}"], [f"t{i + 1}"], domain="com.example")
+        for i, op in enumerate(ops)
+    ]
+    graph = onnx.helper.make_graph(
+        nodes,
+        "g",
+        [onnx.helper.make_tensor_value_info("t0", onnx.TensorProto.FLOAT, [1, 4])],
+        [onnx.helper.make_tensor_value_info(f"t{len(ops)}", onnx.TensorProto.FLOAT, [1, 4])],
+    )
+    model = onnx.helper.make_model(
+        graph,
+        opset_imports=[
+            onnx.helper.make_opsetid("", 17),
+            onnx.helper.make_opsetid("com.example", 1),
+        ],
+    )
+    model.ir_version = modelgen.IR_VERSION
+    config = "backend: openvino\ndefault_model_filename: model.onnx\n"
+    modelgen.write_model(tmp_path, "unconvertible", model.SerializeToString(), config)
+
+    async def main() -> str:
+        async with InProcessServer(tmp_path) as server:
+            (entry,) = server.index()
+            assert entry["state"] == "UNAVAILABLE"
+            return str(entry["reason"])
+
+    with caplog.at_level("ERROR"):
+        reason = asyncio.run(main())
+    assert len(reason) > 600
+    assert "OpenVINO cannot read model.onnx" in reason
+    assert all(f"com.example.{op}" in reason for op in ops)  # the summary, every node
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"com.example.{ops[-1]}" in logged
+
+
+def test_engine_messages_are_bounded_keeping_start_and_end() -> None:
+    from backends.base import MESSAGE_CHARS, engine_message
+
+    assert engine_message(RuntimeError("  short \n")) == "short"
+    long = "HEAD " + "x" * (3 * MESSAGE_CHARS) + " Summary: Conv-16"
+    bounded = engine_message(long)
+    assert bounded.startswith("HEAD ") and bounded.endswith("Summary: Conv-16")
+    assert len(bounded) < MESSAGE_CHARS + 100 and "characters left out" in bounded
