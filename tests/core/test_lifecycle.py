@@ -47,7 +47,9 @@ def _unknown(client: httpclient.InferenceServerClient, model: str) -> bool:
     try:
         client.get_model_metadata(model)
     except InferenceServerException as exc:
-        return "unknown model" in str(exc)
+        # "is not found": a model still listed but not ready answers "unknown model: 'x'
+        # has no available versions" too, and is not gone yet
+        return "is not found" in str(exc)
     return False
 
 
