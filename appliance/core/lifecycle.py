@@ -1,18 +1,25 @@
 """Model lifecycle: which models and versions exist, their states, load, swap, unload.
 
-A model loads as the set of versions its version policy selects. A (re)load is a
-hot swap: the new copy is built completely (instances created within the memory
-budget, warmed up) while the old copy keeps serving; then the routing table is
-flipped in one assignment on the event loop, and the old copy drains its queued
-and running requests in the background, unloads, and returns its memory to the
-budget. A request is routed and queued in one step with no await in between, so
-none can be lost between the two copies. If the new copy fails to load or warm,
-the old one keeps serving and the error is reported.
+As in Triton's model lifecycle, each model keeps one record per version
+(:mod:`appliance.core.versions`): the copy serving it, the config and files it was
+built from, a build under way, old copies draining, the reason of a failure. A
+(re)load plans per version: a version whose serving copy was built from the same
+config (apart from the version policy) and the same files is kept as it is (so a
+load that only drops a version, or promotes a candidate loaded next to the old
+version, builds nothing); every other wanted version gets a new copy, built
+completely (instances created within the memory budget, warmed up) while the old
+copy keeps serving. Then the routing table is flipped in one assignment on the
+event loop, and every copy that no longer serves drains its queued and running
+requests, unloads, and returns its memory to the budget: one drain path for swaps,
+unloads and shutdown. A request is routed and queued in one step with no await in
+between, so none can be lost between two copies. If no new copy loads, everything
+stays as it was and the error is reported.
 
-If the budget cannot hold both copies, the load is refused unless the caller asks
-for an in-place swap: the old copy stops taking requests (new ones get 503
-UNAVAILABLE), drains what it queued, unloads, and then the new copy loads; if that
-fails the old configuration is loaded again.
+If the budget cannot hold the old and the new copy together, the load is refused
+unless the caller asks for an in-place swap: the copies to be replaced are drained
+and unloaded first (their versions answer 503 UNAVAILABLE meanwhile), then the new
+copies load; if none does, the replaced versions are built again with their own
+configs.
 
 States follow Triton: LOADING, READY, UNLOADING, UNAVAILABLE (with the reason),
 per version, in the repository index. Control modes: ``none`` and ``poll`` load
@@ -25,19 +32,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from appliance import names
 from appliance.config.fields import ConfigError
-from appliance.config.model_config import ModelConfig, parse_model_config
-from appliance.config.reader import load_model_config, with_labels
+from appliance.config.model_config import ModelConfig
+from appliance.config.reader import load_model_config
 from appliance.config.server_config import ServerConfig
 from appliance.core import loader, repository
 from appliance.core.memory import BudgetRefused, MemoryBudget
 from appliance.core.servable import Servable, State
 from appliance.core.stats import LatencyWindow
+from appliance.core.versions import ModelEntry, VersionRecord
 from appliance.errors import ApplianceError, invalid, not_found, unavailable
 
 log = logging.getLogger(__name__)
@@ -47,28 +54,6 @@ SWAP_HINT = (
     "another model, raise memory_limit, or load with the parameter in_place=true "
     "(the model is briefly unavailable while it is swapped)"
 )
-
-
-@dataclass(slots=True, eq=False)
-class ModelEntry:
-    """Everything known about one model name."""
-
-    name: str
-    versions: dict[int, Servable] = field(default_factory=dict)  # the routing table
-    failed: dict[int, str] = field(default_factory=dict)  # version -> reason
-    loading: set[int] = field(default_factory=set)  # versions being built right now
-    retiring: list[Servable] = field(default_factory=list)  # old copies draining
-    state: State = State.UNAVAILABLE
-    reason: str = ""
-    busy: str = ""  # "loading" or "unloading" while an operation holds the model
-    unloaded: bool = False  # unloaded on request: not counted by server readiness
-    # the version unversioned requests go to (0: the newest); set by a load's
-    # ``default_version`` so a candidate can be loaded and tested by version while
-    # the old one keeps the default traffic (the OTA agent's self-test)
-    default: int = 0
-
-    def newest(self) -> Servable | None:
-        return self.versions[max(self.versions)] if self.versions else None
 
 
 class ModelLifeCycle:
@@ -153,7 +138,10 @@ class ModelLifeCycle:
             try:
                 await self._load(entry, model_dir, override, in_place, default_version)
             finally:
-                entry.busy, entry.loading = "", set()
+                entry.busy = ""
+                for record in entry.records.values():
+                    record.loading = False
+                entry.prune()
             return entry
 
     async def _load(
@@ -164,69 +152,78 @@ class ModelLifeCycle:
         in_place: bool,
         default_version: int,
     ) -> None:
-        name = entry.name
-        allow = self.server.allow_symlinked_models
         try:
-            names.confine(self.repository, model_dir, allow, f"the folder of model '{name}'")
-            if override is not None:
-                config = with_labels(
-                    parse_model_config(override, name, "load request parameter 'config'"),
-                    model_dir,
-                )
-            else:
-                config = load_model_config(model_dir)
-            wanted = config.version_policy.select(repository.version_dirs(model_dir))
-            if not wanted:
-                raise not_found(
-                    f"model '{name}' has no version folder that its version policy serves "
-                    f"in {model_dir}"
-                )
-            for v in wanted:
-                names.confine(
-                    self.repository, model_dir / str(v), allow, f"model '{name}' version {v}"
-                )
+            config, wanted = repository.what_to_load(
+                self.repository, entry.name, override, self.server.allow_symlinked_models
+            )
         except ApplianceError as exc:
             self._failed(entry, str(exc))
             return
-        old = dict(entry.versions)
-        entry.loading = set(wanted)
-        if not old:
-            entry.state = State.LOADING
-        if old and in_place:
-            await self._take_down(entry)
-        elif old:
-            refusal = self.budget.swap_shortfall(config.name, wanted, config.instance_count)
+        files = await asyncio.to_thread(repository.version_files, model_dir, wanted)
+        rebuilt_always = loader.loads_after_others(config)  # re-validated against its steps
+        kept = {
+            v
+            for v in wanted
+            if not rebuilt_always
+            and v in entry.records
+            and entry.records[v].keeps(config, files[v])
+        }
+        build = [v for v in wanted if v not in kept]
+        for v in sorted(kept):
+            log.info("model '%s' version %d: config and files unchanged, kept", entry.name, v)
+        for v in build:
+            entry.record(v).loading = True
+        # the copies that stop serving if this load succeeds: rebuilt or no longer wanted
+        replaced = {v: r.serving for v, r in entry.records.items() if r.serving and v not in kept}
+        taken_down: dict[int, VersionRecord] = {}
+        if in_place and build and replaced:  # no room for both: the old copies go first
+            taken_down = await self._take_down(entry, replaced)
+        elif build and entry.versions:  # the new copies build while the old ones serve
+            refusal = self.budget.swap_shortfall(config.name, build, config.instance_count)
             if refusal:
                 self._failed(entry, refusal + SWAP_HINT)
                 return
-        required = {}
-        if old and not in_place:  # a swap never leaves fewer instances than it replaces
-            newest = old[max(old)].stats.instances
-            for v in wanted:
-                have = old[v].stats.instances if v in old else newest
-                required[v] = min(config.instance_count, have)
-        new, failed = await self._build(config, model_dir, wanted, required)
-        if in_place and old and not new:
-            log.error("model '%s': the in-place swap failed; loading the old copy again", name)
-            restored, _ = await self._build_each(model_dir, old)
-            new = restored
-        if in_place:
-            keep: dict[int, Servable] = {}  # already unloaded by _take_down
-        elif not new:
-            keep = old  # nothing new loaded: everything stays as it was
-        else:
-            keep = {v: mv for v, mv in old.items() if v in failed}
-        routing = {**keep, **new}
-        if new:  # a load that changed nothing keeps the routing it had
-            entry.default = default_version if default_version in routing else 0
-        entry.versions = routing  # the flip: the next request goes to the new copy
-        entry.failed = {v: r for v, r in failed.items() if v not in routing}
-        entry.state = State.READY if routing else State.UNAVAILABLE
+        required = self._required(entry, build, config)
+        built, failed = await self._build(config, model_dir, build, required)
+        leaving: list[tuple[VersionRecord, Servable]] = []  # drained once unrouted
+        for v, copy in built.items():
+            record = entry.record(v)
+            record.source, record.files = config, files[v]
+            if record.serving is not None:
+                leaving.append((record, record.serving))
+            record.serving = copy
+        succeeded = not build or bool(built)
+        if not succeeded and taken_down:
+            log.error(
+                "model '%s': the in-place swap failed; loading the old copy again", entry.name
+            )
+            for v, r in taken_down.items():
+                assert r.source is not None  # set by the build that made the copy
+                restored, _ = await self._build(r.source, model_dir, [v], {})
+                if restored:  # files None: read again now, a later load builds it afresh
+                    r.serving, r.files = restored[v], None
+        if succeeded:  # a load that built nothing it was asked to keeps what served
+            for v, r in entry.records.items():
+                if v not in wanted and r.serving is not None:
+                    leaving.append((r, r.serving))
+                    r.serving = None
+            entry.default = default_version
+        for v, r in entry.records.items():
+            r.reason = failed.get(v, "") if r.serving is None else ""
+        entry.flip()  # the next request goes to the new copies
         entry.reason = "; ".join(f"version {v}: {r}" for v, r in sorted(failed.items()))
-        if not in_place:
-            for v, mv in old.items():
-                if routing.get(v) is not mv:
-                    self._retire(entry, mv)
+        for record, copy in leaving:
+            self._retire(entry, record, copy)
+
+    def _required(self, entry: ModelEntry, build: list[int], config: ModelConfig) -> dict[int, int]:
+        """A swap never leaves fewer instances than the copies serving now have."""
+        serving = entry.versions
+        if not serving:
+            return {}
+        newest = serving[max(serving)]
+        return {
+            v: min(config.instance_count, serving.get(v, newest).stats.instances) for v in build
+        }
 
     async def _build(
         self, config: ModelConfig, model_dir: Path, wanted: list[int], required: dict[int, int]
@@ -252,47 +249,59 @@ class ModelLifeCycle:
                 log.error("model '%s' version %d failed to load: %s", config.name, version, message)
         return new, failed
 
-    async def _build_each(
-        self, model_dir: Path, previous: dict[int, Servable]
-    ) -> tuple[dict[int, Servable], dict[int, str]]:
-        """Load each version again with the config it had."""
-        new: dict[int, Servable] = {}
-        failed: dict[int, str] = {}
-        for v, mv in previous.items():
-            built, errors = await self._build(mv.config, model_dir, [v], {})
-            new.update(built)
-            failed.update(errors)
-        return new, failed
-
-    async def _take_down(self, entry: ModelEntry) -> None:
-        """In-place swap, first half: stop routing to the old copy, let it finish what
-        it queued, unload it."""
-        old, entry.versions = entry.versions, {}
-        entry.state, entry.reason = State.LOADING, "in-place swap: the old copy is unloading"
-        entry.retiring.extend(old.values())
-        try:
-            await asyncio.gather(*(mv.unload(self.server.drain_timeout_s) for mv in old.values()))
-        finally:
-            for mv in old.values():
-                entry.retiring.remove(mv)
+    async def _take_down(
+        self, entry: ModelEntry, replaced: dict[int, Servable]
+    ) -> dict[int, VersionRecord]:
+        """In-place swap, first half: stop routing to the copies to be replaced, let
+        them finish what they queued, unload them."""
+        records = {v: entry.records[v] for v in replaced}
+        for r in records.values():
+            r.serving = None
+        entry.flip()
+        entry.reason = "in-place swap: the old copy is unloading"
+        timeout = self.server.drain_timeout_s
+        await asyncio.gather(
+            *(self._drain(entry, records[v], c, timeout) for v, c in replaced.items())
+        )
+        return records
 
     def _failed(self, entry: ModelEntry, reason: str) -> None:
         entry.reason = reason
         log.error("model '%s' failed to load: %s", entry.name, reason)
-        if not entry.versions:
-            entry.state = State.UNAVAILABLE
 
-    def _retire(self, entry: ModelEntry, mv: Servable) -> None:
-        entry.retiring.append(mv)
-        task = asyncio.get_running_loop().create_task(self._unload_retired(entry, mv))
+    # ---- the one drain path ---------------------------------------------------------------
+
+    async def _drain(
+        self, entry: ModelEntry, record: VersionRecord, copy: Servable, timeout_s: float
+    ) -> None:
+        """``copy`` no longer serves (the caller took it out of the routing): let it
+        finish its queued and running requests within ``timeout_s``, unload it."""
+        record.draining.append(copy)
+        try:
+            await copy.unload(timeout_s)
+        finally:
+            record.draining.remove(copy)
+            entry.prune()
+
+    def _retire(self, entry: ModelEntry, record: VersionRecord, copy: Servable) -> None:
+        """Drain ``copy`` in the background."""
+        coro = self._drain(entry, record, copy, self.server.drain_timeout_s)
+        task = asyncio.get_running_loop().create_task(coro)
         self._retired.add(task)  # keep a hard reference until it finishes
         task.add_done_callback(self._retired.discard)
 
-    async def _unload_retired(self, entry: ModelEntry, mv: Servable) -> None:
-        try:
-            await mv.unload(self.server.drain_timeout_s)
-        finally:
-            entry.retiring.remove(mv)
+    def _unroute(self, entry: ModelEntry) -> list[tuple[VersionRecord, Servable]]:
+        """Stop routing to every version of ``entry``; the copies that served them."""
+        copies = [(r, r.serving) for r in entry.records.values() if r.serving is not None]
+        for r in entry.records.values():
+            r.serving, r.reason = None, ""
+        entry.flip()
+        return copies
+
+    async def _drain_all(
+        self, entry: ModelEntry, copies: list[tuple[VersionRecord, Servable]], timeout_s: float
+    ) -> None:
+        await asyncio.gather(*(self._drain(entry, r, c, timeout_s) for r, c in copies))
 
     async def unload(self, name: str) -> None:
         """Stop routing to ``name``, drain its versions and free them. INVALID_ARG while
@@ -306,18 +315,11 @@ class ModelLifeCycle:
             )
         async with self._locks.setdefault(name, asyncio.Lock()):
             entry.busy = "unloading"
-            old, entry.versions = entry.versions, {}
-            entry.state, entry.reason, entry.failed = State.UNAVAILABLE, "unloaded", {}
-            entry.unloaded = True
-            entry.retiring.extend(old.values())
+            entry.reason, entry.unloaded = "unloaded", True
             try:
-                await asyncio.gather(
-                    *(mv.unload(self.server.drain_timeout_s) for mv in old.values())
-                )
+                await self._drain_all(entry, self._unroute(entry), self.server.drain_timeout_s)
             finally:
                 entry.busy = ""
-                for mv in old.values():
-                    entry.retiring.remove(mv)
 
     # ---- poll mode ----------------------------------------------------------------------
 
@@ -360,7 +362,7 @@ class ModelLifeCycle:
         version the model lacks, UNAVAILABLE for one not ready."""
         entry = self.entry(name)
         if not version:
-            mv = entry.versions.get(entry.default) or entry.newest()
+            mv = entry.routed
             if mv is None:
                 raise unavailable(
                     f"Request for unknown model: '{name}' has no available versions: it is "
@@ -371,16 +373,7 @@ class ModelLifeCycle:
         number = int(names.check_version(version))
         mv = entry.versions.get(number)
         if mv is None:
-            if number in entry.failed:
-                raise unavailable(
-                    f"Request for unknown model: '{name}' version {number} is not ready: "
-                    f"{entry.failed[number]}"
-                )
-            if number in entry.loading:
-                raise unavailable(
-                    f"Request for unknown model: '{name}' version {number} is not ready (loading)"
-                )
-            raise not_found(f"Request for unknown model: '{name}' version {number} is not found")
+            raise entry.not_serving(number)
         return mv
 
     def entry(self, name: str) -> ModelEntry:
@@ -392,6 +385,10 @@ class ModelLifeCycle:
     def loaded(self) -> list[Servable]:
         return [mv for e in self._models.values() for mv in e.versions.values()]
 
+    def draining(self) -> bool:
+        """Whether an old copy of any model is still unloading."""
+        return any(e.draining() for e in self._models.values())
+
     def all_ready(self) -> bool:
         return self._started and all(
             e.state == State.READY for e in self._models.values() if not e.unloaded
@@ -400,29 +397,14 @@ class ModelLifeCycle:
     def index(self) -> list[dict[str, Any]]:
         """Triton's repository index: one row per model version (or per model with none).
 
-        A version being built shows LOADING, an old copy still draining UNLOADING
-        (unless the same version number already serves again), a failed one
-        UNAVAILABLE with its reason.
+        A version serving shows its copy's state (READY while a new copy is built or
+        an old one drains), one being built LOADING, one whose old copy drains
+        UNLOADING, a failed one UNAVAILABLE with its reason.
         """
         rows: list[dict[str, Any]] = []
         for name in self.names():
             entry = self._models.get(name)
-            if entry is None:
-                rows.append({"name": name})
-                continue
-            states: dict[int, tuple[str, str]] = {}
-            for v, reason in entry.failed.items():
-                states[v] = ("UNAVAILABLE", reason)
-            for mv in entry.retiring:
-                states[mv.version] = (State.UNLOADING.value, "")
-            for v in entry.loading:
-                states[v] = (State.LOADING.value, "")
-            for v, mv in entry.versions.items():
-                states[v] = (mv.state.value, "")
-            for v, (state, reason) in sorted(states.items()):
-                rows.append({"name": name, "version": str(v), "state": state, "reason": reason})
-            if not states:
-                rows.append({"name": name, "state": entry.state.value, "reason": entry.reason})
+            rows += entry.rows() if entry is not None else [{"name": name}]
         return rows
 
     async def stop(self, timeout_s: float) -> None:
@@ -431,9 +413,10 @@ class ModelLifeCycle:
             self._poll_task.cancel()
             await asyncio.gather(self._poll_task, return_exceptions=True)
             self._poll_task = None
-        versions = self.loaded()
-        for entry in self._models.values():
-            entry.versions, entry.state = {}, State.UNAVAILABLE
-        await asyncio.gather(*(mv.unload(timeout_s) for mv in versions), return_exceptions=True)
+        unrouted = [(e, self._unroute(e)) for e in self._models.values()]
+        await asyncio.gather(
+            *(self._drain_all(e, copies, timeout_s) for e, copies in unrouted),
+            return_exceptions=True,
+        )
         if self._retired:
             await asyncio.gather(*self._retired, return_exceptions=True)

@@ -1,5 +1,9 @@
 """The model repository on disk: model folders, version folders, and what changed.
 
+:func:`what_to_load` reads the config a load applies and the versions it selects;
+:func:`version_files` tells a load which versions' files are unchanged since their
+copy was built (so the lifecycle keeps that copy).
+
 Layout as Triton's: ``<repository>/<model>/<version>/<model file>``, version folders
 named by positive integers, an optional ``warmup/`` folder for warm-up data. Names
 starting with a dot are invisible, so a writer can stage ``.2.tmp`` and rename it
@@ -16,9 +20,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from appliance import names
-from appliance.errors import invalid
+from appliance.config.model_config import ModelConfig, parse_model_config
+from appliance.config.reader import CONFIG_FILES, load_model_config, with_labels
+from appliance.errors import invalid, not_found
 
 # folders inside a model folder that are not versions
 NOT_VERSIONS = {"warmup", "initial_state"}
@@ -50,6 +57,29 @@ def version_dirs(model_dir: Path) -> list[int]:
     return sorted(versions)
 
 
+def what_to_load(
+    repository: Path, name: str, override: dict[str, Any] | None, allow_links: bool
+) -> tuple[ModelConfig, list[int]]:
+    """The config a load of ``name`` applies (``override``, the load request's config,
+    or the model folder's file) and the versions its policy selects, every folder
+    confined to ``repository`` unless ``allow_links``."""
+    model_dir = repository / name
+    names.confine(repository, model_dir, allow_links, f"the folder of model '{name}'")
+    if override is not None:
+        where = "load request parameter 'config'"
+        config = with_labels(parse_model_config(override, name, where), model_dir)
+    else:
+        config = load_model_config(model_dir)
+    wanted = config.version_policy.select(version_dirs(model_dir))
+    if not wanted:
+        raise not_found(
+            f"model '{name}' has no version folder that its version policy serves in {model_dir}"
+        )
+    for v in wanted:
+        names.confine(repository, model_dir / str(v), allow_links, f"model '{name}' version {v}")
+    return config, wanted
+
+
 def fingerprint(model_dir: Path) -> Fingerprint | None:
     """What the model folder holds now; None while a version folder is empty (being
     written) or the folder vanished."""
@@ -67,6 +97,26 @@ def fingerprint(model_dir: Path) -> Fingerprint | None:
     except OSError:
         return None
     return tuple(sorted(out))
+
+
+def version_files(model_dir: Path, versions: list[int]) -> dict[int, Fingerprint | None]:
+    """Per version, what building it reads besides the config: its version folder and
+    the model folder's shared files (warm-up data, initial states, labels), config
+    files aside (a load compares the parsed config instead). None where the folder
+    cannot be read or a version folder is still empty. Blocking: run it on a worker
+    thread."""
+    whole = fingerprint(model_dir)
+    if whole is None:
+        return dict.fromkeys(versions)
+    owned: dict[str, list[tuple[str, int, int]]] = {}
+    for entry in whole:
+        first, sep, _ = entry[0].partition(os.sep)
+        if not sep and first in CONFIG_FILES:
+            continue
+        owner = first if sep and first.isdigit() else ""
+        owned.setdefault(owner, []).append(entry)
+    shared = owned.get("", [])
+    return {v: tuple(sorted([*owned.get(str(v), []), *shared])) for v in versions}
 
 
 def snapshot(repository: Path) -> dict[str, Fingerprint | None]:
