@@ -18,8 +18,10 @@ a crash or power cut continues where it stopped:
   the old one, so the old one keeps the unversioned traffic. A load interrupted
   ``max_load_attempts`` times (server crash, power cut) marks the version bad.
 - self_test: the bundle's vectors against the new version, by version.
-- switch: reload with only the new version: the server's zero-downtime swap.
-- probation: the new version's error rate and latency from the statistics.
+- switch: a load naming only the new version: the server keeps (promotes) the
+  copy it tested, and the old version drains.
+- probation: the new version's error rate and latency from the statistics, counted
+  after its self-test.
 - commit: the config on disk names the new version; old folders beyond
   ``keep_versions`` are removed. rollback: the committed config is loaded again,
   the candidate folder removed and the version marked bad.
@@ -42,7 +44,7 @@ from ota import OtaError, bundle, check, download, install, probation, report, s
 from ota.config import OtaConfig
 from ota.manifest import Manifest
 from ota.report import Reporter
-from ota.server_api import ServerApi, ServerGone
+from ota.server_api import ServerApi, ServerGone, VersionStats
 from ota.state import Job, StateFile
 
 log = logging.getLogger(__name__)
@@ -340,8 +342,11 @@ class Agent:
         except OtaError as exc:
             raise Rollback(f"self-test failed: {exc}") from None
         log.info("ota: %s version %d passed %d self-test vector(s)", job.model, job.version, count)
-        before = self.api.stats(job.model).get(job.previous)
+        stats = self.api.stats(job.model)
+        before = stats.get(job.previous)
         job.old_latency_us = int(before.mean_ms() * 1000) if before else 0
+        tested = stats.get(job.version)
+        job.tested_counts = [tested.success, tested.fail, tested.success_ns] if tested else []
         return "switch"
 
     def _switch(self, job: Job) -> str:
@@ -356,10 +361,13 @@ class Agent:
 
     def _probation(self, job: Job) -> str:
         deadline = time.monotonic() + self.cfg.probation_s
+        # the switch promoted the tested copy: its counters hold the self-test's requests
+        tested = VersionStats(*job.tested_counts) if len(job.tested_counts) == 3 else None
         while True:
-            stats = self.api.stats(job.model).get(job.version)
-            if stats is None:
+            now = self.api.stats(job.model).get(job.version)
+            if now is None:
                 raise Rollback(f"version {job.version} is no longer loaded during probation")
+            stats = now.since(tested)
             verdict = probation.judge(stats, job.old_latency_us / 1000, self.cfg)
             if verdict:
                 raise Rollback(f"probation: {verdict}")

@@ -1,7 +1,8 @@
 """Probation: is the new version doing worse than allowed? A pure decision.
 
-Called with the new version's statistics since the switch (its copy is fresh, so
-its counters start at zero) and the old version's mean latency; returns why it
+Called with the new version's statistics counted since probation began (the
+switch promotes the copy that was self-tested, so the agent subtracts what that
+copy had counted before) and the old version's mean latency; returns why it
 fails, or "" while it passes. Latency is compared only once ten requests
 succeeded, so one slow first request does not condemn a version.
 """

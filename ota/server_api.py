@@ -31,7 +31,11 @@ class VersionStats:
     def mean_ms(self) -> float:
         return self.success_ns / self.success / 1e6 if self.success else 0.0
 
-    def minus(self, before: VersionStats) -> VersionStats:
+    def since(self, before: VersionStats | None) -> VersionStats:
+        """What was counted after ``before`` (all of it when ``before`` is None or came
+        from another copy, whose counters were higher)."""
+        if before is None or self.success < before.success or self.fail < before.fail:
+            return self
         return VersionStats(
             self.success - before.success,
             self.fail - before.fail,

@@ -43,6 +43,9 @@ class Job:
     load_attempts: int = 0
     reason: str = ""  # why it is being rolled back
     old_latency_us: int = 0  # the old version's mean latency, for probation
+    # the candidate's counters after its self-test (success, fail, success ns): the
+    # switch promotes that copy, so probation counts from here
+    tested_counts: list[int] = field(default_factory=list)
     started: float = 0.0  # wall-clock time, for reports only
 
 
