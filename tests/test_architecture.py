@@ -31,7 +31,8 @@ LAYERS: list[tuple[str, ...]] = [
         "appliance.adapters.inprocess",
     ),
     ("appliance.adapters",),
-    ("appliance.core",),
+    # the core, and beside it the device's telemetry readers (sysfs, NVML, jetson-stats)
+    ("appliance.core", "appliance.telemetry"),
     ("backends",),
     ("appliance.config",),
     # the foundation every layer shares: errors, datatypes, names, the neutral request,
@@ -51,6 +52,7 @@ LAYERS: list[tuple[str, ...]] = [
 WIRE = ("aiohttp", "grpc", "grpc_health", "paho", "tritonclient", "prometheus_client", "uvloop")
 BELOW_ADAPTERS = (
     "appliance.core",
+    "appliance.telemetry",
     "appliance.config",
     "appliance.errors",
     "appliance.datatypes",
