@@ -32,6 +32,7 @@ from appliance.config.fields import ConfigError
 from appliance.core.dataplane import DataPlane
 from appliance.core.lifecycle import ModelLifeCycle
 from appliance.core.shared_memory import SharedMemoryRegistry
+from appliance.telemetry.device import Telemetry
 
 if TYPE_CHECKING:
     from appliance.adapters.grpc_server import GrpcEndpoint
@@ -61,12 +62,15 @@ class Server:
         self._grpc: GrpcEndpoint | None = None
         self._metrics: web.AppRunner | None = None
         self.mqtt: MqttBridge | None = None
+        # what this device exposes (thermal zones, clocks, power rails...), found once
+        self.telemetry = Telemetry.discover()
         self.metrics = metrics.MetricsExporter(
             metrics.Sources(
                 models=lambda: (mv.stats for mv in self.lifecycle.loaded()),
                 budget=self.dataplane.memory,
                 mqtt=self._mqtt_counters,
                 queued=lambda: (self.dataplane.queued.held, self.dataplane.queued.limit),
+                telemetry=self.telemetry.read,
             )
         )
         self._bls: bls.Binding | None = None
@@ -212,4 +216,5 @@ class Server:
             self._bls = None
         if metrics_runner is not None:
             await metrics_runner.cleanup()
+        self.telemetry.close()
         log.info("stopped")

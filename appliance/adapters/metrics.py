@@ -20,12 +20,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from appliance.core.stats import DROP_REASONS, MQTT_METRICS, QUANTILES, ModelStats
 from appliance.errors import FailureReason
+from appliance.telemetry.families import Family, Sample
 
 # name, help, value of one ModelStats (Triton's cumulative counters)
 _COUNTERS: list[tuple[str, str, Callable[[ModelStats], int]]] = [
@@ -130,6 +131,8 @@ class Sources:
     mqtt: Callable[[], dict[str, int] | None] = lambda: None
     # (bytes held by queued requests, the server-wide limit)
     queued: Callable[[], tuple[int, int] | None] = lambda: None
+    # the device's temperatures, clocks, power and throttling (appliance.telemetry)
+    telemetry: Callable[[], Iterable[Sample]] = lambda: ()
 
 
 def _untyped(name: str, help_text: str) -> Metric:
@@ -150,6 +153,7 @@ class ApplianceCollector(Collector):
         mqtt = self.sources.mqtt()
         if mqtt is not None:
             yield from self._mqtt(mqtt)
+        yield from self._telemetry(self.sources.telemetry())
 
     def _model_families(self, stats: list[ModelStats]) -> Iterator[Metric]:
         for name, help_text, value in _COUNTERS:
@@ -272,6 +276,22 @@ class ApplianceCollector(Collector):
         for reason in DROP_REASONS:
             family.add_sample(metric, {"reason": reason}, values[f"dropped_{reason}"])
         yield family
+
+
+    def _telemetry(self, samples: Iterable[Sample]) -> Iterator[Metric]:
+        """One family per kind of reading found; a family with no samples is absent."""
+        by_family: dict[Family, list[Sample]] = {}
+        for sample in samples:
+            by_family.setdefault(sample.family, []).append(sample)
+        for family, rows in by_family.items():
+            metric: GaugeMetricFamily | CounterMetricFamily
+            if family.kind == "counter":  # prometheus-client appends _total
+                metric = CounterMetricFamily(family.name, family.help, labels=family.labels)
+            else:
+                metric = GaugeMetricFamily(family.name, family.help, labels=family.labels)
+            for row in rows:
+                metric.add_metric(row.labels, row.value)
+            yield metric
 
 
 class MetricsExporter:

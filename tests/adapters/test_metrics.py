@@ -10,10 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from device_trees import JETSON, X86, recorded
 from tritonclient.utils import InferenceServerException
 
 from appliance.adapters.metrics import MetricsExporter, Sources
 from appliance.core.stats import ModelStats, MqttStats
+from appliance.telemetry import families as f
 
 
 def _scrape(url: str) -> dict[str, float]:
@@ -139,5 +141,49 @@ def test_every_metric_the_dashboard_queries_is_exposed(run_appliance) -> None:
     bridge = MqttStats()
     body, _ = MetricsExporter(Sources(models=lambda: [stats], mqtt=bridge.snapshot)).render()
     exposed |= _names(body.decode())
+    # the device panels: what a Jetson Orin and an x86 box expose (recorded trees), and
+    # the families only NVML and jetson-stats give, through the same collector
+    exposed |= _names(_telemetry_page(recorded(JETSON).read))
+    exposed |= _names(_telemetry_page(recorded(X86).read))
+    library_only = [
+        f.Sample(f.GPU_THROTTLE, ("0", "hw_thermal"), 0.0),
+        f.Sample(f.EMC_FREQUENCY, ("jtop",), 2133e6),
+        f.Sample(f.EMC_UTILIZATION, ("jtop",), 0.12),
+    ]
+    exposed |= _names(_telemetry_page(lambda: library_only))
     missing = {n for n in wanted if n not in exposed and n + "_count" not in exposed}
     assert not missing, f"the dashboard queries metrics nobody exposes: {sorted(missing)}"
+
+
+def _telemetry_page(read, accept: str = "") -> str:
+    body, _ = MetricsExporter(Sources(models=lambda: [], telemetry=read)).render(accept)
+    return body.decode()
+
+
+def test_device_telemetry_is_exposed_with_units_in_the_names() -> None:
+    page = _telemetry_page(recorded(JETSON).read)
+    samples = dict(
+        line.rsplit(" ", 1) for line in page.splitlines() if line.startswith("appliance_")
+    )
+    assert float(samples['appliance_temperature_celsius{kind="cpu",sensor="cpu-thermal",'
+                         'source="thermal_zone"}']) == pytest.approx(48.531)
+    assert float(samples['appliance_power_watts{rail="VDD_IN",sensor="ina3221 1-0040"}']) > 6
+    assert samples['appliance_throttle_events_total{source="oc3"}'] == "0.0"
+    assert samples['appliance_power_mode_info{id="0",mode="15W"}'] == "1.0"
+    assert "# TYPE appliance_throttle_events_total counter" in page
+    names = _names(page) | _names(_telemetry_page(recorded(X86).read))
+    assert "appliance_energy_joules_total" in names
+    units = ("_celsius", "_hertz", "_watts", "_joules_total", "_ratio", "_info", "_events_total")
+    assert all(n.endswith(units) for n in names if n.startswith("appliance_"))
+    # OpenMetrics keeps the counters' _total samples
+    om = _telemetry_page(recorded(X86).read, "application/openmetrics-text; version=1.0.0")
+    assert 'appliance_energy_joules_total{domain="package-0",sensor="intel-rapl:0"}' in om
+
+
+def test_a_live_server_exposes_its_device(run_appliance) -> None:
+    srv = run_appliance()
+    srv.server.telemetry.sources = recorded(X86).sources  # as on an x86 box
+    m = _scrape(srv.metrics_url)
+    assert m['appliance_throttle_events_total{source="cpu_package_thermal"}'] == 7
+    assert m['appliance_cpu_frequency_max_hertz{cpus="3",policy="3"}'] == 4.2e9
+    assert 'nv_inference_count{model="simple",version="1"}' in m
