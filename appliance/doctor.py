@@ -6,7 +6,8 @@ configured budget and the service's MemoryMax, whether the config is valid, what
 the model repository would fail to load and why (configs and files are checked; no
 model is loaded), whether the ports are free, whether the MQTT broker and the OTA
 source answer (short timeouts; only what the config names), and whether the clock is
-plausible (TLS and TUF metadata expiry depend on it).
+plausible (TLS and TUF metadata expiry depend on it); and the device's telemetry now:
+temperatures, power, GPU load, power mode and any throttling.
 
 Each check is ``ok``, ``warn`` or ``fail``; the exit status is 1 when any check
 fails, 0 otherwise; ``--json`` prints the same for scripts.
@@ -33,6 +34,8 @@ from appliance.config.server_config import ServerConfig, load_server_config
 from appliance.core.memory import fmt
 from appliance.errors import ApplianceError
 from appliance.startup_report import SERVER_BASELINE
+from appliance.telemetry import summary
+from appliance.telemetry.device import Telemetry
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 # engines: import name -> distributions that may provide it (metadata, no import)
@@ -314,8 +317,18 @@ def check_clock(reference: float | None = None) -> Check:
     return Check("clock", OK, stamp + (", NTP synchronised" if synced else ""), details)
 
 
+def check_device(root: str = "/") -> Check:
+    """Temperatures, power, GPU load, power mode and throttling, as the server exposes them."""
+    telemetry = Telemetry.discover(root)
+    try:
+        status, line = summary.summary(telemetry.read(), telemetry.describe())
+        return Check("device", status, line, {"sources": telemetry.describe()})
+    finally:
+        telemetry.close()
+
+
 def run_checks(config_path: Path | None, ota_url: str | None, timeout: float) -> list[Check]:
-    checks = [check_platform(), check_engines(), check_gpu()]
+    checks = [check_platform(), check_engines(), check_gpu(), check_device()]
     try:
         config: ServerConfig | None = load_server_config(config_path, {})
         checks.append(Check("config", OK, f"{config_path or 'defaults'}: valid"))

@@ -146,6 +146,7 @@ def test_human_output_is_one_line_per_check(tmp_path: Path) -> None:
         "platform",
         "engines",
         "gpu",
+        "device",
         "config",
         "memory",
         "models",
@@ -153,3 +154,21 @@ def test_human_output_is_one_line_per_check(tmp_path: Path) -> None:
         "network",
         "clock",
     ]
+
+
+def test_device_summary_over_recorded_trees(tmp_path: Path) -> None:
+    from device_trees import JETSON, X86, writable
+
+    check = doctor.check_device(str(JETSON))
+    assert check.status == "ok"
+    assert check.summary == (
+        "cpu 48.5 C, gpu 47.2 C, soc 48.4 C, junction 48.5 C; VDD_IN 6.94 W; "
+        "power mode 15W (id 0); gpu 17000000.gpu 31% busy; no throttling"
+    )
+    assert "INA3221 rails (VDD_IN, VDD_CPU_GPU_CV, VDD_SOC)" in check.details["sources"]
+    root = writable(JETSON, tmp_path)
+    (root / "sys/class/hwmon/hwmon3/oc3_event_cnt").write_text("37\n")
+    check = doctor.check_device(str(root))
+    assert check.status == "warn" and check.summary.endswith("37 oc3 throttle events since boot")
+    assert doctor.check_device(str(X86)).summary.startswith("cpu 41.0 C, board 27.8 C")
+    assert doctor.check_device(str(tmp_path / "nothing")).summary.startswith("no device")
