@@ -237,3 +237,45 @@ def test_mqtt_transport(run_appliance, tmp_path) -> None:
         _sane(rows[0])
     finally:
         broker.stop()
+
+
+def test_a_run_during_which_the_device_throttled_says_so(run_appliance, tmp_path, capsys) -> None:
+    from device_trees import JETSON, recorded, writable
+
+    srv = run_appliance(None)
+    metrics = f"127.0.0.1:{srv.server.metrics_port}"
+    root = writable(JETSON, tmp_path)
+    srv.server.telemetry.sources = recorded(root).sources
+    rc, rows, doc = _perf(tmp_path, "-m", "simple", "-u", srv.url, "--metrics-url", metrics)
+    assert rc == 0 and rows[0]["throttled"] == "False" and rows[0]["throttle_events"] == "0"
+    assert doc["points"][0]["max_temp_celsius"] == pytest.approx(48.531)
+    assert "throttled" not in capsys.readouterr().err
+    # the GPU sits at its throttle trip point (99 C) for this run
+    (root / "sys/class/thermal/thermal_zone1/temp").write_text("99250\n")
+    rc, rows, doc = _perf(tmp_path, "-m", "simple", "-u", srv.url, "--metrics-url", metrics)
+    assert rc == 0 and rows[0]["throttled"] == "True"
+    assert rows[0]["throttle_reasons"] == "gpu-thermal at its throttle temperature"
+    assert "the device throttled during c=1 (gpu-thermal" in capsys.readouterr().err
+    # a server without telemetry (or no metrics endpoint): unknown, not "no"
+    srv.server.telemetry.sources = []
+    rc, rows, doc = _perf(tmp_path, "-m", "simple", "-u", srv.url, "--metrics-url", metrics)
+    assert rc == 0 and rows[0]["throttled"] == "" and doc["points"][0]["throttled"] is None
+
+
+def test_throttle_counters_moving_during_a_window_mark_the_point(tmp_path) -> None:
+    from device_trees import JETSON, recorded, writable
+
+    from appliance.perf.runner import Window, finish
+
+    root = writable(JETSON, tmp_path)
+    telemetry = recorded(root)
+    before = {"device": telemetry.read()}
+    (root / "sys/class/hwmon/hwmon3/oc2_event_cnt").write_text("3\n")
+    point = Point("http", "m", 1, concurrency=2)
+    point = finish(point, Window(0, 1), 0.0, before, {"device": telemetry.read()})
+    assert point.throttled is True and point.throttle_events == 3
+    assert point.throttle_reasons == "3 oc2 events"
+    assert report.throttle_warning([point]) == (
+        "the device throttled during c=2 (3 oc2 events): those figures are below what it "
+        "does cool"
+    )

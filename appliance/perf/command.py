@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from appliance.errors import ApplianceError, invalid
-from appliance.perf import report
+from appliance.perf import report, throttle
 from appliance.perf.httpclient import Admin
 from appliance.perf.plan import Settings, new_loop, plan_loads, prepare
 from appliance.perf.runner import Point, StatsReader, measure, parse_range
@@ -46,6 +46,9 @@ async def run(
         own = server = InProcessServer(s.model_repository)
         await own.start()
     stats_admin = Admin(s.url, s.token) if server is None else None
+    scraper = None
+    if server is None:
+        scraper = throttle.Scraper(throttle.metrics_url(s.url, s.metrics_url))
     try:
         stats: StatsReader
         if server is not None:
@@ -56,6 +59,7 @@ async def run(
         else:
             assert stats_admin is not None
             stats = lambda: stats_admin.stats(s.model)  # noqa: E731
+        stats = throttle.with_device(stats, scraper or throttle.local(server))
         if s.processes > 1:
             return await _run_fleet(s, table, stats)
         samples, transport, slots = await prepare(s, server)
@@ -74,6 +78,8 @@ async def run(
     finally:
         if stats_admin is not None:
             await stats_admin.close()
+        if scraper is not None:
+            await scraper.close()
         if own is not None:
             await own.stop()
 
@@ -127,6 +133,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("-u", "--url", default="127.0.0.1:8000", help="HTTP host:port")
     p.add_argument("-i", "--transport", choices=TRANSPORTS, default="http")
     p.add_argument("--grpc-url", default="", help="gRPC host:port (default: -u's host, 8001)")
+    p.add_argument("--metrics-url", default="", help="metrics host:port (default: -u's host, 8002)")
     p.add_argument("--mqtt-broker", default="127.0.0.1:1883", help="MQTT broker host:port")
     p.add_argument("--mqtt-prefix", default="appliance", help="the appliance's topic prefix")
     p.add_argument("--mqtt-device", default="", help="the appliance's MQTT device id")
@@ -180,6 +187,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_outstanding=args.max_outstanding,
         json_data=args.json_data,
         processes=args.processes,
+        metrics_url=args.metrics_url,
     )
 
 
@@ -225,6 +233,9 @@ def main(args: argparse.Namespace) -> int:
         if proc is not None:
             proc.terminate()
             proc.wait()
+    warning = report.throttle_warning(points)
+    if warning:
+        print(f"appliance perf: {warning}", file=sys.stderr)
     if args.csv:
         args.csv.write_text(report.to_csv(points))
     if args.json:

@@ -53,6 +53,7 @@ class Settings:
     samples: int = 4
     json_data: bool = False  # HTTP: tensors as JSON lists instead of the binary extension
     processes: int = 1  # load-generating processes (appliance.perf.workers)
+    metrics_url: str = ""  # the server's metrics (device telemetry); default -u's host:8002
 
     def json(self) -> dict[str, Any]:
         return {k: str(v) if isinstance(v, Path) else v for k, v in self.__dict__.items()}

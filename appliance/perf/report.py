@@ -35,6 +35,7 @@ _TABLE = (
     ("batch", 6, lambda p: f"{p.server_avg_batch:.1f}"),
     ("cli us/r", 9, lambda p: f"{p.client_cpu_us_per_req:.0f}"),
     ("errors", 7, lambda p: str(p.errors)),
+    ("throttled", 9, lambda p: "-" if p.throttled is None else ("yes" if p.throttled else "no")),
 )
 
 
@@ -88,6 +89,15 @@ class LiveTable:
         for kind, n in list(p.errors_by_kind.items())[:3]:
             self.out.write(f"{'':>10}   {n} x {kind}\n")
         self.out.flush()
+
+
+def throttle_warning(points: Sequence[Point]) -> str | None:
+    """One line naming the points during which the device throttled (None if none)."""
+    hit = [p for p in points if p.throttled]
+    if not hit:
+        return None
+    where = ", ".join(f"{p.label} ({p.throttle_reasons})" for p in hit)
+    return f"the device throttled during {where}: those figures are below what it does cool"
 
 
 def to_csv(points: Sequence[Point]) -> str:

@@ -10,9 +10,11 @@ no coordinated omission). Open-loop requests beyond ``max_outstanding`` are not
 sent and are counted as errors of kind ``client: outstanding limit``.
 
 Around the window the server's statistics are read; their difference gives the
-server-side queue and compute time per request. The process's own CPU time over
-the window is reported too (client CPU per request): with the ceiling run
-(``--ceiling``) it says whether the load generator could be the bottleneck.
+server-side queue and compute time per request. The device's telemetry is read with
+them (``perf/throttle``): a point during which the device throttled says so. The
+process's own CPU time over the window is reported too (client CPU per request):
+with the ceiling run (``--ceiling``) it says whether the load generator could be the
+bottleneck.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 from appliance.errors import invalid
 from appliance.perf.httpclient import RequestFailed
 from appliance.perf.transports import Transport
+from appliance.telemetry import summary
 
 StatsReader = Callable[[], Awaitable[dict[str, Any] | None]]
 STAT_KEYS = ("queue", "compute_input", "compute_infer", "compute_output")
@@ -105,6 +108,11 @@ class Point:
     server_compute_output_us: float = 0.0
     server_avg_batch: float = 0.0
     errors_by_kind: dict[str, int] = field(default_factory=dict)
+    # the device during the window (appliance.perf.throttle): None when not known
+    throttled: bool | None = None
+    throttle_events: int = 0
+    throttle_reasons: str = ""
+    max_temp_celsius: float | None = None
 
     @property
     def label(self) -> str:
@@ -216,6 +224,17 @@ def _server_delta(before: dict[str, Any] | None, after: dict[str, Any] | None, p
     p.server_avg_batch = rows / calls if calls > 0 else 0.0
 
 
+def _device_delta(before: dict[str, Any] | None, after: dict[str, Any] | None, p: Point) -> None:
+    old = (before or {}).get("device")
+    new = (after or {}).get("device")
+    if not old or not new:  # no telemetry (or none could be read): unknown
+        return
+    p.throttle_events, why = summary.throttled(old, new)
+    p.throttled = bool(why)
+    p.throttle_reasons = "; ".join(why)
+    p.max_temp_celsius = summary.hottest(new)
+
+
 def _finish(p: Point, window: Window, cpu_s: float) -> None:
     lat = np.asarray(window.latencies, dtype=np.float64) * 1000
     p.requests = int(lat.size)
@@ -302,6 +321,7 @@ def finish(
     """Fill in ``point`` from a closed window (latencies, errors) and the statistics."""
     point.window_s = window.end - window.start
     _server_delta(before, after, point)
+    _device_delta(before, after, point)
     _finish(point, window, cpu_s)
     return point
 
