@@ -85,7 +85,9 @@ class Nvml:
             energy = self._call("nvmlDeviceGetTotalEnergyConsumption", h)
             if energy is not None:
                 out.append(f.Sample(f.ENERGY, (f"gpu{gpu}", "nvml"), energy / 1000))
-            reasons = self._call("nvmlDeviceGetCurrentClocksThrottleReasons", h)
+            reasons = self._call("nvmlDeviceGetCurrentClocksEventReasons", h)
+            if reasons is None:  # nvidia-ml-py before 12.535 names it "throttle reasons"
+                reasons = self._call("nvmlDeviceGetCurrentClocksThrottleReasons", h)
             if reasons is not None:
                 for bit, reason in THROTTLE_REASONS:
                     active = 1.0 if reasons & bit else 0.0

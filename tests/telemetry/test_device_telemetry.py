@@ -187,3 +187,14 @@ def test_trees_keep_their_links() -> None:
     assert link.is_symlink() and not os.path.isabs(os.readlink(link))
     assert (link / "device/load").read_text().strip() == "312"
     assert (X86 / "sys/devices/system/cpu/cpu5/cpufreq").is_symlink()
+
+
+def test_libraries_are_only_tried_on_the_real_root() -> None:
+    """NVML and jetson-stats read the running system, never a recorded tree; and NVML is
+    not imported where no NVIDIA driver shows itself."""
+    from appliance.telemetry.jetson_stats import Jtop
+    from appliance.telemetry.nvml import Nvml, driver_present
+
+    assert Nvml.discover(str(X86)) is None and Jtop.discover(str(JETSON)) is None
+    if not driver_present("/"):
+        assert Nvml.discover("/") is None
