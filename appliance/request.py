@@ -32,11 +32,6 @@ class InferenceRequest:
     sequence_id: int | str = 0
     sequence_start: bool = False
     sequence_end: bool = False
-    # the model config whose rules a codec's InputGate already applied to every input
-    # declaration (datatype, shape, batch size) before decoding it to exactly that
-    # declaration: the model skips repeating them (a hot swap in between brings a
-    # different config object, and the full check again)
-    checked_against: object = field(default=None, repr=False, compare=False)
 
 
 def check_sequence_id(value: object) -> int | str:

@@ -21,7 +21,8 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from appliance import datatypes
-from appliance.adapters import grpc_codec, grpc_settings, offload
+from appliance.adapters import grpc_codec, grpc_settings, grpc_wire, offload, request_form
+from appliance.core.admission import Ticket
 from appliance.core.dataplane import DataPlane
 from appliance.errors import ApplianceError, Code
 from appliance.request import InferenceResponse
@@ -53,6 +54,8 @@ def _guarded(method: Unary[S, R]) -> Unary[S, R]:
     @functools.wraps(method)
     async def wrapper(self: S, request: Any, context: Any) -> R:
         try:
+            if isinstance(request, grpc_wire.Undecodable):
+                raise request.error
             return await method(self, request, context)
         except ApplianceError as exc:
             code, message = STATUS[exc.code], exc.message
@@ -138,14 +141,20 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     # ---- inference ---------------------------------------------------------------------
 
-    async def _decode(self, request: Any) -> Any:
+    async def _decode(self, request: Any, ticket: Ticket, wire: bytes | None = None) -> Any:
+        """The request -> (decoded request, outputs bound for shared memory), through the
+        one request form; ``wire``: the message's bytes, whose raw inputs become views."""
         shm = self.dp.shared_memory
-        # the model's limits, checked on every declaration before any data is decoded
-        gate = self.dp.input_gate(request.model_name, request.model_version)
-        # estimated from the declared shapes: ByteSize() walks the whole message and each
-        # read of a raw_input_contents entry copies it (~1.4 ms per 6 MB frame)
-        heavy = _declared_bytes(request) > offload.OFFLOAD_BYTES
-        return await offload.run(heavy, grpc_codec.decode_request, request, shm, gate)
+        raw = grpc_wire.raw_contents(wire) if wire is not None else None
+        form = grpc_codec.parse_request(request, raw)
+        # every declaration checked against the model before any data is decoded
+        request_form.declare(form, ticket, shm)
+        # estimated from the declared shapes: ByteSize() walks the whole message
+        heavy = (
+            _declared_bytes(request) > offload.OFFLOAD_BYTES
+            or form.object_elements > offload.LOOP_OBJECTS
+        )
+        return await offload.run(heavy, request_form.build, form, shm), form.fmt.shared_memory
 
     async def _encode(self, response: InferenceResponse, shm_outputs: Any) -> Any:
         shm = self.dp.shared_memory
@@ -153,10 +162,21 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         return await offload.run(heavy, grpc_codec.encode_response, response, shm_outputs, shm)
 
     @_guarded
-    async def ModelInfer(self, request: Any, context: Any) -> Any:
-        inference, shm_outputs = await self._decode(request)
-        response = await self.dp.infer(inference, "ModelInfer RPC")
-        return await self._encode(response, shm_outputs)
+    async def ModelInfer(self, wire: bytes, context: Any) -> bytes:
+        """Bytes in, bytes out (:mod:`appliance.adapters.grpc_wire`): the message is
+        parsed once, its raw inputs are views of the wire, its outputs joined once."""
+        big = len(wire) > offload.OFFLOAD_BYTES
+        request = await offload.run(big, grpc_wire.parse_request, wire)
+        # one admission: the version, its rules and the queued-bytes hold, until answered
+        ticket = self.dp.admit(request.model_name, request.model_version)
+        try:
+            inference, shm_outputs = await self._decode(request, ticket, wire if big else None)
+            response = await self.dp.infer(inference, "ModelInfer RPC", ticket)
+            heavy = offload.tensor_bytes(response.outputs) > offload.OFFLOAD_BYTES
+            shm = self.dp.shared_memory
+            return await offload.run(heavy, grpc_wire.encode_response, response, shm_outputs, shm)
+        finally:
+            ticket.release()
 
     def _stream_error(self, request: Any, message: str) -> Any:
         echo = service_pb2.ModelInferResponse(
@@ -174,12 +194,21 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         (as Triton). A regular model's one response carries the flag only then.
         """
         try:
+            if isinstance(request, grpc_wire.Undecodable):
+                out.put_nowait(
+                    service_pb2.ModelStreamInferResponse(error_message=request.error.message)
+                )
+                return
             empty_final = grpc_codec.param(
                 request.parameters, "triton_enable_empty_final_response", "bool_param", "request"
             )
-            inference, shm_outputs = await self._decode(request)
-            decoupled = self.dp.is_decoupled(inference.model_name, inference.model_version)
-            async for item, final in self.dp.infer_stream(inference):
+            ticket = self.dp.admit(request.model_name, request.model_version)
+            try:
+                inference, shm_outputs = await self._decode(request, ticket)
+            finally:
+                ticket.release()  # a stream request holds no queued bytes
+            decoupled = ticket.servable.config.decoupled
+            async for item, final in self.dp.infer_stream(inference, ticket):
                 if isinstance(item, ApplianceError):
                     out.put_nowait(self._stream_error(request, item.message))
                     continue

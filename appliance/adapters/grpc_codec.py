@@ -5,19 +5,24 @@ An input's data comes from exactly one place: a shared-memory region (its
 entry of ``raw_input_contents``. As in Triton, raw entries are taken in order by the
 inputs that carry neither of the other two, there must be exactly one per such
 input, and a request that uses ``raw_input_contents`` may not use ``contents``.
+The message is read into the one request form (:mod:`appliance.adapters.request_form`,
+which the HTTP codec fills too) and decoded from it.
 Raw inputs become zero-copy views of the message bytes; outputs go back as
 ``raw_output_contents`` (what tritonclient reads) or into the caller's region.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from tritonclient.grpc import service_pb2
 
 from appliance import datatypes
+from appliance.adapters import request_form
+from appliance.adapters.request_form import OutputFormat, RequestForm, TensorForm
+from appliance.core.admission import Ticket
 from appliance.core.shared_memory import SharedMemoryRef, SharedMemoryRegistry
 from appliance.errors import invalid
 from appliance.request import InferenceRequest, InferenceResponse, check_sequence_id
@@ -107,110 +112,110 @@ def _from_contents(contents: Any, datatype: str, shape: list[int], name: str) ->
 
 
 def decode_request(
-    msg: Any,
-    shm: SharedMemoryRegistry,
-    gate: Callable[[str, str, list[int]], None] | None = None,
+    msg: Any, shm: SharedMemoryRegistry | None, ticket: Ticket | None = None
 ) -> tuple[InferenceRequest, dict[str, SharedMemoryRef]]:
-    """``ModelInferRequest`` -> (request, outputs to write into shared memory).
+    """``ModelInferRequest`` -> (request, outputs to write into shared memory):
+    :func:`parse_request`, then the one declare and build of
+    :mod:`appliance.adapters.request_form`."""
+    form = parse_request(msg)
+    request_form.declare(form, ticket, shm)
+    return request_form.build(form, shm), form.fmt.shared_memory
 
-    Every malformed part is an INVALID_ARG naming the tensor. ``gate`` (the model's
-    limits) sees every input's name, datatype and shape before any data is decoded.
-    Shared-memory windows are bounds-checked here, before the request is queued.
-    """
+
+def parse_request(msg: Any, raw: Sequence[Any] | None = None) -> RequestForm:
+    """Read a ``ModelInferRequest`` into the request form, decoding no tensor. Every
+    malformed part is an INVALID_ARG naming the tensor. ``raw``: the message's
+    ``raw_input_contents`` as views of the wire bytes (:func:`raw_contents`), when
+    the caller has them (reading the message's own entries copies each)."""
     if not msg.inputs:
         raise invalid("the request must have at least one input")
-    raw = msg.raw_input_contents
-    takes_raw = [
-        t.name
-        for t in msg.inputs
-        if not t.HasField("contents") and "shared_memory_region" not in t.parameters
-    ]
-    if raw and len(raw) != len(takes_raw):
+    if raw is None:
+        raw = msg.raw_input_contents
+    takes_raw = 0
+    for tensor in msg.inputs:
+        if tensor.HasField("contents"):
+            if raw:  # Triton's words
+                raise invalid(
+                    "contents field must not be specified when using raw_input_contents "
+                    f"for '{tensor.name}' for model '{msg.model_name}'"
+                )
+        elif "shared_memory_region" not in tensor.parameters:
+            takes_raw += 1
+    if raw and len(raw) != takes_raw:
+        names = [
+            t.name
+            for t in msg.inputs
+            if not t.HasField("contents") and "shared_memory_region" not in t.parameters
+        ]
         raise invalid(
-            f"the request has {len(raw)} raw_input_contents but {len(takes_raw)} input(s) "
-            f"take raw data {takes_raw}: there must be exactly one per input, in order"
+            f"the request has {len(raw)} raw_input_contents but {takes_raw} input(s) "
+            f"take raw data {names}: there must be exactly one per input, in order"
         )
-    for tensor in msg.inputs:  # every declaration first: refuse before decoding anything
-        where = f"input '{tensor.name}'"
-        datatypes.to_numpy_dtype(tensor.datatype)  # unknown datatype -> INVALID_ARG
-        shape = datatypes.check_shape(list(tensor.shape), where)
-        if gate is not None:
-            gate(tensor.name, tensor.datatype, shape)
-    inputs: dict[str, np.ndarray] = {}
+    inputs: list[TensorForm] = []
     next_raw = 0
     for tensor in msg.inputs:
         name = tensor.name
         where = f"input '{name}'"
         if not name:
             raise invalid("every input needs a name")
-        if name in inputs:
-            raise invalid(f"{where} appears twice")
-        datatypes.to_numpy_dtype(tensor.datatype)  # unknown datatype -> INVALID_ARG
-        shape = datatypes.check_shape(list(tensor.shape), where)
-        ref = _shm_ref(tensor.parameters, where)
+        ref = _shm_ref(tensor.parameters, where) if tensor.parameters else None
         if ref is not None:
             if tensor.HasField("contents"):
                 raise invalid(f"{where} has both 'contents' and shared-memory parameters")
-            view = shm.view(ref.region, ref.offset, ref.byte_size, where)
-            inputs[name] = datatypes.from_raw(view, tensor.datatype, shape, name)
+            kind, data = request_form.SHM, ref
         elif tensor.HasField("contents"):
-            if raw:
-                raise invalid(
-                    f"{where} has 'contents' but the request also carries "
-                    f"raw_input_contents: use one or the other"
-                )
-            inputs[name] = _from_contents(tensor.contents, tensor.datatype, shape, name)
+            kind, data = request_form.CONTENTS, tensor.contents
         elif raw:
-            inputs[name] = datatypes.from_raw(raw[next_raw], tensor.datatype, shape, name)
+            kind, data = request_form.RAW, raw[next_raw]
             next_raw += 1
         else:
             raise invalid(
                 f"{where} has no data: send it in raw_input_contents, 'contents' or shared memory"
             )
+        inputs.append(TensorForm(name, tensor.datatype, list(tensor.shape), kind, data))
     outputs: list[str] = []
     classification: dict[str, int] = {}
-    shm_outputs: dict[str, SharedMemoryRef] = {}
+    fmt = OutputFormat()
     for tensor in msg.outputs:
         name = tensor.name
         where = f"output '{name}'"
         if not name or name in outputs:
             raise invalid(f"requested outputs need distinct names, got {name!r} twice or empty")
-        count = param(tensor.parameters, "classification", "int64_param", where) or 0
-        if count < 0:
-            raise invalid(f"{where}: 'classification' must be a non-negative integer")
-        if count:
-            classification[name] = int(count)
-        ref = _shm_ref(tensor.parameters, where)
-        if ref is not None:
+        if tensor.parameters:
+            count = param(tensor.parameters, "classification", "int64_param", where) or 0
+            if count < 0:
+                raise invalid(f"{where}: 'classification' must be a non-negative integer")
             if count:
-                raise invalid(f"{where}: a classification output cannot go to shared memory")
-            shm.check(ref.region, ref.offset, ref.byte_size, where)  # before the model runs
-            shm_outputs[name] = ref
+                classification[name] = int(count)
+            ref = _shm_ref(tensor.parameters, where)
+            if ref is not None:
+                if count:
+                    raise invalid(f"{where}: a classification output cannot go to shared memory")
+                fmt.shared_memory[name] = ref
         outputs.append(name)
-    timeout = param(msg.parameters, "timeout", "int64_param", "request")
+    form = RequestForm(
+        msg.model_name, msg.model_version, inputs, fmt, tuple(outputs), classification, msg.id
+    )
+    form.contents = _from_contents
+    if msg.parameters:
+        _request_parameters(msg.parameters, form)
+    return form
+
+
+def _request_parameters(params: Any, form: RequestForm) -> None:
+    timeout = param(params, "timeout", "int64_param", "request")
     if timeout is not None and timeout < 0:
         raise invalid("request parameter 'timeout' must be a non-negative integer (microseconds)")
+    form.timeout_us = int(timeout) if timeout else None
     sequence: object = 0
-    if "sequence_id" in msg.parameters:  # tritonclient sends int64, others uint64 or string
-        kind = msg.parameters["sequence_id"].WhichOneof("parameter_choice")
+    if "sequence_id" in params:  # tritonclient sends int64, others uint64 or string
+        kind = params["sequence_id"].WhichOneof("parameter_choice")
         if kind not in ("int64_param", "uint64_param", "string_param"):
             raise invalid("request parameter 'sequence_id' must be an integer or a string")
-        sequence = getattr(msg.parameters["sequence_id"], kind)
-    request = InferenceRequest(
-        model_name=msg.model_name,
-        inputs=inputs,
-        model_version=msg.model_version,
-        outputs=tuple(outputs),
-        id=msg.id,
-        timeout_us=int(timeout) if timeout else None,
-        classification=classification,
-        sequence_id=check_sequence_id(sequence),
-        sequence_start=bool(param(msg.parameters, "sequence_start", "bool_param", "request")),
-        sequence_end=bool(param(msg.parameters, "sequence_end", "bool_param", "request")),
-        # every input above was declared to the gate and decoded to its declaration
-        checked_against=getattr(gate, "config", None),
-    )
-    return request, shm_outputs
+        sequence = getattr(params["sequence_id"], kind)
+    form.sequence_id = check_sequence_id(sequence)
+    form.sequence_start = bool(param(params, "sequence_start", "bool_param", "request"))
+    form.sequence_end = bool(param(params, "sequence_end", "bool_param", "request"))
 
 
 def encode_response(

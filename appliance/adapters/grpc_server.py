@@ -1,17 +1,19 @@
 """The gRPC listener: one ``grpc.aio`` server in the running event loop, serving the
 Triton service (:mod:`appliance.adapters.grpc_api`) and the standard ``grpc.health.v1``
 service, with the HTTPS certificate settings (TLS, mutual TLS) and the bearer-token
-rule of :mod:`appliance.adapters.access` as an interceptor.
+rule of :mod:`appliance.adapters.access` checked by each RPC's handler.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from tritonclient.grpc import service_pb2_grpc
+from tritonclient.grpc import service_pb2
 
+from appliance.adapters import grpc_wire
 from appliance.adapters.access import AccessPolicy, Scope
 from appliance.adapters.grpc_api import Servicer
 from appliance.adapters.tls import TlsFiles
@@ -76,39 +78,67 @@ def rpc_scope(method: str) -> Scope:
     return RPC_SCOPES.get(method, Scope.ADMIN)
 
 
-class _AccessInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """The HTTP endpoint's token rule (:mod:`appliance.adapters.access`) for gRPC: the token
-    comes as ``authorization: Bearer <token>`` metadata. A refused call ends with
-    UNAUTHENTICATED (no or wrong token) or PERMISSION_DENIED (admin calls disabled)."""
+def _guard(behavior: Any, scope: Scope, policy: AccessPolicy, streaming: bool) -> Any:
+    """The HTTP endpoint's token rule (:mod:`appliance.adapters.access`) for one RPC: the
+    token comes as ``authorization: Bearer <token>`` metadata. A refused call ends with
+    UNAUTHENTICATED (no or wrong token) or PERMISSION_DENIED (admin calls disabled).
+    Checked in the handler itself: an interceptor costs a coroutine and a handler
+    look-up on every call."""
+    if scope is Scope.PUBLIC:
+        return behavior
 
-    def __init__(self, policy: AccessPolicy) -> None:
-        self._policy = policy
-
-    async def intercept_service(self, continuation: Any, details: Any) -> Any:
-        scope = rpc_scope(details.method)
-        tokens = [v for k, v in details.invocation_metadata or () if k == "authorization"]
-        denial = self._policy.check_all(scope, tokens)
-        handler = await continuation(details)
-        if denial is None or handler is None:
-            return handler
-        code = grpc.StatusCode.UNAUTHENTICATED
-        if denial.forbidden:
-            code = grpc.StatusCode.PERMISSION_DENIED
-
-        async def deny(request: Any, context: Any) -> None:
+    async def refuse(context: Any) -> None:
+        tokens = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
+        denial = policy.check_all(scope, tokens)
+        if denial is not None:
+            code = grpc.StatusCode.UNAUTHENTICATED
+            if denial.forbidden:
+                code = grpc.StatusCode.PERMISSION_DENIED
             await context.abort(code, denial.message)
 
-        make = {
-            (False, False): grpc.unary_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler,
-        }[(handler.request_streaming, handler.response_streaming)]
-        return make(
-            deny,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
+    if streaming:
+
+        async def stream(requests: Any, context: Any) -> AsyncIterator[Any]:
+            await refuse(context)
+            async for response in behavior(requests, context):
+                yield response
+
+        return stream
+
+    async def unary(request: Any, context: Any) -> Any:
+        await refuse(context)
+        return await behavior(request, context)
+
+    return unary
+
+
+def triton_service(servicer: Servicer, policy: AccessPolicy) -> Any:
+    """``inference.GRPCInferenceService`` as one generic handler, each RPC with its
+    access scope. ModelInfer takes and returns bytes (:mod:`appliance.adapters.grpc_wire`);
+    every other request is parsed by protobuf, and one that does not parse (a name
+    that is not UTF-8) reaches its RPC as :class:`grpc_wire.Undecodable`, answered
+    INVALID_ARGUMENT instead of grpcio's UNKNOWN."""
+    service = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers = {}
+    for method in service.methods:
+        scope = rpc_scope(f"/{service.full_name}/{method.name}")
+        behavior = _guard(getattr(servicer, method.name), scope, policy, method.client_streaming)
+        if method.name == "ModelInfer":
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(behavior)
+            continue
+        request = getattr(service_pb2, method.input_type.name)
+        response = getattr(service_pb2, method.output_type.name)
+        make = (
+            grpc.stream_stream_rpc_method_handler
+            if method.client_streaming
+            else grpc.unary_unary_rpc_method_handler
         )
+        handlers[method.name] = make(
+            behavior,
+            request_deserializer=grpc_wire.parse_or_undecodable(request),
+            response_serializer=response.SerializeToString,
+        )
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
 class GrpcEndpoint:
@@ -144,10 +174,9 @@ class GrpcEndpoint:
                 # without this a second server could silently share the port
                 ("grpc.so_reuseport", 0),
             ],
-            interceptors=[_AccessInterceptor(self._access)] if self._access else None,
         )
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            Servicer(self._dataplane), server
+        server.add_generic_rpc_handlers(
+            (triton_service(Servicer(self._dataplane), self._access or AccessPolicy()),)
         )
         if health is not None:
             self._health = health.aio.HealthServicer()

@@ -6,9 +6,9 @@ Access (bearer tokens, :mod:`appliance.adapters.access`) is checked by a middlew
 any route runs: 401 without a valid token, 403 where admin calls are disabled. Each
 route's scope is declared where :func:`create_app` registers it; a route registered
 without one counts as admin (never open by omission).
-Body sizes and read timeouts are :mod:`appliance.adapters.http_limits`; an inference body
-is checked against the model (:meth:`DataPlane.input_gate`) before any tensor in
-it is decoded.
+Body sizes and read timeouts are :mod:`appliance.adapters.http_limits`; an inference
+request is admitted once (:meth:`DataPlane.admit`) and its body checked against the
+model through that ticket before any tensor in it is decoded.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web, web_protocol
 from aiohttp.typedefs import Middleware
 
-from appliance.adapters import http_codec, http_limits, offload
+from appliance.adapters import http_codec, http_limits, offload, request_form
 from appliance.adapters.access import AccessPolicy, Scope
 from appliance.core.dataplane import DataPlane
 from appliance.errors import ApplianceError, Code, invalid
@@ -174,10 +174,10 @@ async def model_stats(request: web.Request) -> web.Response:
 async def infer(request: web.Request) -> web.Response:
     dataplane = request.app[DATAPLANE]
     model, version = _model(request)
-    # the body is held from before it is read: an overloaded model or server answers
-    # 503 without taking the payload into memory (appliance.core.queue_bytes)
-    # and every input declaration is checked against the model before it is decoded
-    hold, gate = dataplane.admit(model, version, request.content_length or 0)
+    # one admission, before the body is read: the model version, its rules and a hold
+    # on the queued bytes the request declares (an overloaded model or server answers
+    # 503 without taking the payload into memory: appliance.core.queue_bytes)
+    ticket = dataplane.admit(model, version, request.content_length or 0)
     shm = dataplane.shared_memory
     # one coroutine for the whole request, and the offload rule (appliance.adapters.
     # offload) applied inline: big or object-heavy work goes to a thread, the rest
@@ -190,21 +190,24 @@ async def infer(request: web.Request) -> web.Response:
         json_bytes = len(body) if header_length is None else header_length
         if json_bytes > offload.OFFLOAD_BYTES:
             inference, fmt = await asyncio.to_thread(
-                http_codec.decode_request, body, header_length, model, version, shm, gate
+                http_codec.decode_request, body, header_length, model, version, shm, ticket
             )
         else:
-            prepared = http_codec.prepare_request(body, header_length, model, version, shm, gate)
-            if prepared.object_elements > offload.LOOP_OBJECTS:
-                inference, fmt = await asyncio.to_thread(prepared.build)
+            form = http_codec.parse_request(body, header_length, model, version)
+            # every declaration checked against the model before any data is decoded
+            request_form.declare(form, ticket, shm)
+            fmt = form.fmt
+            if form.object_elements > offload.LOOP_OBJECTS:
+                inference = await asyncio.to_thread(request_form.build, form, shm)
             else:
-                inference, fmt = prepared.build()
-        response = await dataplane.infer(inference, "HTTP end point", hold)
+                inference = request_form.build(form, shm)
+        response = await dataplane.infer(inference, "HTTP end point", ticket)
         if _heavy_response(response.outputs, fmt):
             out, length = await asyncio.to_thread(http_codec.encode_response, response, fmt, shm)
         else:
             out, length = http_codec.encode_response(response, fmt, shm)
     finally:
-        hold.release()
+        ticket.release()
     if length is None:
         return web.Response(body=out, content_type="application/json")
     return web.Response(
@@ -214,7 +217,7 @@ async def infer(request: web.Request) -> web.Response:
     )
 
 
-def _heavy_response(outputs: dict[str, Any], fmt: http_codec.OutputFormat) -> bool:
+def _heavy_response(outputs: dict[str, Any], fmt: request_form.OutputFormat) -> bool:
     """Whether encoding ``outputs`` belongs on a worker thread (the offload rule)."""
     text_bytes = copy_bytes = objects = 0
     for name, arr in outputs.items():

@@ -3,8 +3,10 @@
 A request body is a JSON header optionally followed by raw tensor bytes; the
 ``Inference-Header-Content-Length`` header says where the JSON ends. Each input
 with ``parameters.binary_data_size`` takes the next that many bytes, in order.
-Binary inputs become zero-copy views of the body; binary outputs are written
-from views of the result arrays, joined once into the response body.
+The body is read into the one request form (:mod:`appliance.adapters.request_form`,
+which gRPC's codec fills too) and decoded from it; binary inputs become zero-copy
+views of the body; binary outputs are written from views of the result arrays,
+joined once into the response body.
 
 Triton's system shared-memory extension: an input whose parameters name a
 ``shared_memory_region`` is a zero-copy view of that registered region; an
@@ -15,32 +17,23 @@ object of an output as binary data and fails without ``binary_data_size``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from appliance import datatypes
-from appliance.adapters import json_tensors
+from appliance.adapters import json_tensors, request_form
+from appliance.adapters.request_form import OutputFormat, RequestForm, TensorForm
+from appliance.core.admission import Ticket
 from appliance.core.shared_memory import SharedMemoryRef, SharedMemoryRegistry
 from appliance.errors import internal, invalid
 from appliance.request import InferenceRequest, InferenceResponse, check_sequence_id
 
+__all__ = ["HEADER_LENGTH", "OutputFormat", "decode_request", "encode_response", "parse_request"]
+
 HEADER_LENGTH = "Inference-Header-Content-Length"
-
-
-@dataclass(slots=True)
-class OutputFormat:
-    """How the caller wants outputs encoded: per-output binary flags and the default,
-    and the outputs to write into shared memory instead of the body."""
-
-    binary: dict[str, bool] = field(default_factory=dict)
-    binary_default: bool = False
-    shared_memory: dict[str, SharedMemoryRef] = field(default_factory=dict)
-
-    def is_binary(self, name: str) -> bool:
-        return self.binary.get(name, self.binary_default)
+# MQTT: an input whose data is a file on the device (see appliance.adapters.mqtt_protocol)
+FILE_PARAMETER = "file_path"
 
 
 def _params(obj: dict[str, Any], where: str) -> dict[str, Any]:
@@ -87,76 +80,36 @@ def parse_header_length(value: str | None, body_length: int) -> int | None:
     return length
 
 
-Gate = Callable[[str, str, list[int]], None]
-
-
-@dataclass(slots=True)
-class _Input:
-    """One input whose declaration passed, its data not decoded yet: ``source`` is
-    the binary slice or shared-memory window (bytes-like), or the JSON ``data``."""
-
-    name: str
-    datatype: str
-    shape: list[int]
-    source: Any
-    is_json: bool
-
-
-@dataclass(slots=True)
-class PreparedRequest:
-    """A request whose every part was validated (JSON, names, datatypes, shapes,
-    sizes, parameters and the model's :class:`~appliance.core.limits.InputGate`) and
-    whose tensor data is not decoded yet. ``object_elements``: the BYTES elements
-    :meth:`build` will turn into Python objects, one each (an adapter builds a
-    request with many of them off the event loop)."""
-
-    inputs: list[_Input]
-    request: InferenceRequest
-    fmt: OutputFormat
-    object_elements: int = 0
-
-    def build(self) -> tuple[InferenceRequest, OutputFormat]:
-        """Decode the tensors: zero-copy views for fixed-size binary and shared-memory
-        data; INVALID_ARG for data that does not match its declaration."""
-        for i in self.inputs:
-            if isinstance(i.source, json_tensors.LazyData):  # simdjson: no object a number
-                arr = i.source.to_tensor(i.datatype, i.shape, i.name)
-            elif i.is_json:
-                arr = datatypes.from_json_data(i.source, i.datatype, i.shape, i.name)
-            else:
-                arr = datatypes.from_raw(i.source, i.datatype, i.shape, i.name)
-            self.request.inputs[i.name] = arr
-        return self.request, self.fmt
-
-
 def decode_request(
     body: bytes | bytearray,
     header_length: int | None,
     model: str,
     version: str,
     shared_memory: SharedMemoryRegistry | None = None,
-    gate: Gate | None = None,
+    ticket: Ticket | None = None,
 ) -> tuple[InferenceRequest, OutputFormat]:
-    """Body -> request: :func:`prepare_request`, then :meth:`PreparedRequest.build`."""
-    return prepare_request(body, header_length, model, version, shared_memory, gate).build()
+    """Body -> request: :func:`parse_request`, then the one declare and build of
+    :mod:`appliance.adapters.request_form`."""
+    form = parse_request(body, header_length, model, version)
+    request_form.declare(form, ticket, shared_memory)
+    return request_form.build(form, shared_memory), form.fmt
 
 
-def prepare_request(
+def parse_request(
     body: bytes | bytearray,
     header_length: int | None,
     model: str,
     version: str,
-    shared_memory: SharedMemoryRegistry | None = None,
-    gate: Gate | None = None,
-) -> PreparedRequest:
-    """Validate every part of a body, decoding no tensor yet. Every malformed part
-    is an INVALID_ARG naming what is wrong; ``gate`` (the model's limits) sees each
-    input's name, datatype and shape before any of its data is looked at.
+    files: bool = False,
+) -> RequestForm:
+    """Read a body into the request form, decoding no tensor: every malformed part
+    is an INVALID_ARG naming what is wrong. ``files``: an input's
+    ``parameters.file_path`` names a file on the device (MQTT), read before the build.
 
-    Without ``shared_memory`` (or with a disabled registry) tensors that reference
-    shared memory are refused. Shared-memory inputs are read-only views of their
-    region, valid after the region is unregistered; output windows are checked
-    here, before inference, and written by :func:`encode_response`.
+    Binary inputs are slices of the body; shared-memory inputs name a region window,
+    checked and viewed by the build (a zero-copy view, valid after the region is
+    unregistered); output windows are checked by ``request_form.declare``, before
+    inference, and written by :func:`encode_response`.
     """
     view = memoryview(body)
     json_part = view if header_length is None else view[:header_length]
@@ -173,9 +126,7 @@ def prepare_request(
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise invalid("the request must have a non-empty 'inputs' list")
-    inputs: list[_Input] = []
-    seen: set[str] = set()
-    objects = 0
+    inputs: list[TensorForm] = []
     offset = 0
     for i, raw in enumerate(raw_inputs):
         if not isinstance(raw, dict):
@@ -184,26 +135,21 @@ def prepare_request(
         if not isinstance(name, str) or not name:
             raise invalid(f"inputs[{i}] needs a 'name' string")
         where = f"input '{name}'"
-        if name in seen:
-            raise invalid(f"{where} appears twice")
-        seen.add(name)
         datatype = raw.get("datatype")
         if not isinstance(datatype, str):
             raise invalid(f"{where} needs a 'datatype' string")
-        datatypes.to_numpy_dtype(datatype)  # unknown datatype -> INVALID_ARG
-        shape = datatypes.check_shape(raw.get("shape"), where)
-        if gate is not None:
-            gate(name, datatype, shape)
         params = _params(raw, where)
         shm = _shm_ref(params, where)
         size = params.get("binary_data_size")
-        source: Any
-        if shm is not None:
-            if shared_memory is None:
-                raise invalid(f"{where}: shared-memory inputs are not enabled on this server")
+        kind, source = request_form.JSON, raw.get("data")
+        if files and FILE_PARAMETER in params:
+            if size is not None or "data" in raw or shm is not None:
+                raise invalid(f"{where}: '{FILE_PARAMETER}' and another source of data")
+            kind, source = request_form.FILE, params[FILE_PARAMETER]
+        elif shm is not None:
             if "data" in raw or size is not None:
                 raise invalid(f"{where} has shared-memory parameters and also carries data")
-            source = shared_memory.view(shm.region, shm.offset, shm.byte_size, where)
+            kind, source = request_form.SHM, shm
         elif size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise invalid(f"{where}: 'binary_data_size' must be a non-negative integer")
@@ -214,16 +160,11 @@ def prepare_request(
                     f"{where}: binary_data_size {size} runs past the end of the body "
                     f"({len(binary) - offset} binary bytes left): the body is truncated"
                 )
-            source = binary[offset : offset + size]
+            kind, source = request_form.RAW, binary[offset : offset + size]
             offset += size
-        elif "data" in raw:
-            source = raw["data"]
-        else:
+        elif "data" not in raw:
             raise invalid(f"{where} has neither 'data' nor 'parameters.binary_data_size'")
-        is_json = shm is None and size is None
-        if datatype == "BYTES" and not is_json:
-            objects += datatypes.element_count(shape)
-        inputs.append(_Input(name, datatype, shape, source, is_json))
+        inputs.append(TensorForm(name, datatype, raw.get("shape"), kind, source))
     if offset != len(binary):
         raise invalid(
             f"{len(binary) - offset} bytes of binary data follow the last input; "
@@ -250,11 +191,8 @@ def prepare_request(
             classification[name] = count
         shm = _shm_ref(params, where)
         if shm is not None:
-            if shared_memory is None:
-                raise invalid(f"{where}: shared-memory outputs are not enabled on this server")
             if count:
                 raise invalid(f"{where}: a classification output cannot go to shared memory")
-            shared_memory.check(shm.region, shm.offset, shm.byte_size, where)
             fmt.shared_memory[name] = shm
         outputs.append(name)
     timeout = req_params.get("timeout")
@@ -265,21 +203,19 @@ def prepare_request(
     request_id = doc.get("id", "")
     if not isinstance(request_id, str):
         raise invalid("'id' must be a string")
-    sequence = check_sequence_id(req_params.get("sequence_id", 0))
-    request = InferenceRequest(
-        model_name=model,
-        inputs={},
-        model_version=version,
+    return RequestForm(
+        model,
+        version,
+        inputs,
+        fmt,
         outputs=tuple(outputs),
+        classification=classification,
         id=request_id,
         timeout_us=timeout or None,
-        classification=classification,
-        sequence_id=sequence,
+        sequence_id=check_sequence_id(req_params.get("sequence_id", 0)),
         sequence_start=_flag(req_params, "sequence_start", "request"),
         sequence_end=_flag(req_params, "sequence_end", "request"),
-        checked_against=getattr(gate, "config", None),
     )
-    return PreparedRequest(inputs, request, fmt, objects)
 
 
 def encode_response(

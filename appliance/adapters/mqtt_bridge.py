@@ -56,6 +56,7 @@ from appliance.adapters.mqtt_client import (
     make_client,
     reply_properties,
 )
+from appliance.adapters.mqtt_codec import decode_payload
 from appliance.adapters.mqtt_protocol import (
     DedupWindow,
     Inbound,
@@ -63,11 +64,8 @@ from appliance.adapters.mqtt_protocol import (
     Room,
     Topics,
     backoff_delay,
-    decode,
     expired,
     model_guess,
-    payload_form,
-    raw_request,
 )
 from appliance.config.server_config import MqttConfig
 from appliance.core.dataplane import DataPlane
@@ -385,27 +383,26 @@ class MqttBridge:
                 f"the payload has {len(msg.payload)} bytes, over the server's limit of "
                 f"{self.max_request_size}",
             )
+        # one admission: the version, its rules and the queued-bytes hold, until answered
+        ticket = self.dataplane.admit(topic.model, topic.version)
+        try:
+            shm, files = self.dataplane.shared_memory, self.config.file_directory
+            request, fmt = await decode_payload(
+                msg, topic, ticket, shm, files, self.max_request_size
+            )
+            if key is None and request.id:  # no correlation data: the request id identifies it
+                key = ("id", msg.topic, msg.response_topic, request.id)
+                if self._dedup.seen(key):
+                    self.stats.add("duplicates")
+                    return key
+            deadline = msg.deadline
+            if deadline is not None:  # the expiry bounds the time in the model's queue
+                left_us = max(1, int((deadline - time.monotonic()) * 1e6))
+                request.timeout_us = min(request.timeout_us or left_us, left_us)
+            response = await self.dataplane.infer(request, ticket=ticket)
+        finally:
+            ticket.release()
         shm = self.dataplane.shared_memory
-        if payload_form(msg) == "raw":
-            metadata = self.dataplane.model_metadata(topic.model, topic.version)
-            request, fmt = raw_request(msg.payload, topic, metadata)
-        else:
-            # the model's limits, checked on every declaration before any data is decoded
-            gate = self.dataplane.input_gate(topic.model, topic.version)
-            files, limit = self.config.file_directory, self.max_request_size
-            # files are read from disk: never on the loop
-            heavy = len(msg.payload) > offload.OFFLOAD_BYTES or files is not None
-            request, fmt = await offload.run(heavy, decode, msg, topic, shm, files, limit, gate)
-        if key is None and request.id:  # no correlation data: the request id identifies it
-            key = ("id", msg.topic, msg.response_topic, request.id)
-            if self._dedup.seen(key):
-                self.stats.add("duplicates")
-                return key
-        deadline = msg.deadline
-        if deadline is not None:  # the expiry bounds the time in the model's queue
-            left_us = max(1, int((deadline - time.monotonic()) * 1e6))
-            request.timeout_us = min(request.timeout_us or left_us, left_us)
-        response = await self.dataplane.infer(request)
         heavy = offload.tensor_bytes(response.outputs) > offload.OFFLOAD_BYTES
         body, length = await offload.run(heavy, http_codec.encode_response, response, fmt, shm)
         content = "application/json" if length is None else "application/octet-stream"
@@ -447,3 +444,4 @@ class MqttBridge:
         # redelivers the message under its own packet id and that copy is acked
         if msg.qos and self._link_up and msg.generation == self._generation:
             self._client.ack(msg.mid, msg.qos)
+

@@ -4,45 +4,24 @@ the de-duplication window and the reconnect backoff.
 Pure and synchronous, so every rule here is testable without a broker; the
 bridge (``appliance/adapters/mqtt_bridge.py``) owns the paho client and the event loop.
 
-Payload forms of a request (see docs/mqtt.md):
-
-- **binary**: the message has the MQTT v5 user property
-  ``Inference-Header-Content-Length``: a KServe JSON header followed by raw
-  tensors, exactly Triton's binary extension over HTTP;
-- **json**: content type ``application/json``, or a payload starting with ``{``;
-- **raw**: anything else, taken whole as the single BYTES input of the model
-  (a JPEG from a camera, say).
-
-JSON and binary requests may name a registered shared-memory region
-(``parameters.shared_memory_region``, as over HTTP) or a file on the device
-(``parameters.file_path``, relative to ``mqtt.file_directory``) instead of
-carrying a tensor. Both are decoded by :mod:`appliance.adapters.http_codec`; files are
-read here and handed to it as binary-extension data.
+The payload forms and how a payload becomes a request are
+:mod:`appliance.adapters.mqtt_codec`.
 """
 
 from __future__ import annotations
 
-import os
-import struct
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-
-import numpy as np
-import orjson
 
 from appliance import names
 from appliance.adapters import http_codec
-from appliance.core.shared_memory import SharedMemoryRegistry
-from appliance.errors import ApplianceError, Code, invalid
-from appliance.request import InferenceRequest
+from appliance.errors import invalid
 
 HEADER_LENGTH = http_codec.HEADER_LENGTH
-FILE_PARAMETER = "file_path"
+FILE_PARAMETER = http_codec.FILE_PARAMETER
 
 
 # ---- topics ---------------------------------------------------------------------------
@@ -146,154 +125,6 @@ class Inbound:
         if self.correlation is None:
             return None
         return ("corr", self.topic, self.response_topic, self.correlation)
-
-
-def payload_form(message: Inbound) -> str:
-    """``binary``, ``json`` or ``raw`` (see the module docstring)."""
-    if message.user_property(HEADER_LENGTH) is not None:
-        return "binary"
-    kind = message.content_type.split(";")[0].strip().lower()
-    if kind == "application/json":
-        return "json"
-    if kind:
-        return "raw"
-    return "json" if message.payload.lstrip()[:1] == b"{" else "raw"
-
-
-# ---- payload -> request ---------------------------------------------------------------
-
-
-def raw_request(
-    payload: bytes, topic: RequestTopic, metadata: dict[str, Any]
-) -> tuple[InferenceRequest, http_codec.OutputFormat]:
-    """A raw payload as the only input of a single-BYTES-input model (one element).
-
-    ``metadata`` is the model's KServe metadata. BYTES outputs are returned in the
-    binary form (they may not be text); the others as JSON.
-    """
-    inputs = metadata.get("inputs", [])
-    model = topic.model
-    if len(inputs) != 1 or inputs[0]["datatype"] != "BYTES":
-        described = ", ".join(f"{i['name']} ({i['datatype']})" for i in inputs)
-        raise invalid(
-            f"the payload is not a KServe v2 JSON request, and model '{model}' does not take "
-            f"a raw payload (that needs exactly one BYTES input; its inputs are {described}); "
-            f"send a JSON request or set the '{HEADER_LENGTH}' user property"
-        )
-    spec = inputs[0]
-    shape = [1 if d == -1 else d for d in spec["shape"]]
-    if int(np.prod(shape)) != 1:
-        raise invalid(
-            f"model '{model}': input '{spec['name']}' has shape {spec['shape']}; a raw payload "
-            f"is one element"
-        )
-    array = np.empty(shape, dtype=object)
-    array.reshape(-1)[0] = payload
-    fmt = http_codec.OutputFormat(
-        binary={o["name"]: o["datatype"] == "BYTES" for o in metadata.get("outputs", [])}
-    )
-    return InferenceRequest(model, {spec["name"]: array}, topic.version), fmt
-
-
-def read_device_file(root: Path | None, name: Any, limit: int, where: str) -> bytes:
-    """The bytes of file ``name`` under ``root``; INVALID_ARG for anything outside it.
-
-    ``name`` is relative to ``root`` (or absolute, inside it); the resolved path,
-    symlinks followed, must stay inside ``root``, so ``..`` and links pointing out are
-    refused. Blocking: call it off the event loop.
-    """
-    if root is None:
-        raise invalid(f"{where}: file inputs are not enabled; set mqtt.file_directory")
-    if not isinstance(name, str) or not name or "\0" in name:
-        raise invalid(f"{where}: '{FILE_PARAMETER}' must be a non-empty path string")
-    base = root.resolve()
-    try:
-        path = (base / name).resolve(strict=True)
-    except (OSError, RuntimeError):  # missing, or a symlink loop
-        raise invalid(f"{where}: file {name!r} does not exist under the file directory") from None
-    if not path.is_relative_to(base):
-        raise invalid(f"{where}: file {name!r} is outside the file directory; refused")
-    if not path.is_file():  # checked before open(): opening a FIFO would block
-        raise invalid(f"{where}: {name!r} is not a regular file")
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > limit:
-                raise ApplianceError(
-                    Code.TOO_LARGE, f"{where}: file {name!r} has {size} bytes, over {limit}"
-                )
-            return f.read(limit + 1)[:limit]
-    except OSError as exc:
-        raise invalid(f"{where}: cannot read file {name!r}: {exc.strerror}") from None
-
-
-def inline_files(
-    payload: bytes, header_length: int | None, root: Path | None, limit: int
-) -> tuple[bytes, int | None]:
-    """Rewrite a request whose inputs name ``file_path`` into the binary-extension form
-    (the file's bytes as that input's binary data) for :func:`http_codec.decode_request`.
-
-    Requests without file inputs come back unchanged. Blocking (reads files).
-    """
-    view = memoryview(payload)
-    json_part = view if header_length is None else view[:header_length]
-    if payload.find(f'"{FILE_PARAMETER}"'.encode(), 0, len(json_part)) < 0:
-        return payload, header_length
-    try:
-        doc = orjson.loads(json_part)
-    except orjson.JSONDecodeError:
-        return payload, header_length  # the codec reports it
-    binary = view[len(json_part) :]
-    raw_inputs = doc.get("inputs") if isinstance(doc, dict) else None
-    if not isinstance(raw_inputs, list):
-        return payload, header_length
-    chunks: list[bytes | memoryview] = []
-    offset = 0
-    found = False
-    for i, raw in enumerate(raw_inputs):
-        params = raw.get("parameters") if isinstance(raw, dict) else None
-        if not isinstance(params, dict):
-            continue
-        size = params.get("binary_data_size")
-        if FILE_PARAMETER not in params:
-            if isinstance(size, int) and not isinstance(size, bool) and size >= 0:
-                chunks.append(binary[offset : offset + size])  # the codec checks the bounds
-                offset += size
-            continue
-        where = f"input '{raw.get('name', i)}'"
-        if size is not None or "data" in raw or "shared_memory_region" in params:
-            raise invalid(f"{where}: '{FILE_PARAMETER}' and another source of data")
-        data = read_device_file(root, params.pop(FILE_PARAMETER), limit, where)
-        if raw.get("datatype") == "BYTES":  # the whole file is one element
-            data = struct.pack("<I", len(data)) + data
-        params["binary_data_size"] = len(data)
-        chunks.append(data)
-        found = True
-    if not found:
-        return payload, header_length
-    chunks.append(binary[offset:])  # leftovers: the codec reports the mismatch
-    header = orjson.dumps(doc)
-    return b"".join([header, *chunks]), len(header)
-
-
-def decode(
-    message: Inbound,
-    topic: RequestTopic,
-    shared_memory: SharedMemoryRegistry,
-    file_root: Path | None,
-    limit: int,
-    gate: http_codec.Gate | None = None,
-) -> tuple[InferenceRequest, http_codec.OutputFormat]:
-    """A JSON or binary-extension payload -> request (may block on file reads);
-    ``gate``: the model's limits (see :func:`http_codec.prepare_request`)."""
-    payload = message.payload
-    header_length = http_codec.parse_header_length(
-        message.user_property(HEADER_LENGTH), len(payload)
-    )
-    payload, header_length = inline_files(payload, header_length, file_root, limit)
-    return http_codec.decode_request(
-        payload, header_length, topic.model, topic.version, shared_memory, gate
-    )
 
 
 # ---- de-duplication -------------------------------------------------------------------

@@ -23,11 +23,11 @@ import numpy as np
 from appliance import names
 from appliance.config.triton_config import json_to_dict, to_triton_json
 from appliance.core import reshape
+from appliance.core.admission import Ticket
 from appliance.core.cuda_shared_memory import CudaSharedMemory
 from appliance.core.lifecycle import ModelLifeCycle
-from appliance.core.limits import InputGate
 from appliance.core.log_settings import LogSettings
-from appliance.core.queue_bytes import Hold, QueuedBytes, default_limit, tensor_bytes
+from appliance.core.queue_bytes import QueuedBytes, default_limit, tensor_bytes
 from appliance.core.servable import Servable, State
 from appliance.core.shared_memory import SharedMemoryRegistry
 from appliance.core.trace import Tracer
@@ -65,13 +65,6 @@ def classify(arr: np.ndarray, k: int, batched: bool, labels: tuple[str, ...] = (
             for i in top[r]
         ]
     return out if batched else out[0]
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:  # a worker thread
-        return None
 
 
 def _checked(name: str, version: str) -> tuple[str, str]:
@@ -135,86 +128,75 @@ class DataPlane:
     def model_config(self, name: str, version: str = "") -> dict[str, Any]:
         return to_triton_json(self.lifecycle.get(*_checked(name, version)).config)
 
-    def input_gate(self, name: str, version: str = "") -> InputGate:
-        """The checks a codec runs on each input declaration of a request to this
-        model, before decoding it (:mod:`appliance.core.limits`). NOT_FOUND/UNAVAILABLE
-        for a model that cannot serve: the request is refused before it is read."""
-        return self._gate(self.lifecycle.get(*_checked(name, version)))
-
-    def _gate(self, mv: Servable) -> InputGate:
-        loop = asyncio.get_running_loop()
-
-        def refused(exc: ApplianceError) -> None:
-            # a big body is decoded on a worker thread: statistics change on the loop only
-            if _running_loop() is loop:
-                mv.stats.record_failure(exc.reason, 0)
-            else:
-                loop.call_soon_threadsafe(mv.stats.record_failure, exc.reason, 0)
-
-        return InputGate(mv.config, self.lifecycle.server.max_request_elements, refused)
-
-    def is_decoupled(self, name: str, version: str = "") -> bool:
-        """Whether the model may send 0..N responses a request (False if unknown)."""
-        try:
-            return self.lifecycle.get(name, version).config.decoupled
-        except ApplianceError:
-            return False
-
     # ---- inference ---------------------------------------------------------------------
 
-    def admit(self, name: str, version: str, nbytes: int) -> tuple[Hold, InputGate]:
-        """What an adapter takes *before* it reads a request's payload: a hold of
-        ``nbytes`` (sized by what the request declares) on the model's and the
-        server's queued bytes, and the model's :meth:`input_gate`. Pass the hold to
-        :meth:`infer` and release it once answered. Raises UNAVAILABLE when the bytes
-        do not fit (nothing is held then). Shutting down is answered by :meth:`infer`,
-        after the body was read: a connection whose request body is left unread would
-        hold the shutdown while the server drains it."""
+    def admit(self, name: str, version: str, nbytes: int = 0) -> Ticket:
+        """The request's :class:`~appliance.core.admission.Ticket`, taken by an adapter
+        *before* it reads the payload: the model version looked up once (NOT_FOUND /
+        UNAVAILABLE for one that cannot serve: refused before the payload is read), its
+        rules, and a hold of ``nbytes`` (what the request declares) on the model's and
+        the server's queued bytes (UNAVAILABLE when they do not fit; nothing is held
+        then). Pass the ticket to :meth:`infer` and release it once answered.
+        Shutting down is answered by :meth:`infer`, after the body was read: a
+        connection whose request body is left unread would hold the shutdown while
+        the server drains it."""
         mv = self.lifecycle.get(*_checked(name, version))
         hold = self.queued.hold(mv.stats, mv.config.max_queued_bytes)
-        try:
-            hold.set(nbytes)
-        except ApplianceError:
-            mv.stats.record_failure(FailureReason.REJECTED, 0)
-            raise
-        return hold, self._gate(mv)
+        if nbytes:
+            try:
+                hold.set(nbytes)
+            except ApplianceError:
+                mv.stats.record_failure(FailureReason.REJECTED, 0)
+                raise
+        return Ticket(mv, mv.rules, hold, self.lifecycle.server.max_request_elements)
 
     async def infer(
-        self, request: InferenceRequest, endpoint: str = "this endpoint", hold: Hold | None = None
+        self,
+        request: InferenceRequest,
+        endpoint: str = "this endpoint",
+        ticket: Ticket | None = None,
     ) -> InferenceResponse:
         """One request, one response. A decoupled model is refused with Triton's text
         (``endpoint`` names the caller: "HTTP end point", "ModelInfer RPC"). The decoded
-        inputs are held (``hold``, else a hold of its own) until the request is
-        answered: beyond the queued-bytes limits it is refused UNAVAILABLE."""
+        inputs are held (on ``ticket``'s hold, else one of its own) until the request
+        is answered: beyond the queued-bytes limits it is refused UNAVAILABLE.
+
+        With a ``ticket`` the request goes to the version that admitted it, with no
+        second look-up, unless that version stopped serving meanwhile (a hot swap):
+        then to the one serving now, checked in full."""
         if not self.accepting:
             raise unavailable("the server is shutting down")
-        mv = self.lifecycle.get(*_checked(request.model_name, request.model_version))
+        own = ticket is None
+        if ticket is None:
+            ticket = self.admit(request.model_name, request.model_version)
+        mv = ticket.servable
+        if mv.state is not State.READY:
+            mv = self.lifecycle.get(*_checked(request.model_name, request.model_version))
         if mv.config.decoupled:
             raise invalid(
                 f"{endpoint} doesn't support models with decoupled transaction policy "
                 f"(model '{mv.config.name}' may send any number of responses a request: "
                 "call it over a stream, e.g. gRPC ModelStreamInfer)"
             )
-        own = hold is None
-        if hold is None:
-            hold = self.queued.hold(mv.stats, mv.config.max_queued_bytes)
         try:
             try:
-                hold.set(tensor_bytes(request.inputs))
+                ticket.hold.set(tensor_bytes(request.inputs))
             except ApplianceError:
                 mv.stats.record_failure(FailureReason.REJECTED, 0)
                 raise
-            return await self._infer_one(mv, request)
+            return await self._infer_one(mv, request, ticket.trusts(mv))
         finally:
             if own:
-                hold.release()
+                ticket.release()
 
-    async def _infer_one(self, mv: Servable, request: InferenceRequest) -> InferenceResponse:
+    async def _infer_one(
+        self, mv: Servable, request: InferenceRequest, declared: bool = False
+    ) -> InferenceResponse:
         """Run a request on its model version, traced when tracing picks it."""
         trace = None
         if self.tracer.active:  # one attribute read when tracing is off
             trace = self.tracer.begin(mv.config.name, time.perf_counter_ns())
-        response: InferenceResponse = await mv.infer(request)
+        response: InferenceResponse = await mv.infer(request, declared)
         if trace is not None:
             self.tracer.finish(
                 trace, response.model_version, request.id, response.timing, time.perf_counter_ns()
@@ -232,23 +214,27 @@ class DataPlane:
             )
 
     async def infer_stream(
-        self, request: InferenceRequest
+        self, request: InferenceRequest, ticket: Ticket | None = None
     ) -> AsyncIterator[tuple[InferenceResponse | ApplianceError, bool]]:
         """The responses of one request with their "final" flag: exactly one for a
         regular model; 0..N for a decoupled one, the last flagged final (its response
         may be empty: the model sent only the flag). An error the model sent comes
         as an :class:`ApplianceError` item and the stream goes on; a request that
         fails before the model ran raises. Closing the iterator early cancels the
-        execution if it has not started."""
+        execution if it has not started. ``ticket``: as for :meth:`infer`."""
         if not self.accepting:
             raise unavailable("the server is shutting down")
-        mv = self.lifecycle.get(*_checked(request.model_name, request.model_version))
+        if ticket is not None and ticket.servable.state is State.READY:
+            mv, declared = ticket.servable, ticket.trusts(ticket.servable)
+        else:
+            mv = self.lifecycle.get(*_checked(request.model_name, request.model_version))
+            declared = False
         if not mv.config.decoupled:
-            yield await self._infer_one(mv, request), True
+            yield await self._infer_one(mv, request, declared), True
             return
         stream = ResponseStream(asyncio.get_running_loop(), mv.config.name)
         request.inputs = RequestInputs(request.inputs, stream)
-        task = asyncio.get_running_loop().create_task(mv.infer(request))
+        task = asyncio.get_running_loop().create_task(mv.infer(request, declared))
 
         def ended(t: asyncio.Task[InferenceResponse]) -> None:
             if not t.cancelled() and t.exception() is not None:

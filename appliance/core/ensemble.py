@@ -33,7 +33,7 @@ from appliance.config.fields import ConfigError
 from appliance.config.model_config import ModelConfig, TensorConfig
 from appliance.config.server_config import ServerConfig
 from appliance.core import memory
-from appliance.core.model import RequestRules
+from appliance.core.limits import RequestRules
 from appliance.core.servable import Servable, State, failures_counted, tensor_metadata
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, FailureReason, unavailable
@@ -174,7 +174,7 @@ class EnsembleVersion:
 
     def __init__(self, config: ModelConfig, version: int, server: ServerConfig, resolve: Resolver):
         self.config = config
-        self._rules = RequestRules(config)
+        self.rules = RequestRules(config)
         self.version = version
         self.state = State.READY
         self.memory = memory.NOTHING
@@ -196,14 +196,14 @@ class EnsembleVersion:
     def metadata(self, versions: list[str]) -> dict[str, Any]:
         return tensor_metadata(self.config, versions)
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+    async def infer(self, request: InferenceRequest, declared: bool = False) -> InferenceResponse:
         start = time.perf_counter_ns()
         with failures_counted(self.stats, start):
             if self.state != State.READY:
                 raise unavailable(
                     f"model '{self.config.name}' is unloading", FailureReason.REJECTED
                 )
-            outputs, _, _ = self._rules.check(request)
+            outputs, _, _ = self.rules.check(request, declared)
             task = asyncio.ensure_future(self._run(dict(request.inputs), request))
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)

@@ -13,27 +13,28 @@ arithmetic (a running product that stops as soon as it passes the bound):
 3. the shape fits the model's config: a known input, the declared datatype, the
    dims, and a batch size within ``1..max_batch_size``.
 
-:class:`InputGate` runs 2 and 3 for one request against one model version; the
-model runs 3 again on the decoded arrays (:func:`check_input`), so a request from
-the in-process API meets the same rules.
+A request's :class:`~appliance.core.admission.Ticket` runs 2 and 3 on each input a
+codec declares (3 is :meth:`RequestRules.declare`); a request no codec declared (the
+in-process API, an ensemble step) meets the same rules on its decoded arrays
+(:meth:`RequestRules.check`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
 
+from appliance import datatypes
 from appliance.config.model_config import ModelConfig, TensorConfig
-from appliance.datatypes import DEFAULT_MAX_REQUEST_ELEMENTS, MAX_RANK, bounded_count
+from appliance.datatypes import MAX_RANK, bounded_count
 from appliance.errors import ApplianceError, invalid
+from appliance.request import InferenceRequest
 
-__all__ = ["MAX_RANK", "InputGate", "bounded_count", "check_input"]
+__all__ = ["MAX_RANK", "RequestRules", "bounded_count", "count_elements"]
 
 
-def check_input(config: ModelConfig, name: str, datatype: str, shape: Sequence[int]) -> int:
-    """Check one input against the model's config; its batch size (0 when the model
-    does not batch). INVALID_ARG naming the model and the input otherwise."""
-    spec = _spec(config, name)
+def _check(
+    config: ModelConfig, spec: TensorConfig, name: str, datatype: str, shape: Sequence[int]
+) -> int:
     where = f"input '{name}' of model '{config.name}'"
     if datatype != spec.datatype:
         raise invalid(f"{where}: expected datatype {spec.datatype}, got {datatype}")
@@ -53,54 +54,94 @@ def check_input(config: ModelConfig, name: str, datatype: str, shape: Sequence[i
     return rows
 
 
-def _spec(config: ModelConfig, name: str) -> TensorConfig:
-    for t in config.inputs:
-        if t.name == name:
-            return t
-    raise invalid(
-        f"model '{config.name}' has no input '{name}'; "
-        f"its inputs are {sorted(t.name for t in config.inputs)}"
-    )
+class RequestRules:
+    """How a request is checked against one config: names, datatypes, shapes and batch
+    size, with what it needs derived once (a servable keeps one: nothing is rebuilt
+    per request).
 
-
-@dataclass(slots=True)
-class InputGate:
-    """The checks of one request's input declarations, called by a codec for each
-    input before it decodes that input's data (see the module docstring).
-
-    ``config`` None checks the sizes only. ``object_elements`` tallies the BYTES
-    elements declared so far: each becomes a Python object when decoded, so an
-    adapter decodes many of them off the event loop.
+    A codec declares each input (:meth:`declare`, through the request's
+    :class:`~appliance.core.admission.Ticket`) before it decodes it, and decodes it to
+    exactly that declaration; :meth:`check` then trusts those declarations
+    (``declared``) and checks only what needs the whole request: the inputs the model
+    requires, one batch size, the outputs asked for. A request that no codec declared
+    (the in-process API, an ensemble step) is checked in full on its arrays.
     """
 
-    config: ModelConfig | None
-    max_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS
-    # told of each refusal (the model counts it as a failed request, as if it had
-    # refused the decoded request itself)
-    refused: Callable[[ApplianceError], None] | None = None
-    elements: int = 0
-    object_elements: int = 0
+    __slots__ = ("_outputs", "_specs", "batched", "config")
 
-    def __call__(self, name: str, datatype: str, shape: Sequence[int]) -> None:
-        try:
-            self._check(name, datatype, shape)
-        except ApplianceError as exc:
-            if self.refused is not None:
-                self.refused(exc)
-            raise
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self._specs = {t.name: t for t in config.inputs}
+        self._outputs = tuple(t.name for t in config.outputs)
+        self.batched = config.batch_size > 0
 
-    def _check(self, name: str, datatype: str, shape: Sequence[int]) -> None:
-        count = bounded_count(shape, self.max_elements, f"input '{name}'")
-        if self.config is not None:
-            check_input(self.config, name, datatype, shape)
-        if self.elements + count > self.max_elements:
+    def declare(self, name: str, datatype: str, shape: Sequence[int]) -> int:
+        """One input's declaration: its batch size (0 when the model does not batch);
+        INVALID_ARG naming the model and the input otherwise."""
+        spec = self._specs.get(name)
+        if spec is None:
+            raise self._unknown(name)
+        return _check(self.config, spec, name, datatype, shape)
+
+    def check(
+        self, request: InferenceRequest, declared: bool = False
+    ) -> tuple[tuple[str, ...], int, Hashable]:
+        """Validate ``request``: (the outputs to return, its batch rows (1 when the
+        model doesn't batch), the shape signature batches group by)."""
+        config, specs, inputs = self.config, self._specs, request.inputs
+        for name in inputs:
+            if name not in specs:
+                raise self._unknown(name)
+        batched = self.batched
+        rows: set[int] = set()
+        for name, spec in specs.items():
+            arr = inputs.get(name)
+            if arr is None:
+                if not spec.optional:
+                    raise invalid(
+                        f"model '{config.name}' expects input '{name}', which the request lacks"
+                    )
+                continue
+            if declared:  # decoded to a declaration these rules passed
+                rows.add(int(arr.shape[0]) if batched else 0)
+            else:
+                dtype = datatypes.from_numpy_dtype(arr.dtype)
+                rows.add(_check(config, spec, name, dtype, arr.shape))
+        if len(rows) > 1:
             raise invalid(
-                f"the request's inputs declare {self.elements + count} elements or more, "
-                f"over this server's limit of {self.max_elements} (max_request_elements)"
+                f"inputs of model '{config.name}' disagree on the batch size: {sorted(rows)}"
             )
-        self.elements += count
-        if datatype == "BYTES":
-            self.object_elements += count
+        names = self._outputs
+        for name in request.outputs:
+            if name not in names:
+                raise invalid(
+                    f"model '{config.name}' has no output '{name}'; its outputs are {list(names)}"
+                )
+        # requests whose non-batch shapes differ must never share a batch
+        if len(inputs) == 1:
+            ((only, arr),) = inputs.items()
+            signature: Hashable = ((only, arr.shape[1:]),)
+        else:
+            signature = tuple((n, a.shape[1:]) for n, a in sorted(inputs.items()))
+        return request.outputs or names, max(rows.pop(), 1) if rows else 1, signature
+
+    def _unknown(self, name: str) -> ApplianceError:
+        return invalid(
+            f"model '{self.config.name}' has no input '{name}'; "
+            f"its inputs are {sorted(self._specs)}"
+        )
+
+
+def count_elements(shape: Sequence[int], total: int, bound: int, name: str) -> int:
+    """The elements of one more input's ``shape``, the request's inputs so far holding
+    ``total``; INVALID_ARG once they pass ``bound`` (``max_request_elements``)."""
+    count = bounded_count(shape, bound, f"input '{name}'")
+    if total + count > bound:
+        raise invalid(
+            f"the request's inputs declare {total + count} elements or more, "
+            f"over this server's limit of {bound} (max_request_elements)"
+        )
+    return count
 
 
 def _shown(shape: Sequence[int]) -> str:

@@ -12,22 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Hashable
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
-
-from appliance import datatypes
-from appliance.config.model_config import ModelConfig, TensorConfig
-from appliance.core import limits, memory, reshape, scheduler
+from appliance.config.model_config import ModelConfig
+from appliance.core import memory, reshape, scheduler
 from appliance.core.instances import InstanceGroup
+from appliance.core.limits import RequestRules
 from appliance.core.servable import State, tensor_metadata
 from appliance.core.stats import ModelStats
-from appliance.errors import ApplianceError, FailureReason, invalid
+from appliance.errors import ApplianceError, FailureReason
 from appliance.request import InferenceRequest, InferenceResponse
 
-__all__ = ["ModelVersion", "RequestRules", "State", "check_input"]
+__all__ = ["ModelVersion", "RequestRules", "State"]
 
 
 class ModelVersion:
@@ -64,7 +61,7 @@ class ModelVersion:
         db = config.dynamic_batching
         self._timeout_s = db.default_timeout_us / 1e6 if db and db.default_timeout_us else None
         self._allow_override = db.allow_timeout_override if db else True
-        self._rules = RequestRules(config)
+        self.rules = RequestRules(config)
         # reshape only when the config asks for it (most configs don't)
         self._reshapes = any(t.reshape is not None for t in (*config.inputs, *config.outputs))
         self.scheduler = scheduler.create(
@@ -89,11 +86,13 @@ class ModelVersion:
 
     # ---- requests ---------------------------------------------------------------------
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse:
-        """Validate, queue, and wait for the result; records success/failure stats."""
+    async def infer(self, request: InferenceRequest, declared: bool = False) -> InferenceResponse:
+        """Validate, queue, and wait for the result; records success/failure stats.
+        ``declared``: a codec declared every input to this version's rules before
+        decoding it (its :class:`~appliance.core.admission.Ticket` says so)."""
         start = time.perf_counter_ns()
         try:
-            outputs, rows, signature = self._rules.check(request)
+            outputs, rows, signature = self.rules.check(request, declared)
             timeout = self._timeout_s
             if request.timeout_us and self._allow_override:
                 timeout = request.timeout_us / 1e6
@@ -139,66 +138,3 @@ class ModelVersion:
         finally:
             self.state = State.UNAVAILABLE
             budget.release(self._owner)
-
-
-def check_input(config: ModelConfig, name: str, arr: np.ndarray, spec: TensorConfig) -> int:
-    """Validate one decoded input (the rules of :func:`appliance.core.limits.check_input`,
-    which the codecs already ran on its declaration); return its batch size (0 when
-    the model doesn't batch)."""
-    return limits.check_input(config, name, datatypes.from_numpy_dtype(arr.dtype), arr.shape)
-
-
-class RequestRules:
-    """How a request is checked against a config: names, datatypes, shapes and
-    batch size, with what it needs derived once (a model version keeps one: nothing
-    is rebuilt per request)."""
-
-    __slots__ = ("_outputs", "_specs", "config")
-
-    def __init__(self, config: ModelConfig) -> None:
-        self.config = config
-        self._specs = {t.name: t for t in config.inputs}
-        self._outputs = tuple(t.name for t in config.outputs)
-
-    def check(self, request: InferenceRequest) -> tuple[tuple[str, ...], int, Hashable]:
-        """Validate ``request``: (the outputs to return, its batch rows (1 when the
-        model doesn't batch), the shape signature batches group by)."""
-        config, specs, inputs = self.config, self._specs, request.inputs
-        for name in inputs:
-            if name not in specs:
-                raise invalid(
-                    f"model '{config.name}' has no input '{name}'; its inputs are {sorted(specs)}"
-                )
-        # a codec's gate applied these very rules to the declarations it decoded
-        declared = request.checked_against is config
-        batched = config.batch_size > 0
-        rows: set[int] = set()
-        for name, spec in specs.items():
-            arr = inputs.get(name)
-            if arr is None:
-                if not spec.optional:
-                    raise invalid(
-                        f"model '{config.name}' expects input '{name}', which the request lacks"
-                    )
-                continue
-            if declared:
-                rows.add(int(arr.shape[0]) if batched else 0)
-            else:
-                rows.add(check_input(config, name, arr, spec))
-        if len(rows) > 1:
-            raise invalid(
-                f"inputs of model '{config.name}' disagree on the batch size: {sorted(rows)}"
-            )
-        names = self._outputs
-        for name in request.outputs:
-            if name not in names:
-                raise invalid(
-                    f"model '{config.name}' has no output '{name}'; its outputs are {list(names)}"
-                )
-        # requests whose non-batch shapes differ must never share a batch
-        if len(inputs) == 1:
-            ((only, arr),) = inputs.items()
-            signature: Hashable = ((only, arr.shape[1:]),)
-        else:
-            signature = tuple((n, a.shape[1:]) for n, a in sorted(inputs.items()))
-        return request.outputs or names, max(rows.pop(), 1) if rows else 1, signature

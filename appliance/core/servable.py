@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from appliance.config.model_config import ModelConfig, TensorConfig
+from appliance.core.limits import RequestRules
 from appliance.core.memory import Usage
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, FailureReason
@@ -36,7 +37,8 @@ class State(enum.Enum):
 class Servable(Protocol):
     """One loaded, routable version. Created READY by its loader.
 
-    ``infer`` validates, runs and counts one request (raising ApplianceError);
+    ``infer`` validates (with ``rules``; ``declared``: a codec already checked each
+    input's declaration with them), runs and counts one request (raising ApplianceError);
     ``unload`` stops taking requests, drains what was accepted within the
     timeout, and frees what the version holds (instances, memory charge); after
     it ``state`` is UNAVAILABLE.
@@ -47,11 +49,14 @@ class Servable(Protocol):
     state: State
     stats: ModelStats
     memory: Usage
+    rules: RequestRules
 
     @property
     def ready(self) -> bool: ...
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse: ...
+    async def infer(
+        self, request: InferenceRequest, declared: bool = False
+    ) -> InferenceResponse: ...
 
     def metadata(self, versions: list[str]) -> dict[str, Any]: ...
 

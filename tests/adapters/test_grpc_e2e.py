@@ -324,10 +324,16 @@ def test_inference_errors_keep_the_server_serving(stub: Any) -> None:
     short = _raw_request(*two)
     short.raw_input_contents.extend([a_raw, a_raw[:-4]])
     cases.append((short, ("input 'INPUT1': got 60 bytes", "needs 64")))
+    # typed contents in a request that uses raw_input_contents: Triton's words (issue 21)
+    triton_words = "contents field must not be specified when using raw_input_contents for "
     mixed = _raw_request(*two)
     mixed.inputs[1].contents.int_contents.extend(range(16))
     mixed.raw_input_contents.append(a_raw)
-    cases.append((mixed, ("input 'INPUT1' has 'contents'", "raw_input_contents")))
+    cases.append((mixed, (triton_words + "'INPUT1' for model 'simple'",)))
+    both = _raw_request(*two)  # INPUT0 sent twice over: typed contents and a raw entry
+    both.inputs[0].contents.int_contents.extend(range(16))
+    both.raw_input_contents.extend([a_raw, a_raw])
+    cases.append((both, (triton_words + "'INPUT0' for model 'simple'",)))
     field = _raw_request(*two)
     field.inputs[0].contents.int_contents.extend(range(16))
     field.inputs[1].contents.fp32_contents.extend([1.0] * 16)
@@ -358,6 +364,26 @@ def test_inference_errors_keep_the_server_serving(stub: Any) -> None:
         tensor.contents.int_contents.extend(range(16))
     reply = raw.ModelInfer(good)
     np.testing.assert_array_equal(np.frombuffer(reply.raw_output_contents[0], np.int32), A[0] * 2)
+
+
+def test_a_name_that_is_not_utf8_is_invalid_argument(run_appliance: Any) -> None:
+    """Triton answers a message protobuf cannot parse (here a model_name that is not
+    UTF-8) with INVALID_ARGUMENT; grpcio's own deserialiser would answer UNKNOWN.
+    On every RPC, the stream's requests included (an in-stream error there)."""
+    srv = run_appliance()
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    not_utf8 = b"\x0a\x02\xff\xfe"  # field 1 (model_name / name), 2 bytes, not UTF-8
+    with grpc.insecure_channel(srv.grpc_url) as channel:
+        for method in ("ModelInfer", "ModelMetadata", "ModelReady", "ModelConfig"):
+            call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
+            _rpc_fails(lambda c=call: c(not_utf8), grpc.StatusCode.INVALID_ARGUMENT, "UTF-8")
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+        )
+        (reply,) = list(stream(iter([not_utf8])))
+        assert "UTF-8" in reply.error_message
+    _assert_simple_ok(client)
 
 
 def test_oversized_message_is_resource_exhausted(run_appliance: Any) -> None:
@@ -482,3 +508,39 @@ def test_shared_memory_is_off_by_default(run_appliance: Any, regions: Any) -> No
         "not supported on this device",
     )
     _assert_simple_ok(client)
+
+
+def test_the_wire_encoder_writes_what_protobuf_writes() -> None:
+    """grpc_wire writes ModelInferResponse bytes by hand: the same bytes protobuf writes
+    for the message grpc_codec builds, and they parse back to it."""
+    from appliance.adapters import grpc_codec, grpc_wire
+    from appliance.core.shared_memory import SharedMemoryRegistry
+    from appliance.request import InferenceResponse
+
+    outputs = {
+        "OUTPUT0": np.arange(16, dtype=np.int32).reshape(1, 16),
+        "scalar": np.float64(2.5).reshape(()),
+        "text": np.array([b"a", b"\xff\x00"], dtype=object),
+        "empty": np.zeros((0, 3), np.float32),
+        "big": np.ones((3, 300, 200), np.float32),
+    }
+    shm = SharedMemoryRegistry(enabled=False)
+    for rid in ("", "req-7"):
+        response = InferenceResponse("simple", "1", outputs, rid)
+        wire = grpc_wire.encode_response(response, {}, shm)
+        expected = grpc_codec.encode_response(response, {}, shm)
+        assert wire == expected.SerializeToString()
+        assert service_pb2.ModelInferResponse.FromString(wire) == expected
+
+
+def test_raw_contents_are_views_of_the_wire() -> None:
+    from appliance.adapters import grpc_wire
+
+    request = _raw_request(("INPUT0", "INT32", [1, 16]), ("INPUT1", "INT32", [1, 16]))
+    request.id = "x" * 300  # a length past one varint byte
+    request.parameters["sequence_id"].int64_param = 2**40
+    request.raw_input_contents.extend([A.tobytes(), b"", bytes(range(256)) * 600])
+    wire = request.SerializeToString()
+    views = grpc_wire.raw_contents(wire)
+    assert [bytes(v) for v in views] == list(request.raw_input_contents)
+    assert all(v.obj is wire for v in views)  # no copy

@@ -25,14 +25,8 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from mosquitto import Broker, Client, Reply, find_mosquitto, free_port, mqtt_metrics, wait_until
 
-from appliance.adapters.mqtt_protocol import (
-    DedupWindow,
-    Inbound,
-    Topics,
-    backoff_delay,
-    payload_form,
-    read_device_file,
-)
+from appliance.adapters.mqtt_codec import payload_form, read_device_file
+from appliance.adapters.mqtt_protocol import DedupWindow, Inbound, Topics, backoff_delay
 from appliance.config.fields import ConfigError
 from appliance.config.server_config import load_server_config
 from devtools import modelgen

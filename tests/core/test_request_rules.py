@@ -1,5 +1,5 @@
-"""The model's request rules, and when they may rely on a codec's gate having applied
-them already (the declarations it decoded were checked against the same config)."""
+"""The model's request rules, and when they may rely on a codec having declared every
+input to them already (through the request's admission ticket, for the same version)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from appliance.config.model_config import ModelConfig, parse_model_config
-from appliance.core.model import RequestRules
+from appliance.core.limits import RequestRules
 from appliance.errors import ApplianceError, Code
 from appliance.request import InferenceRequest
 
@@ -24,11 +24,11 @@ def _config(dims: list[int]) -> ModelConfig:
     )
 
 
-def _request(arr: np.ndarray, checked_against: object = None) -> InferenceRequest:
-    return InferenceRequest("m", {"x": arr}, checked_against=checked_against)
+def _request(arr: np.ndarray) -> InferenceRequest:
+    return InferenceRequest("m", {"x": arr})
 
 
-def test_a_request_is_checked_in_full_without_a_gate() -> None:
+def test_a_request_is_checked_in_full_without_declarations() -> None:
     rules = RequestRules(_config([4]))
     assert rules.check(_request(np.zeros((3, 4), np.float32))) == (("y",), 3, (("x", (4,)),))
     for bad in (np.zeros((3, 5), np.float32), np.zeros((3, 4), np.int32), np.zeros((9, 4))):
@@ -37,21 +37,28 @@ def test_a_request_is_checked_in_full_without_a_gate() -> None:
         assert info.value.code is Code.INVALID_ARG
 
 
-def test_a_gate_of_another_config_is_not_trusted() -> None:
-    # a hot swap between the codec's gate and the model: the new config checks again
-    old, new = _config([5]), _config([4])
-    with pytest.raises(ApplianceError) as info:
-        RequestRules(new).check(_request(np.zeros((3, 5), np.float32), checked_against=old))
-    assert info.value.code is Code.INVALID_ARG and "shape" in info.value.message
+def test_declarations_are_checked_with_the_same_rules() -> None:
+    rules = RequestRules(_config([4]))
+    assert rules.declare("x", "FP32", [3, 4]) == 3
+    for name, datatype, shape in (
+        ("x", "FP32", [3, 5]),
+        ("x", "INT32", [3, 4]),
+        ("z", "FP32", [1, 4]),
+    ):
+        with pytest.raises(ApplianceError) as info:
+            rules.declare(name, datatype, shape)
+        assert info.value.code is Code.INVALID_ARG
 
 
-def test_the_same_config_trusts_the_gate_for_datatypes_and_shapes_only() -> None:
-    config = _config([4])
-    rules = RequestRules(config)
-    gated = _request(np.zeros((2, 4), np.float32), checked_against=config)
-    assert rules.check(gated) == (("y",), 2, (("x", (4,)),))
+def test_declared_requests_skip_datatypes_and_shapes_only() -> None:
+    rules = RequestRules(_config([4]))
+    assert rules.check(_request(np.zeros((2, 4), np.float32)), declared=True) == (
+        ("y",),
+        2,
+        (("x", (4,)),),
+    )
     # the names are still the model's to check: an input it lacks, or one it needs
     with pytest.raises(ApplianceError):
-        rules.check(InferenceRequest("m", {"z": np.zeros((2, 4))}, checked_against=config))
+        rules.check(InferenceRequest("m", {"z": np.zeros((2, 4))}), declared=True)
     with pytest.raises(ApplianceError):
-        rules.check(InferenceRequest("m", {}, checked_against=config))
+        rules.check(InferenceRequest("m", {}), declared=True)

@@ -1,0 +1,173 @@
+"""The one request form under every wire, and the one decode from it.
+
+Each codec reads its wire into a :class:`RequestForm` (HTTP and MQTT: the KServe JSON
+document and its binary tail, :mod:`appliance.adapters.http_codec`; gRPC: the
+``ModelInferRequest``, :mod:`appliance.adapters.grpc_codec`): every input's name,
+datatype, shape and where its data is (:class:`TensorForm`), the outputs asked for and
+how, and the request parameters, all type-checked, no tensor data touched. Then, the
+same for every wire:
+
+1. :func:`declare`: each input's declaration is checked (a name given once, a known
+   datatype, a well-formed shape) and declared to the request's
+   :class:`~appliance.core.admission.Ticket` (the server's element limit and the
+   model's rules), before any data is decoded; output windows in shared memory are
+   bounds-checked before the model runs;
+2. :func:`build`: the tensors are decoded to exactly their declarations: zero-copy
+   views of the wire buffer for raw data and of the region for shared memory.
+
+An adapter runs :func:`build` off the event loop when the form holds many BYTES
+elements (``RequestForm.object_elements``) or the payload is big (see
+:mod:`appliance.adapters.offload`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from appliance import datatypes
+from appliance.adapters import json_tensors
+from appliance.core.admission import Ticket
+from appliance.core.shared_memory import SharedMemoryRef, SharedMemoryRegistry
+from appliance.errors import internal, invalid
+from appliance.request import InferenceRequest
+
+# where an input's data is (TensorForm.kind)
+RAW = "raw"  # bytes-like, little-endian (Triton's length-prefixed form for BYTES)
+JSON = "json"  # a JSON ``data`` list, or json_tensors.LazyData
+CONTENTS = "contents"  # gRPC typed contents, decoded by the form's ``contents`` reader
+SHM = "shm"  # a SharedMemoryRef into a registered region
+OBJECT = "object"  # one BYTES element given whole (an MQTT file's bytes)
+FILE = "file"  # a file on the device, by name (MQTT): read into RAW/OBJECT before build()
+
+
+@dataclass(slots=True)
+class TensorForm:
+    """One input as a wire declares it; ``data`` as :data:`RAW` .. :data:`OBJECT` say."""
+
+    name: str
+    datatype: str
+    shape: Any  # as sent: declare() checks it and leaves a list of ints
+    kind: str
+    data: Any
+    parameters: dict[str, Any] = field(default_factory=dict)  # wire-specific extras
+
+
+@dataclass(slots=True)
+class OutputFormat:
+    """How the caller wants outputs encoded: per-output binary flags and the default
+    (HTTP and MQTT), and the outputs to write into shared memory instead."""
+
+    binary: dict[str, bool] = field(default_factory=dict)
+    binary_default: bool = False
+    shared_memory: dict[str, SharedMemoryRef] = field(default_factory=dict)
+
+    def is_binary(self, name: str) -> bool:
+        return self.binary.get(name, self.binary_default)
+
+
+@dataclass(slots=True)
+class RequestForm:
+    """A request as read off its wire, before any tensor is decoded."""
+
+    model: str
+    version: str
+    inputs: list[TensorForm]
+    fmt: OutputFormat
+    outputs: tuple[str, ...] = ()
+    classification: dict[str, int] = field(default_factory=dict)
+    id: str = ""
+    timeout_us: int | None = None
+    sequence_id: int | str = 0
+    sequence_start: bool = False
+    sequence_end: bool = False
+    # typed contents -> array (gRPC's InferTensorContents reader)
+    contents: Callable[[Any, str, list[int], str], np.ndarray] | None = None
+    # BYTES elements build() turns into Python objects, one each (not JSON ones: the
+    # JSON parser made those objects already)
+    object_elements: int = 0
+
+
+def declare(
+    form: RequestForm, ticket: Ticket | None, shared_memory: SharedMemoryRegistry | None
+) -> None:
+    """Check every declaration of ``form`` (see the module docstring) and declare each
+    input to ``ticket`` (None: the sizes and forms only, as in the codec tests)."""
+    seen: set[str] = set()
+    objects = 0
+    for t in form.inputs:
+        where = f"input '{t.name}'"
+        if t.name in seen:
+            raise invalid(f"{where} appears twice")
+        seen.add(t.name)
+        datatypes.to_numpy_dtype(t.datatype)  # unknown datatype -> INVALID_ARG
+        t.shape = datatypes.check_shape(t.shape, where)
+        if ticket is not None:
+            ticket.declare(t.name, t.datatype, t.shape)
+        if t.kind == SHM and shared_memory is None:
+            raise invalid(f"{where}: shared-memory inputs are not enabled on this server")
+        if t.datatype == "BYTES" and t.kind in (RAW, SHM):
+            objects += datatypes.element_count(t.shape)
+    for name, ref in form.fmt.shared_memory.items():
+        where = f"output '{name}'"
+        if shared_memory is None:
+            raise invalid(f"{where}: shared-memory outputs are not enabled on this server")
+        shared_memory.check(ref.region, ref.offset, ref.byte_size, where)  # before the model runs
+    form.object_elements = objects
+    if ticket is not None:
+        ticket.declared = True
+
+
+def build(form: RequestForm, shared_memory: SharedMemoryRegistry | None) -> InferenceRequest:
+    """Decode the tensors of a declared form: zero-copy views for fixed-size raw and
+    shared-memory data; INVALID_ARG for data that does not match its declaration."""
+    inputs: dict[str, np.ndarray] = {}
+    for t in form.inputs:
+        kind, data = t.kind, t.data
+        if kind == RAW:
+            arr = datatypes.from_raw(data, t.datatype, t.shape, t.name)
+        elif kind == JSON:
+            if isinstance(data, json_tensors.LazyData):  # simdjson: no object a number
+                arr = data.to_tensor(t.datatype, t.shape, t.name)
+            else:
+                arr = datatypes.from_json_data(data, t.datatype, t.shape, t.name)
+        elif kind == SHM:
+            assert shared_memory is not None  # declare() refused it otherwise
+            where = f"input '{t.name}'"
+            view = shared_memory.view(data.region, data.offset, data.byte_size, where)
+            arr = datatypes.from_raw(view, t.datatype, t.shape, t.name)
+        elif kind == CONTENTS:
+            assert form.contents is not None
+            arr = form.contents(data, t.datatype, t.shape, t.name)
+        elif kind == OBJECT:
+            arr = _one_element(data, t)
+        else:
+            raise internal(f"input '{t.name}': its {kind} data was not read before decoding")
+        inputs[t.name] = arr
+    return InferenceRequest(
+        model_name=form.model,
+        inputs=inputs,
+        model_version=form.version,
+        outputs=form.outputs,
+        id=form.id,
+        timeout_us=form.timeout_us,
+        classification=form.classification,
+        sequence_id=form.sequence_id,
+        sequence_start=form.sequence_start,
+        sequence_end=form.sequence_end,
+    )
+
+
+def _one_element(data: bytes, t: TensorForm) -> np.ndarray:
+    count = datatypes.element_count(t.shape)
+    if count != 1:
+        raise invalid(
+            f"input '{t.name}': its data is one BYTES element but shape {t.shape} needs {count}"
+        )
+    arr = np.empty(1, dtype=object)
+    arr[0] = data
+    shaped: np.ndarray = arr.reshape(t.shape)
+    return shaped
