@@ -1,0 +1,400 @@
+"""The appliance against the real NVIDIA Triton Inference Server, on the same CPU, with
+Triton's own load generator.
+
+A benchmark, not a test. One command::
+
+    python benchmarks/bench_triton.py            # ~4 minutes; --help for the knobs
+
+It lays out Triton 2.51 from the ``nvidia-pytriton`` wheel and perf_analyzer from the
+``perf-analyzer`` wheel (``triton_layout.py``; cached after the first run, or
+``--perf-analyzer PATH``), writes the same two models for both servers (the
+256-1024-1024-10 MLP and Triton's ``simple`` INT32 add/sub, ``max_batch_size: 8``,
+dynamic batching with the same queue delay, one instance, the same ONNX Runtime
+threads; on Triton each is a Python-backend model running the ONNX file with ONNX
+Runtime in-process), starts both servers and runs perf_analyzer (batch 1) against
+each in turn, ABBA order at every point (Triton, appliance, appliance, Triton, ...).
+
+Per run: throughput, p50 and p99 latency (perf_analyzer's), server CPU per request
+(utime+stime of the whole server process tree over the run, Triton's stub processes
+included, divided by the requests its statistics counted), average batch size (its
+statistics' inferences per execution), and the load of everything else on the machine
+during the run (busy CPU of the machine minus both servers' trees and the client, in
+cores). The report keeps every run and the median per point, and is written to
+``benchmarks/results/<date>-triton.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import triton_layout
+from machine import describe
+from probes import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from devtools import modelgen  # noqa: E402
+
+# (model, protocol, concurrency): the issue's six points and the two concurrency-1 simples
+POINTS = [
+    ("mlp", "http", 1),
+    ("mlp", "http", 8),
+    ("mlp", "grpc", 1),
+    ("mlp", "grpc", 8),
+    ("simple", "http", 1),
+    ("simple", "http", 8),
+    ("simple", "grpc", 1),
+    ("simple", "grpc", 8),
+]
+
+CONFIG = """\
+name: "{name}"
+backend: "{backend}"
+max_batch_size: 8
+input [
+{inputs}
+]
+output [
+{outputs}
+]
+dynamic_batching {{ max_queue_delay_microseconds: {delay} }}
+instance_group [ {{ count: 1, kind: KIND_CPU }} ]
+parameters {{ key: "intra_op_thread_count" value {{ string_value: "{threads}" }} }}
+"""
+TENSORS = {
+    "mlp": ([("input", "TYPE_FP32", 256)], [("output", "TYPE_FP32", 10)]),
+    "simple": (
+        [("INPUT0", "TYPE_INT32", 16), ("INPUT1", "TYPE_INT32", 16)],
+        [("OUTPUT0", "TYPE_INT32", 16), ("OUTPUT1", "TYPE_INT32", 16)],
+    ),
+}
+
+
+def _tensors(rows: list[tuple[str, str, int]]) -> str:
+    return ",\n".join(f'  {{ name: "{n}", data_type: {t}, dims: [ {d} ] }}' for n, t, d in rows)
+
+
+def write_repositories(work: Path, threads: int, delay_us: int) -> tuple[Path, Path]:
+    """The same models for both servers: (appliance repository, Triton repository)."""
+    graphs = {"mlp": modelgen.mlp(256, 1024, 10), "simple": modelgen.simple_add_sub()}
+    repos = work / "appliance", work / "triton"
+    for repo, backend in zip(repos, ("onnxruntime", "python"), strict=True):
+        for name, graph in graphs.items():
+            (repo / name / "1").mkdir(parents=True)
+            (repo / name / "1" / "model.onnx").write_bytes(graph)
+            ins, outs = TENSORS[name]
+            (repo / name / "config.pbtxt").write_text(
+                CONFIG.format(
+                    name=name,
+                    backend=backend,
+                    inputs=_tensors(ins),
+                    outputs=_tensors(outs),
+                    delay=delay_us,
+                    threads=threads,
+                )
+            )
+            if backend == "python":
+                model = triton_layout.python_model("model.onnx", threads)
+                (repo / name / "1" / "model.py").write_text(model)
+    return repos
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen[bytes]
+    http: int
+    grpc: int
+
+    def url(self, protocol: str) -> str:
+        return f"127.0.0.1:{self.http if protocol == 'http' else self.grpc}"
+
+    def stats(self, model: str) -> tuple[int, int, int]:
+        """(successes, inferences, executions) the server counted for ``model``."""
+        url = f"http://127.0.0.1:{self.http}/v2/models/{model}/stats"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            rows = json.load(r)["model_stats"]
+        return (
+            sum(int(m["inference_stats"]["success"]["count"]) for m in rows),
+            sum(int(m["inference_count"]) for m in rows),
+            sum(int(m["execution_count"]) for m in rows),
+        )
+
+
+def start(
+    name: str, cmd: list[str], env: dict[str, str], http: int, grpc: int, log: Path
+) -> Server:
+    out = open(log, "wb")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 180:
+        if proc.poll() is not None:
+            raise SystemExit(f"{name} exited: {log.read_text()[-3000:]}")
+        try:
+            url = f"http://127.0.0.1:{http}/v2/health/ready"
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    print(f"{name} ready in {time.monotonic() - t0:.2f} s", file=sys.stderr)
+                    return Server(name, proc, http, grpc)
+        except OSError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise SystemExit(f"{name} not ready after 180 s: {log.read_text()[-3000:]}")
+
+
+def tree_cpu(pid: int) -> float:
+    """utime+stime (s) of ``pid`` and every live descendant."""
+    parent: dict[int, int] = {}
+    own: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parent[int(entry.name)] = int(fields[1])
+        own[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+    total = 0.0
+    for p, cpu in own.items():
+        q = p
+        while q > 1 and q != pid:
+            q = parent.get(q, 0)
+        if q == pid:
+            total += cpu
+    return total
+
+
+def busy_cpu() -> float:
+    """Busy CPU seconds of the whole machine so far (/proc/stat: all but idle, iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def profiler(pid: int, folder: Path, point: tuple[str, str, int]) -> subprocess.Popen[bytes]:
+    """py-spy sampling the appliance (every thread, idle ones left out) during one run;
+    collapsed stacks by function into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    name = "-".join(str(x) for x in point)
+    out = folder / f"{name}.txt"
+    n = 1
+    while out.exists():
+        n += 1
+        out = folder / f"{name}-{n}.txt"
+    cmd = ["py-spy", "record", "-p", str(pid), "--format", "raw", "--function",
+           "--rate", "250", "-o", str(out)]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def run_point(
+    pa: list[str], server: Server, others: list[Server], point: tuple[str, str, int], args: Any
+) -> dict[str, Any]:
+    model, protocol, concurrency = point
+    with tempfile.NamedTemporaryFile(suffix=".csv") as report:
+        cmd = [
+            *pa,
+            "-m", model,
+            "-u", server.url(protocol),
+            "-i", protocol,
+            "--concurrency-range", str(concurrency),
+            "--measurement-interval", str(args.interval_ms),
+            "--stability-percentage", "1000",
+            "--max-trials", "3",
+            "-f", report.name,
+        ]  # fmt: skip
+        before_stats = server.stats(model)
+        cpu0, others0, busy0 = (
+            tree_cpu(server.proc.pid),
+            sum(tree_cpu(o.proc.pid) for o in others),
+            busy_cpu(),
+        )
+        child0 = os.times()
+        t0 = time.monotonic()
+        spy = None
+        if args.py_spy and server.name == "appliance":
+            spy = profiler(server.proc.pid, args.py_spy, point)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes what it sampled so far
+            spy.wait(60)
+        wall = time.monotonic() - t0
+        child1 = os.times()
+        cpu1, others1, busy1 = (
+            tree_cpu(server.proc.pid),
+            sum(tree_cpu(o.proc.pid) for o in others),
+            busy_cpu(),
+        )
+        after_stats = server.stats(model)
+        if done.returncode != 0:
+            raise SystemExit(f"perf_analyzer failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
+        rows = list(csv.DictReader(Path(report.name).read_text().splitlines()))
+    row = rows[-1]
+    client = (child1.children_user + child1.children_system) - (
+        child0.children_user + child0.children_system
+    )
+    served = after_stats[0] - before_stats[0]
+    executions = after_stats[2] - before_stats[2]
+    server_cpu = cpu1 - cpu0
+    rest = (busy1 - busy0) - server_cpu - (others1 - others0) - client
+    return {
+        "server": server.name,
+        "infer_s": float(row["Inferences/Second"]),
+        "p50_ms": int(row["p50 latency"]) / 1000,
+        "p99_ms": int(row["p99 latency"]) / 1000,
+        "cpu_ms": 1000 * server_cpu / max(served, 1),
+        "batch": (after_stats[1] - before_stats[1]) / max(executions, 1),
+        "others_cores": max(rest, 0.0) / wall,
+        "uptime": "/".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--perf-analyzer", help="perf_analyzer command (default: the PyPI wheel)")
+    ap.add_argument("--points", default="all", help="e.g. mlp:http:8,simple:grpc:8")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per server per point (ABBA)")
+    ap.add_argument("--interval-ms", type=int, default=2000, help="perf_analyzer window")
+    ap.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
+    ap.add_argument("--queue-delay-us", type=int, default=100)
+    ap.add_argument("--only", choices=["appliance", "triton"], help="measure one server")
+    ap.add_argument("--label", default="", help="a name for this tree in the report")
+    ap.add_argument("--py-spy", type=Path, help="record py-spy profiles of the appliance here")
+    args = ap.parse_args()
+    points = POINTS
+    if args.points != "all":
+        points = [(m, p, int(c)) for m, p, c in (x.split(":") for x in args.points.split(","))]
+    machine = describe("onnxruntime", "grpcio", "aiohttp", "numpy")
+    pa = args.perf_analyzer.split() if args.perf_analyzer else triton_layout.perf_analyzer()
+    triton = triton_layout.Triton()
+    servers: list[Server] = []
+    results: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-triton-") as tmp:
+        work = Path(tmp)
+        ours, theirs = write_repositories(work, args.threads, args.queue_delay_us)
+        try:
+            if args.only != "appliance":
+                h, g, m = free_port(), free_port(), free_port()
+                servers.append(
+                    start("triton", triton.command(theirs, h, g, m), triton.env(), h, g,
+                          work / "triton.log")
+                )  # fmt: skip
+            if args.only != "triton":
+                h, g, m = free_port(), free_port(), free_port()
+                cmd = [
+                    sys.executable, "-m", "appliance", "serve",
+                    "--model-repository", str(ours),
+                    "--http-port", str(h), "--grpc-port", str(g), "--metrics-port", str(m),
+                    "--log-level", "warning",
+                ]  # fmt: skip
+                env = {**os.environ, "PYTHONPATH": str(ROOT)}
+                servers.append(start("appliance", cmd, env, h, g, work / "appliance.log"))
+            for point in points:
+                order = []
+                for r in range(args.repeats):
+                    order += servers if r % 2 == 0 else servers[::-1]
+                for server in order:
+                    others = [s for s in servers if s is not server]
+                    got = run_point(pa, server, others, point, args)
+                    results.setdefault(point, []).append(got)
+                    print(point, json.dumps(got), file=sys.stderr, flush=True)
+        finally:
+            for s in servers:
+                s.proc.send_signal(signal.SIGTERM)
+            for s in servers:
+                try:
+                    s.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    s.proc.kill()
+    text = report(machine, results, args, pa)
+    print(text)
+    out = ROOT / "benchmarks" / "results" / f"{datetime.date.today()}-triton.md"
+    out.write_text(text)
+    print(f"written to {out}", file=sys.stderr)
+    return 0
+
+
+def report(
+    machine: dict[str, str],
+    results: dict[tuple[str, str, int], list[dict[str, Any]]],
+    args: Any,
+    pa: list[str],
+) -> str:
+    lines = [
+        f"# The appliance against Triton 2.51 ({datetime.date.today()}) {args.label}".rstrip(),
+        "",
+        "`python benchmarks/bench_triton.py " + " ".join(sys.argv[1:]) + "`",
+        "",
+        "| | |",
+        "|---|---|",
+        *[f"| {k} | {v} |" for k, v in machine.items()],
+        f"| perf_analyzer | `{Path(pa[-1]).name}` ({triton_layout.PERF_ANALYZER}) |",
+        f"| Triton | {triton_layout.PYTRITON} (tritonserver 2.51, Python backend + ONNX Runtime) |",
+        f"| models | max_batch_size 8, dynamic batching, {args.queue_delay_us} us queue delay, "
+        f"1 instance, {args.threads} ONNX Runtime thread(s); batch 1 per request |",
+        "",
+        "Medians over the runs of each point (every run is listed below). CPU: utime+stime "
+        "of the server's process tree per request; batch: inferences per execution; "
+        "others: the load of every other process on the machine during the runs, in cores.",
+        "",
+        "| model / protocol / concurrency | Triton infer/s, p50, p99 ms, CPU ms/req, batch "
+        "| appliance infer/s, p50, p99 ms, CPU ms/req, batch | appliance / Triton "
+        "| others (cores) |",
+        "|---|---|---|---|---|",
+    ]
+
+    def med(rows: list[dict[str, Any]], key: str) -> float:
+        return statistics.median(r[key] for r in rows) if rows else float("nan")
+
+    for (model, protocol, c), rows in results.items():
+        cells = []
+        by = {}
+        for name in ("triton", "appliance"):
+            mine = [r for r in rows if r["server"] == name]
+            by[name] = med(mine, "infer_s")
+            cells.append(
+                "-" if not mine else
+                f"{med(mine, 'infer_s'):,.0f}, {med(mine, 'p50_ms'):.2f}, "
+                f"{med(mine, 'p99_ms'):.2f}, {med(mine, 'cpu_ms'):.3f}, {med(mine, 'batch'):.2f}"
+            )  # fmt: skip
+        ratio = by["appliance"] / by["triton"] if by["triton"] == by["triton"] else float("nan")
+        others = max(r["others_cores"] for r in rows)
+        lines.append(
+            f"| {model}, {protocol.upper() if protocol == 'http' else 'gRPC'}, {c} "
+            f"| {cells[0]} | {cells[1]} | {ratio:.2f} | {others:.2f} |"
+        )
+    lines += [
+        "",
+        "Every run, in the order taken:",
+        "",
+        "| point | server | infer/s | p50 ms | p99 ms | CPU ms/req | batch | others (cores) "
+        "| load average |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (model, protocol, c), rows in results.items():
+        for r in rows:
+            lines.append(
+                f"| {model} {protocol} c={c} | {r['server']} | {r['infer_s']:,.0f} | "
+                f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['cpu_ms']:.3f} | {r['batch']:.2f} | "
+                f"{r['others_cores']:.2f} | {r['uptime']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
