@@ -26,7 +26,6 @@ from appliance import bls, startup_report
 from appliance.adapters import http_api, http_limits, metrics
 from appliance.adapters.access import AccessPolicy, is_loopback
 from appliance.adapters.http_drain import close_http
-from appliance.adapters.tls import files as tls_files
 from appliance.adapters.tls import http_context
 from appliance.config.fields import ConfigError
 from appliance.core.dataplane import DataPlane
@@ -168,7 +167,7 @@ class Server:
             self.config.grpc_port,
             self.config.max_request_size,
             access=self.access,
-            tls=tls_files(self.config),
+            tls=http_context(self.config),
         )
         self.grpc_port = await self._grpc.start()
 

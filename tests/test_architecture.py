@@ -49,7 +49,16 @@ LAYERS: list[tuple[str, ...]] = [
     ),
 ]
 # wire and process libraries the core, config and backends must not reach
-WIRE = ("aiohttp", "grpc", "grpc_health", "paho", "tritonclient", "prometheus_client", "uvloop")
+WIRE = (
+    "aiohttp",
+    "grpc",
+    "grpc_health",
+    "hpack",
+    "paho",
+    "tritonclient",
+    "prometheus_client",
+    "uvloop",
+)
 BELOW_ADAPTERS = (
     "appliance.core",
     "appliance.telemetry",

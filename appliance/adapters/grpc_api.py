@@ -164,7 +164,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     @_guarded
     async def ModelInfer(self, wire: bytes, context: Any) -> bytes:
         """Bytes in, bytes out (:mod:`appliance.adapters.grpc_wire`): the message is
-        parsed once, its raw inputs are views of the wire, its outputs joined once."""
+        parsed once, its raw inputs are views of the wire, its outputs joined once
+        behind gRPC's message prefix."""
         big = len(wire) > offload.OFFLOAD_BYTES
         request = await offload.run(big, grpc_wire.parse_request, wire)
         # one admission: the version, its rules and the queued-bytes hold, until answered
@@ -174,7 +175,9 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             response = await self.dp.infer(inference, "ModelInfer RPC", ticket)
             heavy = offload.tensor_bytes(response.outputs) > offload.OFFLOAD_BYTES
             shm = self.dp.shared_memory
-            return await offload.run(heavy, grpc_wire.encode_response, response, shm_outputs, shm)
+            # framed: the gRPC message prefix comes in the same join (grpc_calls.Method)
+            encode = grpc_wire.encode_response
+            return await offload.run(heavy, encode, response, shm_outputs, shm, True)
         finally:
             ticket.release()
 

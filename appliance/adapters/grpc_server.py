@@ -1,32 +1,44 @@
-"""The gRPC listener: one ``grpc.aio`` server in the running event loop, serving the
-Triton service (:mod:`appliance.adapters.grpc_api`) and the standard ``grpc.health.v1``
-service, with the HTTPS certificate settings (TLS, mutual TLS) and the bearer-token
-rule of :mod:`appliance.adapters.access` checked by each RPC's handler.
+"""The gRPC listener: an asyncio server in the running event loop, speaking HTTP/2
+(:mod:`appliance.adapters.grpc_h2`) and gRPC (:mod:`appliance.adapters.grpc_calls`),
+serving the Triton service (:mod:`appliance.adapters.grpc_api`) and the standard
+``grpc.health.v1`` service, with the HTTPS certificate settings (TLS with ALPN
+``h2``, mutual TLS) and the bearer-token rule of :mod:`appliance.adapters.access`
+checked by each RPC's handler.
+
+Why not grpcio's server: its asyncio server spent more CPU per ModelInfer on its own
+machinery (completion queue, a poller thread waking the loop, Cython call objects)
+than this server's whole HTTP path (docs/benchmarks.md, "gRPC"); its thread-pool
+server, handing calls to the event loop, was no better once several calls were in
+flight (a thread per call, each one waking the loop). Messages are the generated
+protobuf classes tritonclient ships; ModelInfer is read and written as bytes
+(:mod:`appliance.adapters.grpc_wire`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 from tritonclient.grpc import service_pb2
 
-from appliance.adapters import grpc_wire
+from appliance.adapters import grpc_calls, grpc_wire
 from appliance.adapters.access import AccessPolicy, Scope
 from appliance.adapters.grpc_api import Servicer
-from appliance.adapters.tls import TlsFiles
+from appliance.adapters.grpc_calls import Context, Method
+from appliance.adapters.grpc_h2 import Connection
 from appliance.config.fields import ConfigError
 from appliance.core.dataplane import DataPlane
 
 try:  # grpcio-health-checking is a dependency; a trimmed image may lack it
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2
 except ImportError:  # pragma: no cover - exercised only on such images
-    health = None
+    health_pb2 = None
 
 log = logging.getLogger(__name__)
-
 
 SERVICE = "inference.GRPCInferenceService"
 HEALTH = "grpc.health.v1.Health"
@@ -81,14 +93,12 @@ def rpc_scope(method: str) -> Scope:
 def _guard(behavior: Any, scope: Scope, policy: AccessPolicy, streaming: bool) -> Any:
     """The HTTP endpoint's token rule (:mod:`appliance.adapters.access`) for one RPC: the
     token comes as ``authorization: Bearer <token>`` metadata. A refused call ends with
-    UNAUTHENTICATED (no or wrong token) or PERMISSION_DENIED (admin calls disabled).
-    Checked in the handler itself: an interceptor costs a coroutine and a handler
-    look-up on every call."""
+    UNAUTHENTICATED (no or wrong token) or PERMISSION_DENIED (admin calls disabled)."""
     if scope is Scope.PUBLIC:
         return behavior
 
-    async def refuse(context: Any) -> None:
-        tokens = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
+    async def refuse(context: Context) -> None:
+        tokens = [v for k, v in context.invocation_metadata() if k == "authorization"]
         denial = policy.check_all(scope, tokens)
         if denial is not None:
             code = grpc.StatusCode.UNAUTHENTICATED
@@ -98,51 +108,111 @@ def _guard(behavior: Any, scope: Scope, policy: AccessPolicy, streaming: bool) -
 
     if streaming:
 
-        async def stream(requests: Any, context: Any) -> AsyncIterator[Any]:
+        async def stream(requests: Any, context: Context) -> AsyncIterator[Any]:
             await refuse(context)
             async for response in behavior(requests, context):
                 yield response
 
         return stream
 
-    async def unary(request: Any, context: Any) -> Any:
+    async def unary(request: Any, context: Context) -> Any:
         await refuse(context)
         return await behavior(request, context)
 
     return unary
 
 
-def triton_service(servicer: Servicer, policy: AccessPolicy) -> Any:
-    """``inference.GRPCInferenceService`` as one generic handler, each RPC with its
-    access scope. ModelInfer takes and returns bytes (:mod:`appliance.adapters.grpc_wire`);
-    every other request is parsed by protobuf, and one that does not parse (a name
-    that is not UTF-8) reaches its RPC as :class:`grpc_wire.Undecodable`, answered
-    INVALID_ARGUMENT instead of grpcio's UNKNOWN."""
+def _bytes(data: bytes) -> bytes:
+    return data
+
+
+def triton_methods(servicer: Servicer, policy: AccessPolicy) -> dict[str, Method]:
+    """``inference.GRPCInferenceService``, each RPC with its access scope. ModelInfer
+    takes and returns bytes (:mod:`appliance.adapters.grpc_wire`); every other request
+    is parsed by protobuf, and one that does not parse (a name that is not UTF-8)
+    reaches its RPC as :class:`grpc_wire.Undecodable`, answered INVALID_ARGUMENT."""
     service = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    handlers = {}
-    for method in service.methods:
-        scope = rpc_scope(f"/{service.full_name}/{method.name}")
-        behavior = _guard(getattr(servicer, method.name), scope, policy, method.client_streaming)
-        if method.name == "ModelInfer":
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(behavior)
+    methods = {}
+    for rpc in service.methods:
+        streaming = rpc.client_streaming
+        path = f"/{SERVICE}/{rpc.name}"
+        behavior = _guard(getattr(servicer, rpc.name), rpc_scope(path), policy, streaming)
+        if rpc.name == "ModelInfer":
+            methods[path] = Method(grpc_calls.UNARY, behavior, _bytes, _bytes, framed=True)
             continue
-        request = getattr(service_pb2, method.input_type.name)
-        response = getattr(service_pb2, method.output_type.name)
-        make = (
-            grpc.stream_stream_rpc_method_handler
-            if method.client_streaming
-            else grpc.unary_unary_rpc_method_handler
-        )
-        handlers[method.name] = make(
-            behavior,
-            request_deserializer=grpc_wire.parse_or_undecodable(request),
-            response_serializer=response.SerializeToString,
-        )
-    return grpc.method_handlers_generic_handler(service.full_name, handlers)
+        request = getattr(service_pb2, rpc.input_type.name)
+        write = getattr(service_pb2, rpc.output_type.name).SerializeToString
+        kind = grpc_calls.STREAM if streaming else grpc_calls.UNARY
+        methods[path] = Method(kind, behavior, grpc_wire.parse_or_undecodable(request), write)
+    return methods
+
+
+class Health:
+    """``grpc.health.v1.Health``: SERVING for the server ("") and the Triton service
+    while the endpoint runs, NOT_SERVING once it stops; ``Watch`` streams changes."""
+
+    def __init__(self) -> None:
+        self._status: dict[str, int] = {}
+        self._changed = asyncio.Event()
+
+    def set(self, serving: bool) -> None:
+        assert health_pb2 is not None
+        status = health_pb2.HealthCheckResponse
+        value = status.SERVING if serving else status.NOT_SERVING
+        self._status = {"": value, SERVICE: value}
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def check(self, request: Any, context: Context) -> Any:
+        assert health_pb2 is not None
+        if isinstance(request, grpc_wire.Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error.message)
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def watch(self, request: Any, context: Context) -> AsyncIterator[Any]:
+        assert health_pb2 is not None
+        if isinstance(request, grpc_wire.Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error.message)
+        unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        last = None
+        while True:
+            status = self._status.get(request.service, unknown)
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            await self._changed.wait()
+
+    async def list(self, request: Any, context: Context) -> Any:
+        assert health_pb2 is not None
+        response = health_pb2.HealthListResponse()
+        for service, status in self._status.items():
+            response.statuses[service].status = status
+        return response
+
+    def methods(self) -> dict[str, Method]:
+        assert health_pb2 is not None
+        parse = grpc_wire.parse_or_undecodable(health_pb2.HealthCheckRequest)
+        write = health_pb2.HealthCheckResponse.SerializeToString
+        base = f"/{HEALTH}/"
+        methods = {
+            base + "Check": Method(grpc_calls.UNARY, self.check, parse, write),
+            base + "Watch": Method(grpc_calls.SERVER_STREAM, self.watch, parse, write),
+        }
+        if hasattr(health_pb2, "HealthListRequest"):  # grpcio-health-checking >= 1.70
+            methods[base + "List"] = Method(
+                grpc_calls.UNARY,
+                self.list,
+                grpc_wire.parse_or_undecodable(health_pb2.HealthListRequest),
+                health_pb2.HealthListResponse.SerializeToString,
+            )
+        return methods
 
 
 class GrpcEndpoint:
-    """The gRPC listener: owns one ``grpc.aio`` server in the running event loop."""
+    """The gRPC listener: one asyncio server in the running event loop."""
 
     def __init__(
         self,
@@ -151,64 +221,48 @@ class GrpcEndpoint:
         port: int,
         max_message_size: int,
         access: AccessPolicy | None = None,
-        tls: TlsFiles | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._dataplane = dataplane
         self._tls = tls
         self._host = host
         self._port = port
         self._max_message_size = max_message_size
-        self._access = access
-        self._server: Any = None
-        self._health: Any = None
+        self._access = access or AccessPolicy()
+        self._server: asyncio.Server | None = None
+        self._connections: set[Connection] = set()
+        self._health = Health() if health_pb2 is not None else None
 
     async def start(self) -> int:
         """Bind ``host:port`` (port 0: a free port) and serve; returns the bound port.
 
         Raises :class:`ConfigError` when the address cannot be bound.
         """
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", self._max_message_size),
-                ("grpc.max_send_message_length", self._max_message_size),
-                # without this a second server could silently share the port
-                ("grpc.so_reuseport", 0),
-            ],
-        )
-        server.add_generic_rpc_handlers(
-            (triton_service(Servicer(self._dataplane), self._access or AccessPolicy()),)
-        )
-        if health is not None:
-            self._health = health.aio.HealthServicer()
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        methods = triton_methods(Servicer(self._dataplane), self._access)
+        if self._health is not None:
+            methods.update(self._health.methods())
+            self._health.set(True)
         else:
             log.warning("grpc.health.v1 disabled: pip install grpcio-health-checking")
-        address = (
-            f"[{self._host}]:{self._port}" if ":" in self._host else f"{self._host}:{self._port}"
-        )
+        dispatcher = grpc_calls.Dispatcher(methods)
+        if self._tls is not None:
+            self._tls.set_alpn_protocols(["h2"])
+
+        def connection() -> Connection:
+            conn = Connection(dispatcher, self._max_message_size, self._connections.discard)
+            self._connections.add(conn)
+            return conn
+
+        loop = asyncio.get_running_loop()
+        address = f"{self._host}:{self._port}"
         try:
-            if self._tls is None:
-                port = server.add_insecure_port(address)
-            else:  # the HTTPS settings; a client CA makes client certificates mandatory
-                credentials = grpc.ssl_server_credentials(
-                    [(self._tls.key, self._tls.cert)],
-                    root_certificates=self._tls.client_ca,
-                    require_client_auth=self._tls.client_ca is not None,
-                )
-                port = server.add_secure_port(address, credentials)
-        except RuntimeError as exc:  # grpcio raises where older versions returned 0
-            port, reason = 0, str(exc)
-        else:
-            reason = "the address is in use or not local"
-        if port == 0:
-            raise ConfigError("<server>", "grpc_port", f"cannot listen on {address}: {reason}")
-        if self._health is not None:
-            serving = health_pb2.HealthCheckResponse.SERVING
-            for service in ("", "inference.GRPCInferenceService"):
-                await self._health.set(service, serving)
-        await server.start()
-        self._server = server
-        return int(port)
+            self._server = await loop.create_server(
+                connection, self._host, self._port, ssl=self._tls, reuse_port=False
+            )
+        except OSError as exc:
+            reason = f"cannot listen on {address}: {exc}"
+            raise ConfigError("<server>", "grpc_port", reason) from None
+        return int(self._server.sockets[0].getsockname()[1])
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting at once; in-flight RPCs (streams included) get ``grace_s``
@@ -217,5 +271,17 @@ class GrpcEndpoint:
         if server is None:
             return
         if self._health is not None:
-            await self._health.enter_graceful_shutdown()
-        await server.stop(grace_s)
+            self._health.set(False)
+        server.close()
+        for conn in list(self._connections):
+            conn.goaway()
+        calls = {task for conn in self._connections for task in conn.calls}
+        if calls:
+            _, pending = await asyncio.wait(calls, timeout=grace_s)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+        for conn in list(self._connections):
+            conn.close()
+        await server.wait_closed()

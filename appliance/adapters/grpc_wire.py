@@ -1,11 +1,13 @@
 """``ModelInferRequest`` and ``ModelInferResponse`` straight from and to their wire bytes.
 
-The unary ModelInfer RPC takes and returns bytes (no protobuf (de)serialiser in
-grpcio's path), so each message is handled once:
+The unary ModelInfer RPC takes and returns bytes (no protobuf (de)serialiser in the
+call layer's path, :mod:`appliance.adapters.grpc_calls`), so each message is handled
+once:
 
 - :func:`parse_request`: the request parsed once by protobuf's C parser; a message
   that is not a valid ``ModelInferRequest`` (a string field that is not UTF-8, a
-  truncated message) is an INVALID_ARG, as Triton answers it, not grpcio's UNKNOWN.
+  truncated message) is an INVALID_ARG, as Triton answers it (grpcio's server said
+  UNKNOWN); :func:`parse_or_undecodable` does the same for every other RPC.
   :func:`raw_contents` gives the ``raw_input_contents`` entries as views of the wire
   bytes: reading them from the parsed message copies each (~1.4 ms per 6 MB frame).
 - :func:`encode_response`: the response written as protobuf's canonical encoding
@@ -15,6 +17,7 @@ grpcio's path), so each message is handled once:
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -127,11 +130,13 @@ def encode_response(
     response: InferenceResponse,
     shm_outputs: dict[str, SharedMemoryRef],
     shm: SharedMemoryRegistry | None,
+    framed: bool = False,
 ) -> bytes:
     """The ``ModelInferResponse`` bytes for ``response``, as protobuf would write the
     message :func:`appliance.adapters.grpc_codec.encode_response` builds: one
     ``raw_output_contents`` entry per output, in output order (clients index them by
-    the output's position), empty for an output written to its shared-memory region."""
+    the output's position), empty for an output written to its shared-memory region.
+    ``framed``: with gRPC's 5-byte message prefix in front, in the same join."""
     parts: list[bytes | memoryview] = [
         _text(1, response.model_name),
         _text(2, response.model_version),
@@ -155,4 +160,7 @@ def encode_response(
         size = data.nbytes if isinstance(data, memoryview) else len(data)
         parts.append(_field(6, data, size))
         parts.append(data)
+    if framed:
+        total = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
+        parts.insert(0, struct.pack(">BI", 0, total))
     return b"".join(parts)

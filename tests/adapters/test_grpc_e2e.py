@@ -531,6 +531,8 @@ def test_the_wire_encoder_writes_what_protobuf_writes() -> None:
         expected = grpc_codec.encode_response(response, {}, shm)
         assert wire == expected.SerializeToString()
         assert service_pb2.ModelInferResponse.FromString(wire) == expected
+        framed = grpc_wire.encode_response(response, {}, shm, framed=True)
+        assert framed == b"\x00" + len(wire).to_bytes(4, "big") + wire
 
 
 def test_raw_contents_are_views_of_the_wire() -> None:

@@ -1,0 +1,468 @@
+"""HTTP/2 for gRPC on the event loop: one :class:`Connection` per client connection.
+
+The gRPC listener (:mod:`appliance.adapters.grpc_server`) serves on asyncio directly
+instead of through grpcio's asyncio server, whose own per-call machinery (completion
+queue, poller thread, Cython call objects) cost more than this server's whole HTTP
+path. This module is the HTTP/2 part a gRPC server needs (RFC 9113), no more:
+
+- frames: SETTINGS (acknowledged; the peer's window and frame size honoured), PING
+  (answered), WINDOW_UPDATE, HEADERS with CONTINUATION, DATA (padding stripped),
+  RST_STREAM (cancels the call), GOAWAY (both ways), PRIORITY ignored;
+- flow control: the receive windows are opened wide and replenished as data is
+  consumed; outbound DATA waits for the peer's connection and stream windows and is
+  split at the peer's maximum frame size;
+- header blocks: decoded by ``hpack`` (its dynamic table kept per connection), with a
+  cache for blocks made of indexed fields only (what a client sends for the second
+  and every later call); this server's own header blocks are fixed literals (no
+  dynamic table, no Huffman coding), written once per response.
+
+What a call does with its messages is :mod:`appliance.adapters.grpc_calls`'s business:
+the connection hands it each new stream (:meth:`Handler.open`) and each complete
+gRPC message (:meth:`Stream.feed`), and the call answers through :meth:`respond`.
+A peer that breaks the protocol gets GOAWAY with the error code and is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import struct
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+
+import hpack
+
+log = logging.getLogger(__name__)
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY = range(8)
+WINDOW_UPDATE, CONTINUATION = 8, 9
+END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
+NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, CANCEL = 0, 1, 3, 6, 8
+ENHANCE_YOUR_CALM, COMPRESSION_ERROR = 11, 9
+_HEAD = struct.Struct(">I B I")  # length << 8 | type, flags, stream id (packed below)
+_MAX_WINDOW = 2**31 - 1
+RECEIVE_WINDOW = 16 * 2**20  # per stream; the connection's is opened to _MAX_WINDOW
+MAX_FRAME = 16384  # SETTINGS_MAX_FRAME_SIZE: the default, which this server keeps
+MAX_HEADER_BLOCK = 64 * 1024
+MAX_STREAMS = 256  # concurrent streams a client may open on one connection
+
+
+def frame(kind: int, flags: int, stream: int, payload: bytes | memoryview = b"") -> bytes:
+    n = len(payload)
+    return struct.pack(">HBBBI", n >> 8, n & 0xFF, kind, flags, stream) + bytes(payload)
+
+
+def _head(kind: int, flags: int, stream: int, n: int) -> bytes:
+    return struct.pack(">HBBBI", n >> 8, n & 0xFF, kind, flags, stream)
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Stream:
+    """One request stream: its headers, its inbound gRPC messages, its send window."""
+
+    __slots__ = (
+        "buffer",
+        "call",
+        "closed",
+        "ended",
+        "headers",
+        "id",
+        "pending",
+        "received",
+        "send_window",
+    )
+
+    def __init__(self, stream_id: int, headers: list[tuple[str, str]], window: int) -> None:
+        self.id = stream_id
+        self.headers = headers
+        self.buffer = bytearray()  # gRPC message bytes not yet complete
+        self.call: Any = None  # the call serving it (grpc_calls): set by Handler.open
+        self.ended = False  # the client sent END_STREAM
+        self.closed = False  # we sent END_STREAM (or it was reset)
+        self.send_window = window
+        self.received = 0  # DATA bytes consumed since the last WINDOW_UPDATE
+        # outbound bytes waiting for window: (data, end_stream); trailers as bytes frames
+        self.pending: collections.deque[tuple[memoryview, bool, bytes]] = collections.deque()
+
+
+class Handler(Protocol):
+    """The gRPC side (:mod:`appliance.adapters.grpc_calls`)."""
+
+    def open(self, connection: Connection, stream: Stream) -> None: ...
+
+
+class Connection(asyncio.Protocol):
+    """One HTTP/2 connection from a gRPC client."""
+
+    def __init__(self, handler: Handler, max_message: int, on_close: Callable[[Connection], None]):
+        self.handler = handler
+        self.max_message = max_message
+        self._on_close = on_close
+        self.transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._preface = False
+        self._decoder = hpack.Decoder()
+        self._decoder.max_header_list_size = MAX_HEADER_BLOCK
+        self._indexed: dict[bytes, list[tuple[str, str]]] = {}
+        self.streams: dict[int, Stream] = {}
+        self.calls: set[asyncio.Task[None]] = set()  # running calls (referenced here)
+        self._last_stream = 0
+        self._continuation: tuple[int, int, bytearray] | None = None  # id, flags, block
+        self._send_window = 65535  # the connection's, as the peer grants it
+        self._peer_window = 65535  # initial window of each new stream
+        self._peer_frame = 16384  # the peer's SETTINGS_MAX_FRAME_SIZE
+        self._received = 0  # connection-level bytes consumed since the last update
+        self.going_away = False
+        self._paused = False
+        self._drained: asyncio.Future[None] | None = None
+
+    # ---- asyncio.Protocol ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's too
+        settings = struct.pack(">HIHIHI", 3, MAX_STREAMS, 4, RECEIVE_WINDOW, 6, MAX_HEADER_BLOCK)
+        update = struct.pack(">I", _MAX_WINDOW - 65535)
+        transport.write(frame(SETTINGS, 0, 0, settings) + frame(WINDOW_UPDATE, 0, 0, update))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        for stream in list(self.streams.values()):
+            self._cancel(stream)
+        self.streams.clear()
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        self._on_close(self)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    async def drain(self) -> None:
+        """Wait while the transport's write buffer is full (big responses)."""
+        if self._paused and self.transport is not None:
+            self._drained = asyncio.get_running_loop().create_future()
+            await self._drained
+
+    def data_received(self, data: bytes) -> None:
+        if self._buffer:  # a frame was cut between reads (at most one frame is kept)
+            self._buffer += data
+            data = bytes(self._buffer)
+            self._buffer.clear()
+        try:
+            if not self._preface:
+                if len(data) < len(PREFACE):
+                    if not PREFACE.startswith(data):
+                        raise ProtocolError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                    self._buffer += data
+                    return
+                if not data.startswith(PREFACE):
+                    raise ProtocolError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                data = data[len(PREFACE) :]
+                self._preface = True
+            view = memoryview(data)  # payloads are views of the bytes read: no copy
+            offset, end = 0, len(data)
+            while end - offset >= 9 and self.transport is not None:
+                length = data[offset] << 16 | data[offset + 1] << 8 | data[offset + 2]
+                if length > MAX_FRAME:
+                    raise ProtocolError(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+                if end - offset < 9 + length:
+                    break
+                kind, flags = data[offset + 3], data[offset + 4]
+                stream = int.from_bytes(data[offset + 5 : offset + 9], "big") & _MAX_WINDOW
+                payload = view[offset + 9 : offset + 9 + length]
+                offset += 9 + length
+                self._frame(kind, flags, stream, payload)
+            if offset < end:
+                self._buffer += view[offset:]
+        except ProtocolError as exc:
+            log.info("grpc: closing a connection that broke HTTP/2: %s", exc)
+            self.close(exc.code)
+
+    # ---- inbound frames --------------------------------------------------------------
+
+    def _frame(self, kind: int, flags: int, sid: int, payload: memoryview) -> None:
+        if self._continuation is not None and kind != CONTINUATION:
+            raise ProtocolError(PROTOCOL_ERROR, "a header block was interrupted")
+        if kind == DATA:
+            self._data(flags, sid, payload)
+        elif kind == HEADERS:
+            self._headers(flags, sid, payload)
+        elif kind == CONTINUATION:
+            if self._continuation is None or self._continuation[0] != sid:
+                raise ProtocolError(PROTOCOL_ERROR, "CONTINUATION without HEADERS")
+            block = self._continuation[2]
+            block += payload
+            if len(block) > MAX_HEADER_BLOCK:
+                raise ProtocolError(ENHANCE_YOUR_CALM, "a header block over 64 KiB")
+            if flags & END_HEADERS:
+                start_flags = self._continuation[1]
+                self._continuation = None
+                self._open(sid, start_flags, bytes(block))
+        elif kind == SETTINGS:
+            if not flags & ACK:
+                self._settings(payload)
+        elif kind == WINDOW_UPDATE:
+            self._window_update(sid, payload)
+        elif kind == PING:
+            if not flags & ACK and self.transport is not None:
+                self.transport.write(frame(PING, ACK, 0, payload))
+        elif kind == RST_STREAM:
+            stream = self.streams.pop(sid, None)
+            if stream is not None:
+                stream.closed = True
+                self._cancel(stream)
+        elif kind == GOAWAY:
+            self.going_away = True
+            if not self.streams:
+                self.close()
+        elif kind == PUSH_PROMISE:
+            raise ProtocolError(PROTOCOL_ERROR, "a client may not push")
+        # PRIORITY and unknown frame types are ignored (RFC 9113 5.5)
+
+    def _settings(self, payload: memoryview) -> None:
+        if len(payload) % 6:
+            raise ProtocolError(FRAME_SIZE_ERROR, "a SETTINGS frame of a bad length")
+        for i in range(0, len(payload), 6):
+            key, value = struct.unpack_from(">HI", payload, i)
+            if key == 4:  # INITIAL_WINDOW_SIZE: applies to every open stream
+                if value > _MAX_WINDOW:
+                    raise ProtocolError(FLOW_CONTROL_ERROR, "a window over 2^31-1")
+                delta, self._peer_window = value - self._peer_window, value
+                for stream in self.streams.values():
+                    stream.send_window += delta
+            elif key == 5:
+                if not 16384 <= value <= 2**24 - 1:
+                    raise ProtocolError(PROTOCOL_ERROR, "a bad SETTINGS_MAX_FRAME_SIZE")
+                self._peer_frame = value
+        assert self.transport is not None
+        self.transport.write(frame(SETTINGS, ACK, 0))
+        self._flush_all()
+
+    def _window_update(self, sid: int, payload: memoryview) -> None:
+        if len(payload) != 4:
+            raise ProtocolError(FRAME_SIZE_ERROR, "a WINDOW_UPDATE of a bad length")
+        increment = int.from_bytes(payload, "big") & _MAX_WINDOW
+        if sid == 0:
+            self._send_window += increment
+            if self._send_window > _MAX_WINDOW:
+                raise ProtocolError(FLOW_CONTROL_ERROR, "the connection window overflowed")
+            self._flush_all()
+        elif (stream := self.streams.get(sid)) is not None:
+            stream.send_window += increment
+            self._flush(stream)
+
+    def _headers(self, flags: int, sid: int, payload: memoryview) -> None:
+        if flags & PADDED:
+            pad = payload[0]
+            payload = payload[1 : len(payload) - pad]
+        if flags & PRIORITY_FLAG:
+            payload = payload[5:]
+        if not flags & END_HEADERS:
+            self._continuation = (sid, flags, bytearray(payload))
+            return
+        self._open(sid, flags, bytes(payload))
+
+    def _decode(self, block: bytes) -> list[tuple[str, str]]:
+        """A header block -> (name, value) pairs; blocks of indexed fields only (one
+        byte each, no table change) come from a cache after the first time."""
+        hit = self._indexed.get(block)
+        if hit is not None:
+            return hit
+        try:
+            headers = self._decoder.decode(block)
+        except Exception as exc:  # hpack's errors: the connection cannot go on
+            raise ProtocolError(COMPRESSION_ERROR, f"a header block hpack refused: {exc}") from None
+        decoded = [(str(k), str(v)) for k, v in headers]
+        if all(b & 0x80 and b != 0xFF for b in block):
+            if len(self._indexed) > 64:
+                self._indexed.clear()
+            self._indexed[block] = decoded
+        else:  # the block may have changed the dynamic table: indexes mean other things now
+            self._indexed.clear()
+        return decoded
+
+    def _open(self, sid: int, flags: int, block: bytes) -> None:
+        headers = self._decode(block)
+        stream = self.streams.get(sid)
+        if stream is not None:  # trailers from the client: only END_STREAM matters
+            if flags & END_STREAM:
+                self._ended(stream)
+            return
+        if sid % 2 == 0 or sid <= self._last_stream:
+            if sid <= self._last_stream:
+                return  # a stream we already closed: late frames are dropped
+            raise ProtocolError(PROTOCOL_ERROR, f"a client stream with an even id {sid}")
+        self._last_stream = sid
+        if self.going_away:
+            self._reset(sid, 7)  # REFUSED_STREAM: the client retries elsewhere
+            return
+        if len(self.streams) >= MAX_STREAMS:
+            self._reset(sid, 7)
+            return
+        stream = Stream(sid, headers, self._peer_window)
+        self.streams[sid] = stream
+        self.handler.open(self, stream)
+        if flags & END_STREAM:
+            self._ended(stream)
+
+    def _data(self, flags: int, sid: int, payload: memoryview) -> None:
+        size = len(payload)
+        if flags & PADDED:
+            pad = payload[0]
+            payload = payload[1 : size - pad]
+        self._received += size
+        if self._received > RECEIVE_WINDOW // 2 and self.transport is not None:
+            self.transport.write(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self._received)))
+            self._received = 0
+        stream = self.streams.get(sid)
+        if stream is None or stream.ended:
+            return  # a stream that ended or was reset: its data counts for the window only
+        call = stream.call
+        buffer = stream.buffer
+        if not buffer:  # messages that lie whole in this frame are taken straight from it
+            while len(payload) >= 5:
+                n = int.from_bytes(payload[1:5], "big")
+                if n > self.max_message:
+                    call.too_large(n)
+                    return
+                if len(payload) < 5 + n:
+                    break
+                call.message(bytes(payload[5 : 5 + n]), payload[0])
+                payload = payload[5 + n :]
+        if len(payload):
+            buffer += payload
+            while len(buffer) >= 5:
+                n = int.from_bytes(buffer[1:5], "big")
+                if n > self.max_message:
+                    call.too_large(n)
+                    return
+                if len(buffer) < 5 + n:
+                    break
+                with memoryview(buffer) as whole:
+                    message = bytes(whole[5 : 5 + n])
+                compressed = buffer[0]
+                del buffer[: 5 + n]
+                call.message(message, compressed)
+        if call.unary:  # the window is given back as the data comes: the call holds it all
+            self.consumed(stream, size)
+        if flags & END_STREAM:
+            self._ended(stream)
+
+    def consumed(self, stream: Stream, size: int) -> None:
+        """``size`` bytes of ``stream`` were taken in: the client may send that much
+        more once half its window is used (a streaming call gives its window back
+        only as it reads its requests, so a slow model stops the client)."""
+        stream.received += size
+        if stream.received > RECEIVE_WINDOW // 2 and not stream.ended and self.transport:
+            update = struct.pack(">I", stream.received)
+            self.transport.write(frame(WINDOW_UPDATE, 0, stream.id, update))
+            stream.received = 0
+
+    def _ended(self, stream: Stream) -> None:
+        stream.ended = True
+        stream.call.end(bool(stream.buffer))
+        if stream.closed:  # answered before the client finished sending
+            self.streams.pop(stream.id, None)
+
+    def _cancel(self, stream: Stream) -> None:
+        stream.call.cancel()
+
+    # ---- outbound --------------------------------------------------------------------
+
+    def send(
+        self, stream: Stream, head: bytes, data: bytes | memoryview, tail: bytes, end: bool
+    ) -> None:
+        """Write ``head`` (a HEADERS frame or nothing), ``data`` as DATA frames within
+        the windows and ``tail`` (frames, e.g. trailers) after all of the data; what
+        does not fit waits for WINDOW_UPDATE. ``end``: the stream is done after it."""
+        if self.transport is None or stream.closed:
+            return
+        if head:
+            self.transport.write(head)
+        view = memoryview(data).cast("B") if len(data) else memoryview(b"")
+        stream.pending.append((view, end, tail))
+        self._flush(stream)
+
+    def _flush(self, stream: Stream) -> None:
+        transport = self.transport
+        while stream.pending and transport is not None:
+            view, end, tail = stream.pending[0]
+            chunks: list[bytes | memoryview] = []
+            while len(view):
+                room = min(self._send_window, stream.send_window, self._peer_frame)
+                if room <= 0:
+                    break
+                piece = view[:room]
+                chunks.append(_head(DATA, 0, stream.id, len(piece)))
+                chunks.append(piece)
+                view = view[len(piece) :]
+                self._send_window -= len(piece)
+                stream.send_window -= len(piece)
+            if chunks:
+                transport.writelines(chunks)
+            if len(view):
+                stream.pending[0] = (view, end, tail)
+                return
+            stream.pending.popleft()
+            if tail:
+                transport.write(tail)
+            if end:
+                stream.closed = True
+                self._finished(stream)
+
+    def _flush_all(self) -> None:
+        for stream in list(self.streams.values()):
+            if stream.pending:
+                self._flush(stream)
+
+    def _finished(self, stream: Stream) -> None:
+        if stream.ended or self.streams.get(stream.id) is not stream:
+            self.streams.pop(stream.id, None)
+        elif self.transport is not None:  # we are done before the client: stop it sending
+            self.transport.write(frame(RST_STREAM, 0, stream.id, struct.pack(">I", NO_ERROR)))
+            self.streams.pop(stream.id, None)
+        if self.going_away and not self.streams:
+            self.close()
+
+    def _reset(self, sid: int, code: int) -> None:
+        if self.transport is not None:
+            self.transport.write(frame(RST_STREAM, 0, sid, struct.pack(">I", code)))
+
+    def reset(self, stream: Stream, code: int = CANCEL) -> None:
+        """End ``stream`` at once (its call gave up, e.g. a message over the limit)."""
+        stream.closed = True
+        stream.pending.clear()
+        self._reset(stream.id, code)
+        self.streams.pop(stream.id, None)
+
+    def goaway(self) -> None:
+        """No new streams (shutting down); the connection closes once its streams end."""
+        if self.transport is None:
+            return
+        self.going_away = True
+        last = struct.pack(">II", self._last_stream, NO_ERROR)
+        self.transport.write(frame(GOAWAY, 0, 0, last))
+        if not self.streams:
+            self.close()
+
+    def close(self, code: int = NO_ERROR) -> None:
+        transport, self.transport = self.transport, None
+        if transport is None:
+            return
+        if code != NO_ERROR:
+            transport.write(frame(GOAWAY, 0, 0, struct.pack(">II", self._last_stream, code)))
+        transport.close()
+        for stream in list(self.streams.values()):
+            self._cancel(stream)
+        self.streams.clear()

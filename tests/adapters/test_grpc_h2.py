@@ -1,0 +1,156 @@
+"""The gRPC endpoint's own HTTP/2 and gRPC layers (appliance/adapters/grpc_h2.py,
+grpc_calls.py) against the real grpcio client (tritonclient's) and raw sockets:
+big messages both ways (flow control, frame splitting), compressed requests,
+deadlines, cancellation, many calls on one connection, unknown methods, health,
+and peers that do not speak HTTP/2."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from devtools import modelgen
+
+IDENTITY = """\
+max_batch_size: 4
+input:
+  - {name: INPUT0, data_type: TYPE_FP32, dims: [-1]}
+output:
+  - {name: OUTPUT0, data_type: TYPE_FP32, dims: [-1]}
+"""
+# a lone request waits for a batch this long: a deadline or a cancel comes first
+SLOW = """\
+max_batch_size: 8
+input:
+  - {name: INPUT0, data_type: TYPE_FP32, dims: [-1]}
+output:
+  - {name: OUTPUT0, data_type: TYPE_FP32, dims: [-1]}
+dynamic_batching: {preferred_batch_size: [8], max_queue_delay_microseconds: 5000000}
+"""
+
+
+@pytest.fixture
+def server(run_appliance: Any, tmp_path: Path) -> Any:
+    modelgen.write_model(tmp_path, "identity", modelgen.identity("FP32", [-1]), IDENTITY)
+    modelgen.write_model(tmp_path, "slow", modelgen.identity("FP32", [-1]), SLOW)
+    return run_appliance(tmp_path, max_request_size="64MiB")
+
+
+def _infer(
+    client: grpcclient.InferenceServerClient, model: str, data: np.ndarray, **kw: Any
+) -> Any:
+    tensor = grpcclient.InferInput("INPUT0", list(data.shape), "FP32")
+    tensor.set_data_from_numpy(data)
+    return client.infer(model, [tensor], **kw).as_numpy("OUTPUT0")
+
+
+def test_big_messages_both_ways_and_compressed_requests(server: Any) -> None:
+    # 24 MiB each way: past the stream window (16 MiB) and the client's, in 16 KiB frames
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    big = np.random.default_rng(0).random((1, 6 * 2**20), dtype=np.float32)
+    np.testing.assert_array_equal(_infer(client, "identity", big), big)
+    for algorithm in ("gzip", "deflate"):
+        small = np.arange(4096, dtype=np.float32).reshape(1, -1)
+        got = _infer(client, "identity", small, compression_algorithm=algorithm)
+        np.testing.assert_array_equal(got, small)
+
+
+def test_many_calls_in_flight_on_one_connection(server: Any) -> None:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results: list[Any] = []
+    rows = [np.full((1, 32), i, np.float32) for i in range(64)]
+    for row in rows:
+        tensor = grpcclient.InferInput("INPUT0", [1, 32], "FP32")
+        tensor.set_data_from_numpy(row)
+        client.async_infer(
+            "identity", [tensor], lambda result, error: results.append((result, error))
+        )
+    deadline = time.monotonic() + 60
+    while len(results) < len(rows) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(results) == len(rows) and all(e is None for _, e in results)
+    assert sorted(float(r.as_numpy("OUTPUT0")[0, 0]) for r, _ in results) == list(range(64))
+
+
+def test_a_deadline_and_a_cancel_end_the_call_not_the_server(server: Any) -> None:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    row = np.ones((1, 4), np.float32)
+    with pytest.raises(InferenceServerException) as info:
+        _infer(client, "slow", row, client_timeout=0.3)
+    assert "Deadline" in str(info.value) or "DEADLINE" in str(info.value.status())
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+        request = service_pb2.ModelInferRequest(model_name="slow")
+        request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 4])
+        request.raw_input_contents.append(row.tobytes())
+        future = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer.future(request)
+        time.sleep(0.2)
+        future.cancel()
+        assert future.cancelled()
+    np.testing.assert_array_equal(_infer(client, "identity", row), row)
+
+
+def test_an_unknown_method_is_unimplemented(server: Any) -> None:
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/NoSuchRpc")
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"")
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "NoSuchRpc" in (info.value.details() or "")
+
+
+def test_health_check_and_watch(server: Any) -> None:
+    with grpc.insecure_channel(server.grpc_url) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        serving = health_pb2.HealthCheckResponse.SERVING
+        listed = health.List(health_pb2.HealthListRequest(), timeout=10).statuses
+        assert listed["inference.GRPCInferenceService"].status == serving
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+
+
+def _raw(url: str, payload: bytes) -> bytes:
+    host, port = url.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(payload)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    return got
+
+
+def _frame_types(data: bytes) -> list[int]:
+    kinds, i = [], 0
+    while i + 9 <= len(data):
+        length = int.from_bytes(data[i : i + 3], "big")
+        kinds.append(data[i + 3])
+        i += 9 + length
+    return kinds
+
+
+def test_a_peer_that_does_not_speak_http2_is_closed(server: Any) -> None:
+    # HTTP/1.1, or a frame bigger than allowed: GOAWAY (after the server's SETTINGS),
+    # then the connection is closed
+    kinds = _frame_types(_raw(server.grpc_url, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"))
+    assert kinds == [4, 8, 7], kinds  # SETTINGS, WINDOW_UPDATE, GOAWAY
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    huge = struct.pack(">I", 2**20)[1:] + bytes((0, 0)) + struct.pack(">I", 1)
+    kinds = _frame_types(_raw(server.grpc_url, preface + huge))
+    assert kinds[-1] == 7, kinds
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    assert client.is_server_ready()
