@@ -16,11 +16,14 @@ each in turn, ABBA order at every point (Triton, appliance, appliance, Triton, .
 
 Per run: throughput, p50 and p99 latency (perf_analyzer's), server CPU per request
 (utime+stime of the whole server process tree over the run, Triton's stub processes
-included, divided by the requests its statistics counted), average batch size (its
-statistics' inferences per execution), and the load of everything else on the machine
-during the run (busy CPU of the machine minus both servers' trees and the client, in
-cores). The report keeps every run and the median per point, and is written to
-``benchmarks/results/<date>-triton.md``.
+included, divided by the requests its statistics counted), perf_analyzer's own CPU per
+request (client and servers share the cores), average batch size (its statistics'
+inferences per execution), and the load of everything else on the machine during the
+run (busy CPU of the machine minus both servers' trees and the client, in cores).
+``--py-spy DIR`` records a profile of the appliance at every point (``spy_summary.py``
+reads them); sampling costs the server CPU, so take figures from a run without it.
+The report keeps every run and the median per point, and is written to
+``benchmarks/results/<date>-triton[-<label>].md``.
 """
 
 from __future__ import annotations
@@ -188,8 +191,9 @@ def busy_cpu() -> float:
 
 
 def profiler(pid: int, folder: Path, point: tuple[str, str, int]) -> subprocess.Popen[bytes]:
-    """py-spy sampling the appliance (every thread, idle ones left out) during one run;
-    collapsed stacks by function into ``folder``."""
+    """py-spy sampling the appliance (every thread, idle ones left out, without pausing
+    it) during one run; collapsed stacks by function into ``folder``. Sampling still
+    costs the server some CPU: take figures from a run without ``--py-spy``."""
     folder.mkdir(parents=True, exist_ok=True)
     name = "-".join(str(x) for x in point)
     out = folder / f"{name}.txt"
@@ -198,7 +202,7 @@ def profiler(pid: int, folder: Path, point: tuple[str, str, int]) -> subprocess.
         n += 1
         out = folder / f"{name}-{n}.txt"
     cmd = ["py-spy", "record", "-p", str(pid), "--format", "raw", "--function",
-           "--rate", "250", "-o", str(out)]  # fmt: skip
+           "--nonblocking", "--rate", "250", "-o", str(out)]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -258,6 +262,7 @@ def run_point(
         "p50_ms": int(row["p50 latency"]) / 1000,
         "p99_ms": int(row["p99 latency"]) / 1000,
         "cpu_ms": 1000 * server_cpu / max(served, 1),
+        "client_ms": 1000 * client / max(served, 1),
         "batch": (after_stats[1] - before_stats[1]) / max(executions, 1),
         "others_cores": max(rest, 0.0) / wall,
         "uptime": "/".join(f"{x:.2f}" for x in os.getloadavg()),
@@ -323,7 +328,9 @@ def main() -> int:
                     s.proc.kill()
     text = report(machine, results, args, pa)
     print(text)
-    out = ROOT / "benchmarks" / "results" / f"{datetime.date.today()}-triton.md"
+    tag = "".join(c if c.isalnum() else "-" for c in args.label.split()[0]) if args.label else ""
+    name = f"{datetime.date.today()}-triton{'-' + tag if tag else ''}.md"
+    out = ROOT / "benchmarks" / "results" / name
     out.write_text(text)
     print(f"written to {out}", file=sys.stderr)
     return 0
@@ -382,15 +389,16 @@ def report(
         "",
         "Every run, in the order taken:",
         "",
-        "| point | server | infer/s | p50 ms | p99 ms | CPU ms/req | batch | others (cores) "
-        "| load average |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| point | server | infer/s | p50 ms | p99 ms | CPU ms/req | client CPU ms/req | batch "
+        "| others (cores) | load average |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (model, protocol, c), rows in results.items():
         for r in rows:
             lines.append(
                 f"| {model} {protocol} c={c} | {r['server']} | {r['infer_s']:,.0f} | "
-                f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['cpu_ms']:.3f} | {r['batch']:.2f} | "
+                f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['cpu_ms']:.3f} | "
+                f"{r['client_ms']:.3f} | {r['batch']:.2f} | "
                 f"{r['others_cores']:.2f} | {r['uptime']} |"
             )
     return "\n".join(lines) + "\n"

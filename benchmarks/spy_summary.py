@@ -1,5 +1,6 @@
 """Summarise py-spy's collapsed stacks (``--format raw``): where the sampled CPU time
-went, by function, self and inclusive. Next to the scripts, like ``machine.py``::
+went, by function, self and inclusive (samples of a thread waiting on a lock left
+out). Next to the scripts, like ``machine.py``::
 
     python benchmarks/spy_summary.py PROFILE.txt [--top 25]
 """
@@ -10,6 +11,10 @@ import argparse
 import collections
 import sys
 from pathlib import Path
+
+# leaves that are a thread waiting, not running: py-spy counts a timed lock wait as
+# active (an idle instance thread waits for work on a Condition)
+WAITING = ("Condition.wait (threading.py", "Event.wait (threading.py")
 
 
 def summarise(path: Path, top: int) -> str:
@@ -22,7 +27,7 @@ def summarise(path: Path, top: int) -> str:
             continue
         n = int(count)
         frames = stack.split(";")
-        if not frames:
+        if not frames or frames[-1].startswith(WAITING):
             continue
         total += n
         own[frames[-1]] += n

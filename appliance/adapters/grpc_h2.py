@@ -385,41 +385,51 @@ class Connection(asyncio.Protocol):
     ) -> None:
         """Write ``head`` (a HEADERS frame or nothing), ``data`` as DATA frames within
         the windows and ``tail`` (frames, e.g. trailers) after all of the data; what
-        does not fit waits for WINDOW_UPDATE. ``end``: the stream is done after it."""
+        does not fit waits for WINDOW_UPDATE. ``end``: the stream is done after it.
+        What fits goes out in one write (a unary answer: one system call)."""
         if self.transport is None or stream.closed:
             return
-        if head:
-            self.transport.write(head)
         view = memoryview(data).cast("B") if len(data) else memoryview(b"")
         stream.pending.append((view, end, tail))
-        self._flush(stream)
+        self._flush(stream, [head] if head else [])
 
-    def _flush(self, stream: Stream) -> None:
+    def _flush(self, stream: Stream, chunks: list[bytes | memoryview] | None = None) -> None:
         transport = self.transport
+        out: list[bytes | memoryview] = chunks if chunks is not None else []
         while stream.pending and transport is not None:
             view, end, tail = stream.pending[0]
-            chunks: list[bytes | memoryview] = []
             while len(view):
                 room = min(self._send_window, stream.send_window, self._peer_frame)
                 if room <= 0:
                     break
                 piece = view[:room]
-                chunks.append(_head(DATA, 0, stream.id, len(piece)))
-                chunks.append(piece)
+                out.append(_head(DATA, 0, stream.id, len(piece)))
+                out.append(piece)
                 view = view[len(piece) :]
                 self._send_window -= len(piece)
                 stream.send_window -= len(piece)
-            if chunks:
-                transport.writelines(chunks)
             if len(view):
                 stream.pending[0] = (view, end, tail)
-                return
+                break
             stream.pending.popleft()
             if tail:
-                transport.write(tail)
+                out.append(tail)
             if end:
                 stream.closed = True
+                self._write(out)
+                out = []
                 self._finished(stream)
+        self._write(out)
+
+    def _write(self, chunks: list[bytes | memoryview]) -> None:
+        if not chunks or self.transport is None:
+            return
+        if len(chunks) == 1:
+            self.transport.write(chunks[0])
+        elif sum(len(c) for c in chunks) <= 65536:
+            self.transport.write(b"".join(chunks))  # small: one copy, one system call
+        else:
+            self.transport.writelines(chunks)
 
     def _flush_all(self) -> None:
         for stream in list(self.streams.values()):
