@@ -30,14 +30,8 @@ from typing import Any, NoReturn
 
 import grpc
 
-from appliance.adapters.grpc_h2 import (
-    END_HEADERS,
-    END_STREAM,
-    HEADERS,
-    Connection,
-    Stream,
-    frame,
-)
+from appliance.adapters.grpc_frames import END_HEADERS, END_STREAM, HEADERS, Stream, frame
+from appliance.adapters.grpc_h2 import Connection
 
 log = logging.getLogger(__name__)
 

@@ -11,85 +11,59 @@ path. This module is the HTTP/2 part a gRPC server needs (RFC 9113), no more:
 - flow control: the receive windows are opened wide and replenished as data is
   consumed; outbound DATA waits for the peer's connection and stream windows and is
   split at the peer's maximum frame size;
-- header blocks: decoded by ``hpack`` (its dynamic table kept per connection), with a
-  cache for blocks made of indexed fields only (what a client sends for the second
-  and every later call); this server's own header blocks are fixed literals (no
-  dynamic table, no Huffman coding), written once per response.
+- header blocks: decoded per connection (:class:`grpc_frames.HeaderDecoder`); this
+  server's own are fixed literals (:mod:`appliance.adapters.grpc_calls`).
 
 What a call does with its messages is :mod:`appliance.adapters.grpc_calls`'s business:
-the connection hands it each new stream (:meth:`Handler.open`) and each complete
-gRPC message (:meth:`Stream.feed`), and the call answers through :meth:`respond`.
-A peer that breaks the protocol gets GOAWAY with the error code and is closed.
+the connection hands it each new stream (``Handler.open``), each complete gRPC message
+(``call.message``), the end of the stream (``call.end``) and a reset (``call.cancel``);
+the call answers through :meth:`Connection.send`. A peer that breaks the protocol gets
+GOAWAY with the error code and is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import struct
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
-import hpack
+from appliance.adapters.grpc_frames import (
+    ACK,
+    CANCEL,
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    ENHANCE_YOUR_CALM,
+    FLOW_CONTROL_ERROR,
+    FRAME_SIZE_ERROR,
+    GOAWAY,
+    HEADERS,
+    MAX_FRAME,
+    MAX_HEADER_BLOCK,
+    MAX_STREAMS,
+    MAX_WINDOW,
+    NO_ERROR,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY_FLAG,
+    PROTOCOL_ERROR,
+    PUSH_PROMISE,
+    RECEIVE_WINDOW,
+    RST_STREAM,
+    SETTINGS,
+    WINDOW_UPDATE,
+    HeaderDecoder,
+    ProtocolError,
+    Stream,
+    data_head,
+    frame,
+)
 
 log = logging.getLogger(__name__)
-
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY = range(8)
-WINDOW_UPDATE, CONTINUATION = 8, 9
-END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, CANCEL = 0, 1, 3, 6, 8
-ENHANCE_YOUR_CALM, COMPRESSION_ERROR = 11, 9
-_HEAD = struct.Struct(">I B I")  # length << 8 | type, flags, stream id (packed below)
-_MAX_WINDOW = 2**31 - 1
-RECEIVE_WINDOW = 16 * 2**20  # per stream; the connection's is opened to _MAX_WINDOW
-MAX_FRAME = 16384  # SETTINGS_MAX_FRAME_SIZE: the default, which this server keeps
-MAX_HEADER_BLOCK = 64 * 1024
-MAX_STREAMS = 256  # concurrent streams a client may open on one connection
-
-
-def frame(kind: int, flags: int, stream: int, payload: bytes | memoryview = b"") -> bytes:
-    n = len(payload)
-    return struct.pack(">HBBBI", n >> 8, n & 0xFF, kind, flags, stream) + bytes(payload)
-
-
-def _head(kind: int, flags: int, stream: int, n: int) -> bytes:
-    return struct.pack(">HBBBI", n >> 8, n & 0xFF, kind, flags, stream)
-
-
-class ProtocolError(Exception):
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class Stream:
-    """One request stream: its headers, its inbound gRPC messages, its send window."""
-
-    __slots__ = (
-        "buffer",
-        "call",
-        "closed",
-        "ended",
-        "headers",
-        "id",
-        "pending",
-        "received",
-        "send_window",
-    )
-
-    def __init__(self, stream_id: int, headers: list[tuple[str, str]], window: int) -> None:
-        self.id = stream_id
-        self.headers = headers
-        self.buffer = bytearray()  # gRPC message bytes not yet complete
-        self.call: Any = None  # the call serving it (grpc_calls): set by Handler.open
-        self.ended = False  # the client sent END_STREAM
-        self.closed = False  # we sent END_STREAM (or it was reset)
-        self.send_window = window
-        self.received = 0  # DATA bytes consumed since the last WINDOW_UPDATE
-        # outbound bytes waiting for window: (data, end_stream); trailers as bytes frames
-        self.pending: collections.deque[tuple[memoryview, bool, bytes]] = collections.deque()
 
 
 class Handler(Protocol):
@@ -108,9 +82,7 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._preface = False
-        self._decoder = hpack.Decoder()
-        self._decoder.max_header_list_size = MAX_HEADER_BLOCK
-        self._indexed: dict[bytes, list[tuple[str, str]]] = {}
+        self._header_decoder = HeaderDecoder()
         self.streams: dict[int, Stream] = {}
         self.calls: set[asyncio.Task[None]] = set()  # running calls (referenced here)
         self._last_stream = 0
@@ -128,7 +100,7 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport = cast(asyncio.Transport, transport)  # uvloop's too
         settings = struct.pack(">HIHIHI", 3, MAX_STREAMS, 4, RECEIVE_WINDOW, 6, MAX_HEADER_BLOCK)
-        update = struct.pack(">I", _MAX_WINDOW - 65535)
+        update = struct.pack(">I", MAX_WINDOW - 65535)
         transport.write(frame(SETTINGS, 0, 0, settings) + frame(WINDOW_UPDATE, 0, 0, update))
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -179,7 +151,7 @@ class Connection(asyncio.Protocol):
                 if end - offset < 9 + length:
                     break
                 kind, flags = data[offset + 3], data[offset + 4]
-                stream = int.from_bytes(data[offset + 5 : offset + 9], "big") & _MAX_WINDOW
+                stream = int.from_bytes(data[offset + 5 : offset + 9], "big") & MAX_WINDOW
                 payload = view[offset + 9 : offset + 9 + length]
                 offset += 9 + length
                 self._frame(kind, flags, stream, payload)
@@ -236,7 +208,7 @@ class Connection(asyncio.Protocol):
         for i in range(0, len(payload), 6):
             key, value = struct.unpack_from(">HI", payload, i)
             if key == 4:  # INITIAL_WINDOW_SIZE: applies to every open stream
-                if value > _MAX_WINDOW:
+                if value > MAX_WINDOW:
                     raise ProtocolError(FLOW_CONTROL_ERROR, "a window over 2^31-1")
                 delta, self._peer_window = value - self._peer_window, value
                 for stream in self.streams.values():
@@ -252,10 +224,10 @@ class Connection(asyncio.Protocol):
     def _window_update(self, sid: int, payload: memoryview) -> None:
         if len(payload) != 4:
             raise ProtocolError(FRAME_SIZE_ERROR, "a WINDOW_UPDATE of a bad length")
-        increment = int.from_bytes(payload, "big") & _MAX_WINDOW
+        increment = int.from_bytes(payload, "big") & MAX_WINDOW
         if sid == 0:
             self._send_window += increment
-            if self._send_window > _MAX_WINDOW:
+            if self._send_window > MAX_WINDOW:
                 raise ProtocolError(FLOW_CONTROL_ERROR, "the connection window overflowed")
             self._flush_all()
         elif (stream := self.streams.get(sid)) is not None:
@@ -273,27 +245,8 @@ class Connection(asyncio.Protocol):
             return
         self._open(sid, flags, bytes(payload))
 
-    def _decode(self, block: bytes) -> list[tuple[str, str]]:
-        """A header block -> (name, value) pairs; blocks of indexed fields only (one
-        byte each, no table change) come from a cache after the first time."""
-        hit = self._indexed.get(block)
-        if hit is not None:
-            return hit
-        try:
-            headers = self._decoder.decode(block)
-        except Exception as exc:  # hpack's errors: the connection cannot go on
-            raise ProtocolError(COMPRESSION_ERROR, f"a header block hpack refused: {exc}") from None
-        decoded = [(str(k), str(v)) for k, v in headers]
-        if all(b & 0x80 and b != 0xFF for b in block):
-            if len(self._indexed) > 64:
-                self._indexed.clear()
-            self._indexed[block] = decoded
-        else:  # the block may have changed the dynamic table: indexes mean other things now
-            self._indexed.clear()
-        return decoded
-
     def _open(self, sid: int, flags: int, block: bytes) -> None:
-        headers = self._decode(block)
+        headers = self._header_decoder.decode(block)
         stream = self.streams.get(sid)
         if stream is not None:  # trailers from the client: only END_STREAM matters
             if flags & END_STREAM:
@@ -331,33 +284,36 @@ class Connection(asyncio.Protocol):
         call = stream.call
         buffer = stream.buffer
         if not buffer:  # messages that lie whole in this frame are taken straight from it
-            while len(payload) >= 5:
-                n = int.from_bytes(payload[1:5], "big")
-                if n > self.max_message:
-                    call.too_large(n)
-                    return
-                if len(payload) < 5 + n:
-                    break
-                call.message(bytes(payload[5 : 5 + n]), payload[0])
-                payload = payload[5 + n :]
+            taken = self._take(call, payload)
+            if taken < 0:
+                return
+            payload = payload[taken:]
         if len(payload):
             buffer += payload
-            while len(buffer) >= 5:
-                n = int.from_bytes(buffer[1:5], "big")
-                if n > self.max_message:
-                    call.too_large(n)
-                    return
-                if len(buffer) < 5 + n:
-                    break
-                with memoryview(buffer) as whole:
-                    message = bytes(whole[5 : 5 + n])
-                compressed = buffer[0]
-                del buffer[: 5 + n]
-                call.message(message, compressed)
+            with memoryview(buffer) as whole:
+                taken = self._take(call, whole)
+            if taken < 0:
+                return
+            del buffer[:taken]
         if call.unary:  # the window is given back as the data comes: the call holds it all
             self.consumed(stream, size)
         if flags & END_STREAM:
             self._ended(stream)
+
+    def _take(self, call: Any, data: memoryview) -> int:
+        """Hand every whole gRPC message at the start of ``data`` to ``call``; the bytes
+        taken, or -1 when a message is over the limit (the call answered it)."""
+        taken, end = 0, len(data)
+        while end - taken >= 5:
+            n = int.from_bytes(data[taken + 1 : taken + 5], "big")
+            if n > self.max_message:
+                call.too_large(n)
+                return -1
+            if end - taken < 5 + n:
+                break
+            call.message(bytes(data[taken + 5 : taken + 5 + n]), data[taken])
+            taken += 5 + n
+        return taken
 
     def consumed(self, stream: Stream, size: int) -> None:
         """``size`` bytes of ``stream`` were taken in: the client may send that much
@@ -403,7 +359,7 @@ class Connection(asyncio.Protocol):
                 if room <= 0:
                     break
                 piece = view[:room]
-                out.append(_head(DATA, 0, stream.id, len(piece)))
+                out.append(data_head(DATA, 0, stream.id, len(piece)))
                 out.append(piece)
                 view = view[len(piece) :]
                 self._send_window -= len(piece)
