@@ -4,20 +4,36 @@
 # aarch64 wheels, and the core end-to-end tests run inside it (serving the demo and
 # generated models, tritonclient inference, dynamic batching, hot swap).
 #
-#   sudo scripts/arm64-check.sh [WORK_DIR]        # default: /var/tmp/appliance-arm64
+#   sudo scripts/arm64-check.sh [--fresh] [WORK_DIR]   # default: /var/tmp/appliance-arm64
 #
-# Needs debootstrap, qemu-user-static (its aarch64 binfmt handler is registered here
-# when the host has none) and the Debian archive and package index reachable.
+# --fresh deletes WORK_DIR first (its chroot and venv), so the run proves a first install;
+# without it a chroot left by an earlier run is reused, and the log says so.
 #
-# ONNX Runtime: onnxruntime 1.32 crashes under bookworm's qemu-user 7.2 (trixie's qemu
-# 10 runs it); 1.19.2 with numpy 1.26 runs under 7.2, so this check pins those. Real
-# arm64 hardware runs the versions constraints.txt pins. Timing figures under emulation say
-# nothing about a device; the script reports what ran and how long it took.
+# Needs debootstrap, a qemu-aarch64 user-mode emulator (its binfmt handler is registered
+# here when the host has none, or replaced when it names another emulator) and the
+# Debian archive and package index reachable.
+#
+# Which emulator: QEMU_AARCH64=/path/to/qemu-aarch64, else qemu-aarch64-static on PATH.
+# With qemu 8 or newer (trixie's qemu-user 10 ships static binaries; `dpkg-deb -x` its
+# .deb and point QEMU_AARCH64 at usr/bin/qemu-aarch64) the check installs the versions
+# constraints.txt pins, as a device would. Bookworm's qemu-user 7.2 crashes in
+# onnxruntime 1.32, so with it the check pins onnxruntime 1.19.2 and numpy 1.26.4 instead
+# and says so. Timing figures under emulation say nothing about a device; the script
+# reports what ran and how long it took.
+#
+# What is installed is what pyproject.toml asks for: the project's wheel is built here
+# and pip resolves it with its extras for aarch64 (no package list of the script's own).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+fresh=0
+if [ "${1:-}" = "--fresh" ]; then
+    fresh=1
+    shift
+fi
 WORK=${1:-/var/tmp/appliance-arm64}
 R=$WORK/rootfs
+EXTRAS="grpc,uvloop,client"
 TESTS=(
     tests/adapters/test_http_e2e.py
     tests/core/test_batching_e2e.py
@@ -30,61 +46,94 @@ TESTS=(
 )
 started=$(date +%s)
 
+unmount_chroot() {
+    for m in "$R/dev/shm" "$R/sys" "$R/proc"; do
+        if mountpoint -q "$m" 2>/dev/null; then umount "$m"; fi
+    done
+}
+if [ "$fresh" = 1 ] && [ -e "$WORK" ]; then
+    unmount_chroot
+    rm -rf --one-file-system "$WORK"
+    echo "arm64-check: --fresh: removed $WORK"
+fi
+
 # aarch64 executables run through qemu: register the handler (F: the interpreter is
 # opened now, so it works inside the chroot without a copy there)
+QEMU=${QEMU_AARCH64:-$(command -v qemu-aarch64-static || true)}
+if [ -z "$QEMU" ] || [ ! -x "$QEMU" ]; then
+    echo "arm64-check: no qemu-aarch64 emulator (install qemu-user-static or set QEMU_AARCH64)" >&2
+    exit 2
+fi
+QEMU=$(readlink -f "$QEMU")
+qemu_version=$("$QEMU" --version | sed -n 's/.*version \([0-9][0-9.]*\).*/\1/p' | head -1)
 if [ ! -e /proc/sys/fs/binfmt_misc/register ]; then
     mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
 fi
-if [ ! -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ]; then
+handler=/proc/sys/fs/binfmt_misc/qemu-aarch64
+if [ -e "$handler" ] && ! grep -qx "interpreter $QEMU" "$handler"; then
+    echo "arm64-check: replacing the aarch64 binfmt handler ($(sed -n 's/^interpreter //p' "$handler")) with $QEMU"
+    echo -1 > "$handler"
+fi
+if [ ! -e "$handler" ]; then
     magic='\x7fELF\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x00\xb7\x00'
     mask='\xff\xff\xff\xff\xff\xff\xff\x00\xff\xff\xff\xff\xff\xff\xff\xff\xfe\xff\xff\xff'
-    echo ":qemu-aarch64:M::$magic:$mask:/usr/bin/qemu-aarch64-static:F" \
-        > /proc/sys/fs/binfmt_misc/register
+    echo ":qemu-aarch64:M::$magic:$mask:$QEMU:F" > /proc/sys/fs/binfmt_misc/register
 fi
 
-if [ ! -x "$R/usr/bin/python3" ]; then
+reused=fresh
+if [ -x "$R/usr/bin/python3" ]; then
+    reused="reused from an earlier run"
+else
     mkdir -p "$WORK"
     debootstrap --variant=minbase --arch=arm64 --include=python3,python3-venv,mosquitto \
         bookworm "$R"
 fi
-echo "arm64-check: chroot ready after $(( $(date +%s) - started )) s ($(chroot "$R" uname -m))"
+echo "arm64-check: chroot ($reused) ready after $(( $(date +%s) - started )) s" \
+    "($(chroot "$R" uname -m), qemu $qemu_version at $QEMU)"
 
-# aarch64 wheels for Python 3.11 (bookworm's), fetched on the host with its pip settings
+# the pins: constraints.txt, or the two an old qemu can run (see the header)
+pins=$WORK/arm64-pins.txt
+if [ "${qemu_version%%.*}" -ge 8 ]; then
+    cp "$ROOT/constraints.txt" "$pins"
+else
+    printf 'onnxruntime==1.19.2\nnumpy==1.26.4\n' > "$pins"
+    echo "arm64-check: qemu $qemu_version: pinning onnxruntime 1.19.2 and numpy 1.26.4"
+fi
+
+# the source tree for the tests (/src), and the project's wheel built from a copy of it
 wheels=$WORK/wheels
-rm -rf "$wheels" "$R/src"
-mkdir -p "$wheels" "$R/src"
-tar -C "$ROOT" --exclude=.git --exclude=images/out --exclude='*.egg-info' --exclude=build \
-    --exclude=__pycache__ -cf - . | tar -xf - -C "$R/src"
-cat > "$WORK/arm64-pins.txt" <<'EOF'
-onnxruntime==1.19.2
-numpy==1.26.4
-EOF
+rm -rf "$wheels" "$R/src" "$WORK/build"
+mkdir -p "$wheels" "$R/src" "$WORK/build"
+for dest in "$R/src" "$WORK/build"; do
+    tar -C "$ROOT" --exclude=.git --exclude=images/out --exclude='*.egg-info' --exclude=build \
+        --exclude=__pycache__ -cf - . | tar -xf - -C "$dest"
+done
+python3 -m pip wheel --quiet --disable-pip-version-check --no-deps -w "$wheels" "$WORK/build"
+# aarch64 wheels for Python 3.11 (bookworm's) of everything the project requires with
+# its extras, resolved by pip from the wheel's metadata, fetched on the host
 python3 -m pip download --quiet --disable-pip-version-check -d "$wheels" \
+    --find-links "$wheels" \
     --platform manylinux2014_aarch64 --platform manylinux_2_17_aarch64 \
     --platform manylinux_2_28_aarch64 --python-version 3.11 --implementation cp \
-    --only-binary=:all: -c "$WORK/arm64-pins.txt" \
-    "numpy>=1.23" "onnxruntime>=1.16" "aiohttp>=3.9" "orjson>=3.8" "pyyaml>=6.0" \
-    "tritonclient[http]>=2.62,<2.70" "protobuf>=5.26.1,<8" "paho-mqtt>=2.0" "pillow>=10.0" \
-    "grpcio>=1.67.1" "grpcio-health-checking>=1.67.1" "uvloop>=0.19" "pytest>=7.4" \
-    "onnx>=1.15" "setuptools>=77" wheel
+    --only-binary=:all: -c "$pins" "appliance[$EXTRAS]" "pytest>=7.4" "onnx>=1.15"
 # /proc and /sys for the chroot: ONNX Runtime reads the CPU topology from /sys at import
 mkdir -p "$R/proc" "$R/sys" "$R/dev/shm"
 mountpoint -q "$R/proc" || mount -t proc proc "$R/proc"
 mountpoint -q "$R/sys" || mount -t sysfs -o ro sysfs "$R/sys"
 mountpoint -q "$R/dev/shm" || mount -t tmpfs tmpfs "$R/dev/shm"
-trap 'umount "$R/dev/shm" "$R/sys" "$R/proc" 2>/dev/null || true' EXIT
+trap 'unmount_chroot 2>/dev/null || true' EXIT
 
-if ! chroot "$R" /opt/venv/bin/python -c 'import appliance, pytest, onnx' 2>/dev/null; then
-    mkdir -p "$R/tmp/wheels"
-    cp "$wheels"/*.whl "$R/tmp/wheels/"
-    cp "$WORK/arm64-pins.txt" "$R/tmp/wheels/"
-    chroot "$R" python3 -m venv /opt/venv
-    chroot "$R" /opt/venv/bin/pip install --quiet --disable-pip-version-check --no-index \
-        --find-links /tmp/wheels -c /tmp/wheels/arm64-pins.txt --upgrade "setuptools>=77" wheel
-    chroot "$R" /bin/sh -c 'cd /src && /opt/venv/bin/pip install --quiet --disable-pip-version-check \
-        --no-index --find-links /tmp/wheels --no-build-isolation -c /tmp/wheels/arm64-pins.txt \
-        ".[grpc,uvloop,client]" pytest onnx'
-fi
+# install every run (pip skips what is already there); the project itself is always
+# reinstalled, so a reused venv never tests an older copy or misses a new dependency
+rm -rf "$R/tmp/wheels"
+mkdir -p "$R/tmp/wheels"
+cp "$wheels"/*.whl "$pins" "$R/tmp/wheels/"
+[ -x "$R/opt/venv/bin/python" ] || chroot "$R" python3 -m venv /opt/venv
+chroot "$R" /opt/venv/bin/pip install --quiet --disable-pip-version-check --no-index \
+    --find-links /tmp/wheels -c "/tmp/wheels/$(basename "$pins")" \
+    "appliance[$EXTRAS]" "pytest>=7.4" "onnx>=1.15"
+chroot "$R" /opt/venv/bin/pip install --quiet --disable-pip-version-check --no-index \
+    --find-links /tmp/wheels --no-deps --force-reinstall appliance
 installed=$(( $(date +%s) - started ))
 echo "arm64-check: installed after ${installed} s:" \
     "$(chroot "$R" /opt/venv/bin/python -c 'import platform, onnxruntime, numpy; print(platform.machine(), "onnxruntime", onnxruntime.__version__, "numpy", numpy.__version__)')"
