@@ -2,14 +2,19 @@
 
 ``from appliance import InProcessServer`` serves models inside a Python program;
 ``Server`` is the networked server the ``appliance serve`` command runs. Both are
-imported on first use, so ``import appliance`` stays cheap.
+imported on first use, so ``import appliance`` stays cheap. Importing the package
+first switches off the engines' own call-outs for the whole process
+(:mod:`appliance.process_env`), before any engine is imported.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from appliance import process_env
 from appliance.version import __version__
+
+process_env.apply()
 
 if TYPE_CHECKING:
     from appliance.adapters.inprocess import InProcessServer

@@ -46,6 +46,7 @@ LAYERS: list[tuple[str, ...]] = [
         "appliance.decoupled",
         "appliance.bls",
         "appliance.python_model",
+        "appliance.process_env",
     ),
 ]
 # wire and process libraries the core, config and backends must not reach
@@ -71,6 +72,7 @@ BELOW_ADAPTERS = (
     "appliance.decoupled",
     "appliance.bls",
     "appliance.python_model",
+    "appliance.process_env",
     "backends",
 )
 
