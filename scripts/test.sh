@@ -18,12 +18,17 @@ constraints=()
 python3 -m pip install --quiet --disable-pip-version-check "${constraints[@]}" "$scratch[test]"
 export PYTHONPYCACHEPREFIX="$scratch/pycache"
 # the MQTT tests run a real broker: Debian's mosquitto (installed to /usr/sbin, which a
-# non-login PATH may lack; tests/mosquitto.py looks there too)
-if ! command -v mosquitto >/dev/null && [ ! -x /usr/sbin/mosquitto ]; then
+# non-login PATH may lack; tests/mosquitto.py looks there too); tests/test_no_egress.py
+# traces the server with strace in a sealed network namespace (unshare and mount come
+# with util-linux)
+missing=()
+if ! command -v mosquitto >/dev/null && [ ! -x /usr/sbin/mosquitto ]; then missing+=(mosquitto); fi
+if ! command -v strace >/dev/null; then missing+=(strace); fi
+if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mosquitto >/dev/null
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
     else
-        echo "test.sh: mosquitto is not installed; the MQTT tests will be skipped" >&2
+        echo "test.sh: ${missing[*]} not installed; the tests that need them will be skipped" >&2
     fi
 fi
 python3 -m ruff check --no-cache appliance backends ota devtools tests benchmarks
