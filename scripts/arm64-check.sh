@@ -46,6 +46,12 @@ TESTS=(
 )
 started=$(date +%s)
 
+# commands in the chroot get a device's environment, not this host's (its pip settings,
+# CI variables and the like)
+in_chroot() {
+    env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
+        LANG=C.UTF-8 TMPDIR=/tmp chroot "$R" "$@"
+}
 unmount_chroot() {
     for m in "$R/dev/shm" "$R/sys" "$R/proc"; do
         if mountpoint -q "$m" 2>/dev/null; then umount "$m"; fi
@@ -89,7 +95,7 @@ else
         bookworm "$R"
 fi
 echo "arm64-check: chroot ($reused) ready after $(( $(date +%s) - started )) s" \
-    "($(chroot "$R" uname -m), qemu $qemu_version at $QEMU)"
+    "($(in_chroot uname -m), qemu $qemu_version at $QEMU)"
 
 # the pins: constraints.txt, or the two an old qemu can run (see the header)
 pins=$WORK/arm64-pins.txt
@@ -128,21 +134,21 @@ trap 'unmount_chroot 2>/dev/null || true' EXIT
 rm -rf "$R/tmp/wheels"
 mkdir -p "$R/tmp/wheels"
 cp "$wheels"/*.whl "$pins" "$R/tmp/wheels/"
-[ -x "$R/opt/venv/bin/python" ] || chroot "$R" python3 -m venv /opt/venv
-chroot "$R" /opt/venv/bin/pip install --quiet --disable-pip-version-check --no-index \
+[ -x "$R/opt/venv/bin/python" ] || in_chroot python3 -m venv /opt/venv
+in_chroot /opt/venv/bin/pip install --quiet --disable-pip-version-check --no-index \
     --find-links /tmp/wheels -c "/tmp/wheels/$(basename "$pins")" \
     "appliance[$EXTRAS]" "pytest>=7.4" "onnx>=1.15"
-chroot "$R" /opt/venv/bin/pip install --quiet --disable-pip-version-check --no-index \
+in_chroot /opt/venv/bin/pip install --quiet --disable-pip-version-check --no-index \
     --find-links /tmp/wheels --no-deps --force-reinstall appliance
 installed=$(( $(date +%s) - started ))
 echo "arm64-check: installed after ${installed} s:" \
-    "$(chroot "$R" /opt/venv/bin/python -c 'import platform, onnxruntime, numpy; print(platform.machine(), "onnxruntime", onnxruntime.__version__, "numpy", numpy.__version__)')"
+    "$(in_chroot /opt/venv/bin/python -c 'import platform, onnxruntime, numpy; print(platform.machine(), "onnxruntime", onnxruntime.__version__, "numpy", numpy.__version__)')"
 
 # the core end-to-end tests, on loopback inside the chroot (the installed package
 # brings the dependencies; the tests import the copy in /src)
 test_started=$(date +%s)
 set +e
-chroot "$R" /bin/sh -c "cd /src && PATH=/opt/venv/bin:/usr/sbin:\$PATH /opt/venv/bin/python -m pytest \
+in_chroot /bin/sh -c "cd /src && PATH=/opt/venv/bin:\$PATH /opt/venv/bin/python -m pytest \
     -q -p no:cacheprovider ${TESTS[*]}" 2>&1 | tee "$WORK/pytest.log"
 status=${PIPESTATUS[0]}
 set -e
