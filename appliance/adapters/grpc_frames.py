@@ -1,5 +1,6 @@
 """HTTP/2's pieces for the gRPC endpoint (RFC 9113): frame types, flags and error
-codes, frame encoding, one stream's record, and header-block decoding.
+codes, reading frames off the byte stream and writing them, one stream's record, and
+header-block decoding.
 
 Header blocks are decoded by ``hpack`` with its dynamic table kept per connection;
 blocks made of indexed fields only (one byte each, no table change: what a client sends
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 import hpack
@@ -69,6 +71,52 @@ class Stream:
         self.received = 0  # DATA bytes consumed since the last WINDOW_UPDATE
         # outbound bytes waiting for window: (data, end_stream); trailers as bytes frames
         self.pending: collections.deque[tuple[memoryview, bool, bytes]] = collections.deque()
+
+
+class FrameReader:
+    """Frames off a connection's byte stream: the client's preface first, then each
+    frame as (type, flags, stream id, payload), the payload a view of the bytes read
+    (no copy); a frame cut between two reads is kept until the rest comes."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._preface = False
+
+    def frames(self, data: bytes) -> Iterator[tuple[int, int, int, memoryview]]:
+        if self._buffer:  # at most one frame (16 KiB + 9) waits here
+            self._buffer += data
+            data = bytes(self._buffer)
+            self._buffer.clear()
+        if not self._preface:
+            if not (PREFACE.startswith(data) or data.startswith(PREFACE)):
+                raise ProtocolError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+            if len(data) < len(PREFACE):
+                self._buffer += data
+                return
+            data = data[len(PREFACE) :]
+            self._preface = True
+        view = memoryview(data)
+        offset, end = 0, len(data)
+        while end - offset >= 9:
+            length = data[offset] << 16 | data[offset + 1] << 8 | data[offset + 2]
+            if length > MAX_FRAME:
+                raise ProtocolError(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+            if end - offset < 9 + length:
+                break
+            kind, flags = data[offset + 3], data[offset + 4]
+            stream = int.from_bytes(data[offset + 5 : offset + 9], "big") & MAX_WINDOW
+            start, offset = offset + 9, offset + 9 + length
+            yield kind, flags, stream, view[start:offset]
+        if offset < end:
+            self._buffer += view[offset:]
+
+
+def settings(payload: memoryview) -> Iterator[tuple[int, int]]:
+    """The (identifier, value) pairs of a SETTINGS frame."""
+    if len(payload) % 6:
+        raise ProtocolError(FRAME_SIZE_ERROR, "a SETTINGS frame of a bad length")
+    for i in range(0, len(payload), 6):
+        yield struct.unpack_from(">HI", payload, i)
 
 
 class HeaderDecoder:

@@ -41,14 +41,12 @@ from appliance.adapters.grpc_frames import (
     FRAME_SIZE_ERROR,
     GOAWAY,
     HEADERS,
-    MAX_FRAME,
     MAX_HEADER_BLOCK,
     MAX_STREAMS,
     MAX_WINDOW,
     NO_ERROR,
     PADDED,
     PING,
-    PREFACE,
     PRIORITY_FLAG,
     PROTOCOL_ERROR,
     PUSH_PROMISE,
@@ -56,11 +54,13 @@ from appliance.adapters.grpc_frames import (
     RST_STREAM,
     SETTINGS,
     WINDOW_UPDATE,
+    FrameReader,
     HeaderDecoder,
     ProtocolError,
     Stream,
     data_head,
     frame,
+    settings,
 )
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,7 @@ class Connection(asyncio.Protocol):
         self.max_message = max_message
         self._on_close = on_close
         self.transport: asyncio.Transport | None = None
-        self._buffer = bytearray()
-        self._preface = False
+        self._reader = FrameReader()
         self._header_decoder = HeaderDecoder()
         self.streams: dict[int, Stream] = {}
         self.calls: set[asyncio.Task[None]] = set()  # running calls (referenced here)
@@ -127,36 +126,11 @@ class Connection(asyncio.Protocol):
             await self._drained
 
     def data_received(self, data: bytes) -> None:
-        if self._buffer:  # a frame was cut between reads (at most one frame is kept)
-            self._buffer += data
-            data = bytes(self._buffer)
-            self._buffer.clear()
         try:
-            if not self._preface:
-                if len(data) < len(PREFACE):
-                    if not PREFACE.startswith(data):
-                        raise ProtocolError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-                    self._buffer += data
-                    return
-                if not data.startswith(PREFACE):
-                    raise ProtocolError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-                data = data[len(PREFACE) :]
-                self._preface = True
-            view = memoryview(data)  # payloads are views of the bytes read: no copy
-            offset, end = 0, len(data)
-            while end - offset >= 9 and self.transport is not None:
-                length = data[offset] << 16 | data[offset + 1] << 8 | data[offset + 2]
-                if length > MAX_FRAME:
-                    raise ProtocolError(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
-                if end - offset < 9 + length:
-                    break
-                kind, flags = data[offset + 3], data[offset + 4]
-                stream = int.from_bytes(data[offset + 5 : offset + 9], "big") & MAX_WINDOW
-                payload = view[offset + 9 : offset + 9 + length]
-                offset += 9 + length
+            for kind, flags, stream, payload in self._reader.frames(data):
                 self._frame(kind, flags, stream, payload)
-            if offset < end:
-                self._buffer += view[offset:]
+                if self.transport is None:
+                    break
         except ProtocolError as exc:
             log.info("grpc: closing a connection that broke HTTP/2: %s", exc)
             self.close(exc.code)
@@ -203,10 +177,7 @@ class Connection(asyncio.Protocol):
         # PRIORITY and unknown frame types are ignored (RFC 9113 5.5)
 
     def _settings(self, payload: memoryview) -> None:
-        if len(payload) % 6:
-            raise ProtocolError(FRAME_SIZE_ERROR, "a SETTINGS frame of a bad length")
-        for i in range(0, len(payload), 6):
-            key, value = struct.unpack_from(">HI", payload, i)
+        for key, value in settings(payload):
             if key == 4:  # INITIAL_WINDOW_SIZE: applies to every open stream
                 if value > MAX_WINDOW:
                     raise ProtocolError(FLOW_CONTROL_ERROR, "a window over 2^31-1")

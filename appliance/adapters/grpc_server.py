@@ -149,17 +149,20 @@ def triton_methods(servicer: Servicer, policy: AccessPolicy) -> dict[str, Method
 
 class Health:
     """``grpc.health.v1.Health``: SERVING for the server ("") and the Triton service
-    while the endpoint runs, NOT_SERVING once it stops; ``Watch`` streams changes."""
+    while the endpoint runs, NOT_SERVING once it stops; ``Watch`` streams changes and
+    ends after NOT_SERVING (so an open watch does not hold the shutdown's grace)."""
 
     def __init__(self) -> None:
         self._status: dict[str, int] = {}
         self._changed = asyncio.Event()
+        self._stopped = False
 
     def set(self, serving: bool) -> None:
         assert health_pb2 is not None
         status = health_pb2.HealthCheckResponse
         value = status.SERVING if serving else status.NOT_SERVING
         self._status = {"": value, SERVICE: value}
+        self._stopped = not serving
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -183,6 +186,8 @@ class Health:
             if status != last:
                 yield health_pb2.HealthCheckResponse(status=status)
                 last = status
+            if self._stopped:  # NOT_SERVING sent: the stream ends, shutdown need not wait
+                return
             await self._changed.wait()
 
     async def list(self, request: Any, context: Context) -> Any:

@@ -154,3 +154,24 @@ def test_a_peer_that_does_not_speak_http2_is_closed(server: Any) -> None:
     assert kinds[-1] == 7, kinds
     client = grpcclient.InferenceServerClient(server.grpc_url)
     assert client.is_server_ready()
+
+
+def test_an_open_watch_ends_with_not_serving_when_the_endpoint_stops(server: Any) -> None:
+    """Stopping turns health NOT_SERVING; a Watch gets it and then ends cleanly (status
+    OK), instead of holding the shutdown until its grace runs out and being cancelled."""
+    import threading
+
+    from appliance.adapters.grpc_server import GrpcEndpoint
+
+    endpoint = GrpcEndpoint(server.server.dataplane, "127.0.0.1", 0, 2**20)
+    port = server.call(endpoint.start())
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=""), timeout=60
+        )
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        stopping = threading.Thread(target=server.call, args=(endpoint.stop(30.0),))
+        stopping.start()
+        rest = list(watch)  # ends without an RpcError: the server closed it with OK
+        stopping.join()
+    assert [r.status for r in rest] == [health_pb2.HealthCheckResponse.NOT_SERVING]
