@@ -4,16 +4,12 @@ A thin protocol adapter over :meth:`DataPlane.infer`, like HTTP and gRPC: the
 payload forms, topics, de-duplication and backoff rules are in
 :mod:`appliance.adapters.mqtt_protocol`; this module owns the paho client.
 
-Threads and ownership:
-
-- **The network thread** (one per bridge, for its whole life) connects, runs
-  paho's network loop, and reconnects with exponential backoff plus jitter. All
-  blocking work (DNS, TCP connect, TLS handshake, socket I/O) happens here, never
-  on the event loop. paho's callbacks run on it and only touch the admission
-  counter, the de-duplication window and ``loop.call_soon_threadsafe``.
-- **The event loop** runs one task per admitted request (decode, infer, encode,
-  reply); that task is the only party that answers and acknowledges its message.
-  Publishing from the loop only queues the packet and wakes the network thread.
+One thread, the event loop, owns the paho client (:class:`LoopDriver` drives its
+socket by readiness; only the blocking connect, with DNS, TCP and TLS, runs on a worker
+thread): paho's callbacks admit a request and create its task, which decodes, infers,
+encodes, replies and acknowledges, and is the only party that answers its message. One
+task per bridge connects, serves the connection until it ends, and reconnects with
+exponential backoff plus jitter.
 
 Bounded inbound work: the CONNECT announces ``max_pending`` as the MQTT v5 Receive
 Maximum, so the broker sends at most that many QoS 1 requests we have not
@@ -29,7 +25,7 @@ process still remembers it a no-op. Replies produced while disconnected wait in 
 bounded outbox and go out after the reconnect.
 
 MQTT being down never touches HTTP or gRPC serving: :meth:`start` returns at once
-and the network thread retries in the background.
+and the connection task retries in the background.
 """
 
 from __future__ import annotations
@@ -38,7 +34,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -57,6 +52,7 @@ from appliance.adapters.mqtt_client import (
     reply_properties,
 )
 from appliance.adapters.mqtt_codec import decode_payload
+from appliance.adapters.mqtt_link import LoopDriver
 from appliance.adapters.mqtt_protocol import (
     DedupWindow,
     Inbound,
@@ -96,27 +92,33 @@ class MqttBridge:
         # (exactly once: before its PUBACK, or when the task ends without one)
         self._holding: dict[asyncio.Task[None], int] = {}
         self._generation = 0  # incremented on every accepted connection
-        self._socket_up = False  # network thread's view
-        self._link_up = False  # the loop's view: publish directly only when True
+        self._socket_up = False  # paho's view, from its callbacks
+        self._link_up = False  # publish directly only when True (set a callback later)
         self._accepted = False  # a CONNACK succeeded since the last backoff reset
         self._outbox: deque[tuple[str, bytes, Properties]] = deque()
         self._outbox_limit = 2 * config.max_pending + 16
         self._inflight = 20  # unacknowledged QoS 1 publishes (paho's and mosquitto's default)
-        self._halt = threading.Event()  # stop(): no more connection attempts
-        self._abandon = threading.Event()  # stop() gave up waiting for a clean goodbye
-        self._thread: threading.Thread | None = None
-        self._client = self._make_client()
+        self._halt = asyncio.Event()  # stop(): no more connection attempts
+        self._runner: asyncio.Task[None] | None = None
+        self._driver: LoopDriver | None = None
+        self._client = make_client(
+            config,
+            self.topics.status,
+            self._outbox_limit,
+            on_connect=self._on_connect,
+            on_disconnect=self._on_disconnect,
+            on_message=self._on_message,
+            on_subscribe=self._on_subscribe,
+        )
 
     # ---- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the network thread; returns at once (the broker may be down)."""
+        """Start the connection task; returns at once (the broker may be down)."""
         self._loop = asyncio.get_running_loop()
+        self._driver = LoopDriver(self._client, self._loop)
         self._room.open()
-        self._thread = threading.Thread(
-            target=self._network, name=f"mqtt-{self.config.device_id}", daemon=True
-        )
-        self._thread.start()
+        self._runner = self._loop.create_task(self._run(self._driver))
         log.info(
             "mqtt: device '%s' serving %s via %s:%d",
             self.config.device_id,
@@ -128,8 +130,8 @@ class MqttBridge:
     async def stop(self, timeout_s: float) -> None:
         """Stop taking requests (new ones stay with the broker, unacknowledged) ->
         let requests in flight finish and answer for up to ``timeout_s`` -> cancel the
-        rest -> publish ``offline`` -> disconnect cleanly -> end the network thread."""
-        if self._loop is None:
+        rest -> publish ``offline`` -> disconnect cleanly -> end the connection task."""
+        if self._runner is None or self._driver is None:
             return  # never started
         self._room.close()
         if self._tasks:
@@ -139,58 +141,46 @@ class MqttBridge:
             await asyncio.gather(*pending, return_exceptions=True)
         if self._link_up:
             info = self._client.publish(self.topics.status, b"offline", qos=1, retain=True)
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # the loop carries the PUBACK meanwhile
                 await asyncio.to_thread(info.wait_for_publish, _GOODBYE_TIMEOUT_S)
-        self._halt.set()  # before disconnect(): the thread must not reconnect
-        self._client.disconnect()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, _GOODBYE_TIMEOUT_S)
-            if self._thread.is_alive():  # a broker that does not read, or a slow connect
-                self._abandon.set()
-                await asyncio.to_thread(self._thread.join, 10.0)
-            if self._thread.is_alive():
-                log.warning("mqtt: the network thread did not end; leaving it behind")
+        self._halt.set()  # before disconnect(): the task must not reconnect
+        self._driver.disconnect()
+        done, _ = await asyncio.wait({self._runner}, timeout=_GOODBYE_TIMEOUT_S)
+        if not done:  # a broker that does not read, or a slow connect
+            self._driver.abort()
+            done, _ = await asyncio.wait({self._runner}, timeout=10.0)
+        if not done:
+            log.warning("mqtt: the connection did not end; leaving it behind")
+            self._runner.cancel()
         if self._outbox:
             self.stats.add("dropped_reply_lost", len(self._outbox))
             self._outbox.clear()
         self._link_up = False
         self.stats.set("connected", 0)
 
-    # ---- the network thread -------------------------------------------------------------
+    # ---- the connection -----------------------------------------------------------------
 
-    def _make_client(self) -> mqtt.Client:
-        return make_client(
-            self.config,
-            self.topics.status,
-            self._outbox_limit,
-            on_connect=self._on_connect,
-            on_disconnect=self._on_disconnect,
-            on_message=self._on_message,
-            on_subscribe=self._on_subscribe,
-        )
-
-    def _network(self) -> None:
+    async def _run(self, driver: LoopDriver) -> None:
         """Connect, serve the connection until it ends, back off, repeat until stop()."""
         cfg = self.config
         attempt = 0
         while not self._halt.is_set():
-            properties = connect_properties(cfg)
             try:
                 if self._client.max_inflight_messages != self._inflight:  # after a clean close
                     self._client.max_inflight_messages_set(self._inflight)
-                self._client.connect(
+                await driver.connect(
                     cfg.host,
                     cfg.port,
                     keepalive=cfg.keepalive_s,
                     clean_start=False,  # keep the session: queued QoS 1 requests survive
-                    properties=properties,
+                    properties=connect_properties(cfg),
                 )
             except Exception as exc:  # OSError, ssl.SSLError, ValueError: all retried
                 log.warning("mqtt: cannot connect to %s:%d: %s", cfg.host, cfg.port, exc)
             else:
                 if self._halt.is_set():  # stop() came while connecting: say goodbye
-                    self._client.disconnect()
-                self._serve_connection()
+                    driver.disconnect()
+                await driver.closed()
                 if self._accepted:
                     self._accepted, attempt = False, 0
             if self._halt.is_set():
@@ -198,32 +188,8 @@ class MqttBridge:
             delay = backoff_delay(attempt, cfg.reconnect_min_s, cfg.reconnect_max_s, random.random)
             attempt += 1
             log.info("mqtt: reconnecting in %.2fs (attempt %d)", delay, attempt)
-            self._halt.wait(delay)
-
-    def _serve_connection(self) -> None:
-        """paho's network loop until the connection ends (a DISCONNECT we sent closes
-        the socket). Whatever goes wrong ends this connection, never the thread."""
-        rc = MQTTErrorCode.MQTT_ERR_SUCCESS
-        try:
-            while (
-                rc == MQTTErrorCode.MQTT_ERR_SUCCESS
-                and self._client.socket() is not None
-                and not self._abandon.is_set()
-            ):
-                rc = self._client.loop(timeout=0.5)
-        except Exception:
-            log.exception("mqtt: the network loop failed; reconnecting")
-            with contextlib.suppress(Exception):
-                self._client.disconnect()
-
-    def _call(self, callback: Callable[..., None], *args: Any) -> bool:
-        """Run ``callback`` on the event loop; False once the loop is closed."""
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:
-            return False
-        return True
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._halt.wait(), delay)
 
     def _on_connect(
         self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any
@@ -247,7 +213,9 @@ class MqttBridge:
         client.subscribe([(topic, options) for topic in self.topics.subscriptions()])
         # after subscribing: a producer that sees "online" finds us subscribed
         client.publish(self.topics.status, b"online", qos=1, retain=True)
-        self._call(self._link_changed, self._generation, bool(flags.session_present))
+        # the outbox goes out after paho has resent what the last connection left
+        # unacknowledged (it does so once this callback returns)
+        self._later(self._link_changed, self._generation, bool(flags.session_present))
 
     def _on_subscribe(
         self, client: mqtt.Client, userdata: Any, mid: int, reasons: Any, properties: Any
@@ -260,11 +228,11 @@ class MqttBridge:
         self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any
     ) -> None:
         self._socket_up = self._link_up = False  # stop direct publishes at once
-        self._call(self._link_changed, self._generation, False)
+        self._later(self._link_changed, self._generation, False)
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
-        """Admit one request (network thread): duplicate -> ack and drop; no room ->
-        "overloaded" reply; else hand it to the loop. Never blocks, never buffers."""
+        """Admit one request: duplicate -> ack and drop; no room -> "overloaded" reply;
+        else start its task. Never blocks, never buffers."""
         try:
             inbound = inbound_message(message, self._generation)
         except Exception as exc:  # e.g. a topic that is not UTF-8
@@ -294,10 +262,13 @@ class MqttBridge:
             self.stats.add("errors")
             client.ack(message.mid, message.qos)
             return
-        if not self._call(self._admit, inbound):
-            self._room.give_back(inbound.generation)
+        self._admit(inbound)
 
-    # ---- the event loop -----------------------------------------------------------------
+    # ---- requests -----------------------------------------------------------------------
+
+    def _later(self, callback: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        self._loop.call_soon(callback, *args)
 
     def _link_changed(self, generation: int, session_present: bool) -> None:
         up = self._socket_up and generation == self._generation

@@ -1,8 +1,9 @@
 """The paho client as the MQTT bridge uses it: construction, the CONNECT and
 PUBLISH properties, and inbound messages turned into :class:`Inbound` values.
 
-Everything paho-specific that is not the bridge's concurrency lives here, so
-:mod:`appliance.adapters.mqtt_bridge` reads as the threads-and-ownership contract it is.
+Everything paho-specific lives here and in :mod:`appliance.adapters.mqtt_link` (the
+connection on the event loop), so :mod:`appliance.adapters.mqtt_bridge` reads as the
+admission-and-ownership contract it is.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from appliance.adapters.mqtt_link import BufferedSocket
 from appliance.adapters.mqtt_protocol import HEADER_LENGTH, Inbound
 from appliance.config.server_config import MqttConfig
 
@@ -35,17 +37,17 @@ def make_client(
     on_subscribe: Callable[..., None],
 ) -> mqtt.Client:
     """A paho MQTT v5 client: manual acknowledgements, no reconnects of its own (the
-    bridge's network thread reconnects, with jitter), the ``offline`` will, TLS and
-    credentials from the config, and publishing from the event loop that only queues."""
-    client = mqtt.Client(
+    bridge reconnects, with jitter), the ``offline`` will, TLS and credentials from the
+    config. Its socket is driven by a :class:`appliance.adapters.mqtt_link.LoopDriver`."""
+    client = _Client(
         CallbackAPIVersion.VERSION2,
         client_id=cfg.client_id,
         protocol=MQTTProtocolVersion.MQTTv5,
         manual_ack=True,  # PUBACK once answered: an unanswered request is redelivered
-        reconnect_on_failure=False,  # our thread reconnects, with jitter
+        reconnect_on_failure=False,  # the bridge reconnects, with jitter
     )
     client.enable_logger(logging.getLogger("appliance.adapters.mqtt_bridge.paho"))
-    client.suppress_exceptions = True  # a failing callback is logged, the thread lives
+    client.suppress_exceptions = True  # a failing callback is logged, the connection lives
     client.will_set(status_topic, b"offline", qos=1, retain=True)
     if cfg.username:
         client.username_pw_set(cfg.username, cfg.password or None)
@@ -61,12 +63,19 @@ def make_client(
     client.on_disconnect = on_disconnect
     client.on_message = on_message
     client.on_subscribe = on_subscribe
-    # with a write callback registered, publish() from the event loop only queues
-    # the packet and wakes the network thread, which alone touches the socket
-    client.on_socket_register_write = _ignore
-    client.on_socket_unregister_write = _ignore
     client.on_socket_open = _no_delay
     return client
+
+
+class _Client(mqtt.Client):
+    """paho's client on a :class:`BufferedSocket`: paho reads each packet a byte or two
+    at a time (a ``recv`` per fixed-header byte, then one for the rest), the buffer
+    turns that into one ``recv`` for whatever the kernel holds. paho builds every
+    connection's socket in ``_create_socket``; if a later paho stops calling it, the
+    client works as it is, unbuffered (paho is pinned in constraints.txt)."""
+
+    def _create_socket(self) -> Any:
+        return BufferedSocket(super()._create_socket())
 
 
 def connect_properties(cfg: MqttConfig) -> Properties:
@@ -85,17 +94,62 @@ def reply_properties(
     """PUBLISH properties of a reply: the request's correlation data, the content
     type, and user properties naming the device (and the binary header's length or
     the error code)."""
-    props = _new_properties(PacketTypes.PUBLISH)
-    if msg.correlation is not None:
-        props.CorrelationData = msg.correlation
-    props.ContentType = content_type
     user = [("device-id", device_id)]
     if header_length is not None:
         user.append((HEADER_LENGTH, str(header_length)))
     if code:
         user.append(("error-code", code))
-    props.UserProperty = user
-    return props
+    return PackedProperties(msg.correlation, content_type, user)
+
+
+class PackedProperties(Properties):
+    """A reply's PUBLISH properties (correlation data, content type, user properties),
+    packed once into their wire form (MQTT v5 section 2.2.2) when made.
+
+    paho's :class:`Properties` finds every attribute by name among all 27 MQTT v5
+    properties, each time it is set or packed: some 30 us for a reply's few. paho only
+    ever calls ``pack()`` on the properties given to ``publish`` (also when it sends
+    the message again after a reconnect), so that is all this class answers; its
+    attributes read as paho's would.
+    """
+
+    def __init__(
+        self, correlation: bytes | None, content_type: str, user: list[tuple[str, str]]
+    ) -> None:
+        wire = bytearray(b"\x03" + _sized(content_type.encode()))  # Content Type: UTF-8
+        if correlation is not None:
+            wire += b"\x09" + _sized(correlation)  # Correlation Data: binary data
+        for key, value in user:  # User Property: UTF-8 string pairs
+            wire += b"\x26" + _sized(key.encode()) + _sized(value.encode())
+        fields = {"packetType": PacketTypes.PUBLISH, "ContentType": content_type}
+        if correlation is not None:
+            fields["CorrelationData"] = correlation
+        fields["UserProperty"] = user
+        fields["_wire"] = _variable_int(len(wire)) + bytes(wire)
+        self.__dict__.update(fields)  # paho's __setattr__ is what this class avoids
+
+    def pack(self) -> bytes:
+        wire: bytes = self.__dict__["_wire"]
+        return wire
+
+    def __str__(self) -> str:
+        shown = {k: v for k, v in self.__dict__.items() if k[0].isupper()}
+        return f"[{PacketTypes.Names[PacketTypes.PUBLISH]}] {shown}"
+
+
+def _sized(data: bytes) -> bytes:
+    if len(data) > 0xFFFF:
+        raise ValueError(f"an MQTT property value has {len(data)} bytes, over 65535")
+    return len(data).to_bytes(2, "big") + data
+
+
+def _variable_int(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        value, byte = divmod(value, 128)
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
 
 
 def inbound_message(message: mqtt.MQTTMessage, generation: int) -> Inbound:
@@ -114,10 +168,6 @@ def inbound_message(message: mqtt.MQTTMessage, generation: int) -> Inbound:
         user_properties=dict(getattr(props, "UserProperty", None) or []),
         generation=generation,
     )
-
-
-def _ignore(*args: Any) -> None:
-    pass
 
 
 def _no_delay(client: mqtt.Client, userdata: Any, sock: Any) -> None:

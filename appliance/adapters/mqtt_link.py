@@ -1,0 +1,256 @@
+"""paho's connection on the asyncio event loop: :class:`LoopDriver` drives the client
+through paho's external-loop interface by the socket's readiness, and
+:class:`BufferedSocket` gives paho fewer, larger reads and writes.
+
+With paho's own network thread every packet crossed between that thread and the event
+loop (a wake-up each way, a ``select`` per turn, the GIL handed back and forth): on a
+small request that thread cost more CPU than the request's whole HTTP path. Here the
+client lives on the loop's thread and nothing crosses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import paho.mqtt.client as mqtt
+
+log = logging.getLogger("appliance.adapters.mqtt_bridge")
+
+_CHUNK = 65536  # bytes asked of the kernel per read
+
+
+class BufferedSocket:
+    """A connected socket (plain or TLS) as paho uses it, with its reads buffered and
+    the writes of one :meth:`LoopDriver` flush gathered into one ``send``.
+
+    Reads: one ``recv`` takes whatever the kernel holds (up to 64 KiB, or all that was
+    asked for) and paho's small reads are served from it; :meth:`pending` counts what
+    is buffered (and what TLS has decrypted), which the selector cannot see.
+
+    Writes: between :meth:`gather` and :meth:`flush`, ``send`` only collects (paho
+    writes each packet on its own); :meth:`flush` sends them as one write, and what the
+    kernel does not take yet stays, in order, ahead of any later ``send``. Closing
+    sends what is left if the kernel takes it at once (a DISCONNECT written last).
+    """
+
+    __slots__ = ("_buf", "_gathering", "_out", "_pos", "_sock", "_tls")
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._buf = b""
+        self._pos = 0
+        self._out: list[bytes] = []
+        self._gathering = False
+        self._tls = hasattr(sock, "pending")
+
+    def recv(self, size: int) -> bytes:
+        buf, pos = self._buf, self._pos
+        if pos >= len(buf):
+            data: bytes = self._sock.recv(max(size, _CHUNK))
+            if len(data) <= size:
+                return data  # all of it (a payload read straight through, or b"": closed)
+            self._buf, self._pos = data, size
+            return data[:size]
+        end = min(pos + size, len(buf))
+        self._pos = end
+        if end >= len(buf):
+            self._buf, self._pos = b"", 0
+        return buf[pos:end]
+
+    def pending(self) -> int:
+        buffered = len(self._buf) - self._pos
+        return buffered + (self._sock.pending() if self._tls else 0)
+
+    def send(self, data: bytes | bytearray) -> int:
+        if self._gathering or self._out:
+            self._out.append(bytes(data))
+            return len(data)
+        sent: int = self._sock.send(data)
+        return sent
+
+    def gather(self) -> None:
+        self._gathering = True
+
+    def flush(self) -> bool:
+        """Send what was gathered; True while some of it waits for the kernel."""
+        self._gathering = False
+        if not self._out:
+            return False
+        data = self._out[0] if len(self._out) == 1 else b"".join(self._out)
+        try:
+            sent = self._sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            # the connection is gone: paho sees it on its next read and closes it
+            self._out.clear()
+            return False
+        self._out = [data[sent:]] if sent < len(data) else []
+        return bool(self._out)
+
+    @property
+    def backlog(self) -> bool:
+        return bool(self._out)
+
+    def fileno(self) -> int:
+        fd: int = self._sock.fileno()
+        return fd
+
+    def setblocking(self, flag: bool) -> None:
+        self._sock.setblocking(flag)
+
+    def setsockopt(self, level: int, option: int, value: int) -> None:
+        self._sock.setsockopt(level, option, value)
+
+    def shutdown(self, how: int) -> None:
+        self._sock.shutdown(how)
+
+    def close(self) -> None:
+        if self._out:
+            with contextlib.suppress(OSError):
+                self._sock.send(b"".join(self._out))
+            self._out.clear()
+        self._sock.close()
+
+
+class LoopDriver:
+    """paho's external-loop interface driven by the event loop's readiness callbacks: no
+    network thread, no ``select``, no hand-off between threads per packet.
+
+    - ``loop_read`` runs when the socket is readable (paho's callbacks, and so the
+      bridge's admission, run right there, on the loop);
+    - what ``publish``/``ack`` queue is written by ``loop_write`` at the end of the
+      loop iteration that queued it (one write for a reply and its PUBACK), and again
+      whenever the socket is writable while a full send buffer holds the rest;
+    - ``loop_misc`` (keep-alive pings, a dead peer noticed) runs once a second.
+
+    Only :meth:`connect` leaves the loop: paho's connect blocks (DNS, TCP connect, TLS
+    handshake), so it runs on a worker thread while nothing else touches the client,
+    and the socket is attached to the loop once it returns. Every call here is made on
+    the event loop's thread.
+    """
+
+    _TICK_S = 1.0
+
+    def __init__(self, client: mqtt.Client, loop: asyncio.AbstractEventLoop) -> None:
+        self._client = client
+        self._loop = loop
+        self._sock: Any = None  # attached to the loop: set only on the loop's thread
+        self._hidden = False  # the socket may hold data the selector cannot see
+        self._flush_pending = False
+        self._writer = False
+        self._tick: asyncio.TimerHandle | None = None
+        self._closed: asyncio.Future[None] | None = None
+        client.on_socket_register_write = self._want_write
+        client.on_socket_unregister_write = _ignore  # _flush keeps the writer in step
+        client.on_socket_close = self._socket_closed
+
+    @property
+    def attached(self) -> bool:
+        return self._sock is not None
+
+    async def connect(self, host: str, port: int, **options: Any) -> None:
+        """Open the connection (CONNECT queued) on a worker thread, then attach it."""
+        await asyncio.to_thread(self._client.connect, host, port, **options)
+        sock = self._client.socket()
+        if sock is None:
+            raise ConnectionError("the connection closed while it was opened")
+        self._sock, self._hidden = sock, hasattr(sock, "pending")
+        self._closed = self._loop.create_future()
+        self._loop.add_reader(sock, self._guard, self._read)
+        self._tick = self._loop.call_later(self._TICK_S, self._guard, self._misc)
+        self._flush_soon()  # the CONNECT
+
+    async def closed(self) -> None:
+        """Until the attached connection has closed (at once when none is attached)."""
+        if self._closed is not None:
+            await asyncio.shield(self._closed)
+
+    def disconnect(self) -> None:
+        """Send DISCONNECT; the socket closes once it is written."""
+        if self._sock is not None:
+            self._client.disconnect()
+
+    def abort(self) -> None:
+        """Close a connection whose goodbye does not get out (a peer that stopped
+        reading): paho sees the end of the stream and closes its socket."""
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+
+    def _guard(self, step: Callable[[], None]) -> None:
+        """Whatever goes wrong ends this connection, never the bridge."""
+        try:
+            step()
+        except Exception:
+            log.exception("mqtt: the network loop failed; closing the connection")
+            self.abort()
+
+    def _read(self) -> None:
+        self._client.loop_read()
+        # bytes already read (buffered, or decrypted by TLS) are unseen by the selector:
+        # read on at the next turn, after the callbacks waiting now
+        if self._hidden and self._sock is not None and self._sock.pending() > 0:
+            self._loop.call_soon(self._guard, self._read)
+
+    def _want_write(self, client: mqtt.Client, userdata: Any, sock: Any) -> None:
+        # also called on the connect's worker thread, before the socket is attached
+        if self._sock is not None:
+            self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        if not self._flush_pending:
+            self._flush_pending = True
+            self._loop.call_soon(self._guard, self._flush)
+
+    def _flush(self) -> None:
+        self._flush_pending = False
+        sock = self._sock
+        if sock is None:
+            return
+        buffered = isinstance(sock, BufferedSocket)
+        if buffered:
+            sock.gather()
+        try:
+            self._client.loop_write()  # may close the socket (DISCONNECT written, an error)
+        finally:
+            backlog = buffered and sock.flush()
+        wanted = self._sock is not None and (backlog or self._client.want_write())
+        if wanted and not self._writer:  # the send buffer is full: go on when writable
+            self._loop.add_writer(self._sock, self._guard, self._flush)
+        elif self._writer and not wanted:
+            self._remove_writer()
+        self._writer = wanted
+
+    def _misc(self) -> None:
+        self._tick = None
+        if self._sock is not None:
+            self._client.loop_misc()
+        if self._sock is not None:
+            self._tick = self._loop.call_later(self._TICK_S, self._guard, self._misc)
+
+    def _socket_closed(self, client: mqtt.Client, userdata: Any, sock: Any) -> None:
+        if sock is not self._sock:  # not attached (the connect's own clean-up)
+            return
+        self._loop.remove_reader(sock)
+        self._remove_writer()
+        self._writer = False
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
+        self._sock = None
+        if self._closed is not None and not self._closed.done():
+            self._closed.set_result(None)
+
+    def _remove_writer(self) -> None:
+        if self._writer and self._sock is not None:
+            self._loop.remove_writer(self._sock)
+
+
+def _ignore(*args: Any) -> None:
+    pass
