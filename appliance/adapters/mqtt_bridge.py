@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -59,7 +58,6 @@ from appliance.adapters.mqtt_protocol import (
     RequestTopic,
     Room,
     Topics,
-    backoff_delay,
     expired,
     model_guess,
 )
@@ -94,12 +92,9 @@ class MqttBridge:
         self._generation = 0  # incremented on every accepted connection
         self._socket_up = False  # paho's view, from its callbacks
         self._link_up = False  # publish directly only when True (set a callback later)
-        self._accepted = False  # a CONNACK succeeded since the last backoff reset
         self._outbox: deque[tuple[str, bytes, Properties]] = deque()
         self._outbox_limit = 2 * config.max_pending + 16
         self._inflight = 20  # unacknowledged QoS 1 publishes (paho's and mosquitto's default)
-        self._halt = asyncio.Event()  # stop(): no more connection attempts
-        self._runner: asyncio.Task[None] | None = None
         self._driver: LoopDriver | None = None
         self._client = make_client(
             config,
@@ -118,20 +113,23 @@ class MqttBridge:
         self._loop = asyncio.get_running_loop()
         self._driver = LoopDriver(self._client, self._loop)
         self._room.open()
-        self._runner = self._loop.create_task(self._run(self._driver))
+        cfg = self.config
+        self._driver.start(
+            cfg.host, cfg.port, self._connect_options, cfg.reconnect_min_s, cfg.reconnect_max_s
+        )
         log.info(
             "mqtt: device '%s' serving %s via %s:%d",
-            self.config.device_id,
+            cfg.device_id,
             ", ".join(self.topics.subscriptions()),
-            self.config.host,
-            self.config.port,
+            cfg.host,
+            cfg.port,
         )
 
     async def stop(self, timeout_s: float) -> None:
         """Stop taking requests (new ones stay with the broker, unacknowledged) ->
         let requests in flight finish and answer for up to ``timeout_s`` -> cancel the
         rest -> publish ``offline`` -> disconnect cleanly -> end the connection task."""
-        if self._runner is None or self._driver is None:
+        if self._driver is None:
             return  # never started
         self._room.close()
         if self._tasks:
@@ -143,15 +141,7 @@ class MqttBridge:
             info = self._client.publish(self.topics.status, b"offline", qos=1, retain=True)
             with contextlib.suppress(Exception):  # the loop carries the PUBACK meanwhile
                 await asyncio.to_thread(info.wait_for_publish, _GOODBYE_TIMEOUT_S)
-        self._halt.set()  # before disconnect(): the task must not reconnect
-        self._driver.disconnect()
-        done, _ = await asyncio.wait({self._runner}, timeout=_GOODBYE_TIMEOUT_S)
-        if not done:  # a broker that does not read, or a slow connect
-            self._driver.abort()
-            done, _ = await asyncio.wait({self._runner}, timeout=10.0)
-        if not done:
-            log.warning("mqtt: the connection did not end; leaving it behind")
-            self._runner.cancel()
+        await self._driver.stop(_GOODBYE_TIMEOUT_S)
         if self._outbox:
             self.stats.add("dropped_reply_lost", len(self._outbox))
             self._outbox.clear()
@@ -160,36 +150,16 @@ class MqttBridge:
 
     # ---- the connection -----------------------------------------------------------------
 
-    async def _run(self, driver: LoopDriver) -> None:
-        """Connect, serve the connection until it ends, back off, repeat until stop()."""
-        cfg = self.config
-        attempt = 0
-        while not self._halt.is_set():
-            try:
-                if self._client.max_inflight_messages != self._inflight:  # after a clean close
-                    self._client.max_inflight_messages_set(self._inflight)
-                await driver.connect(
-                    cfg.host,
-                    cfg.port,
-                    keepalive=cfg.keepalive_s,
-                    clean_start=False,  # keep the session: queued QoS 1 requests survive
-                    properties=connect_properties(cfg),
-                )
-            except Exception as exc:  # OSError, ssl.SSLError, ValueError: all retried
-                log.warning("mqtt: cannot connect to %s:%d: %s", cfg.host, cfg.port, exc)
-            else:
-                if self._halt.is_set():  # stop() came while connecting: say goodbye
-                    driver.disconnect()
-                await driver.closed()
-                if self._accepted:
-                    self._accepted, attempt = False, 0
-            if self._halt.is_set():
-                break
-            delay = backoff_delay(attempt, cfg.reconnect_min_s, cfg.reconnect_max_s, random.random)
-            attempt += 1
-            log.info("mqtt: reconnecting in %.2fs (attempt %d)", delay, attempt)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._halt.wait(), delay)
+    def _connect_options(self) -> dict[str, Any]:
+        """What each connection attempt sends (keep the session: queued QoS 1 requests
+        survive a reconnect), with paho's in-flight limit set beforehand."""
+        if self._client.max_inflight_messages != self._inflight:  # after a clean close
+            self._client.max_inflight_messages_set(self._inflight)
+        return {
+            "keepalive": self.config.keepalive_s,
+            "clean_start": False,
+            "properties": connect_properties(self.config),
+        }
 
     def _on_connect(
         self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any
@@ -198,7 +168,7 @@ class MqttBridge:
             log.error("mqtt: the broker refused the connection: %s", reason)
             return
         self._generation += 1
-        self._accepted = self._socket_up = True
+        self._socket_up = True
         # MQTT v5: never more unacknowledged QoS 1 publishes than the broker accepts.
         # paho ignores the CONNACK's Receive Maximum and cannot change its limit on a
         # live connection: a lower limit is taken by reconnecting at once.
@@ -206,9 +176,10 @@ class MqttBridge:
         if limit < self._inflight:
             log.warning("mqtt: the broker accepts %d messages in flight; reconnecting", limit)
             self._inflight = limit
-            self._accepted = False
             client.disconnect()
             return
+        if self._driver is not None:
+            self._driver.accepted()  # the next reconnect starts its backoff over
         options = SubscribeOptions(qos=self.config.qos)
         client.subscribe([(topic, options) for topic in self.topics.subscriptions()])
         # after subscribing: a producer that sees "online" finds us subscribed

@@ -13,11 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import socket
 from collections.abc import Callable
 from typing import Any
 
 import paho.mqtt.client as mqtt
+
+from appliance.adapters.mqtt_protocol import backoff_delay
 
 log = logging.getLogger("appliance.adapters.mqtt_bridge")
 
@@ -132,7 +135,8 @@ class LoopDriver:
     Only :meth:`connect` leaves the loop: paho's connect blocks (DNS, TCP connect, TLS
     handshake), so it runs on a worker thread while nothing else touches the client,
     and the socket is attached to the loop once it returns. Every call here is made on
-    the event loop's thread.
+    the event loop's thread. :meth:`start` runs the connection task (connect, serve
+    the connection until it ends, back off with jitter, again) until :meth:`stop`.
     """
 
     _TICK_S = 1.0
@@ -146,13 +150,73 @@ class LoopDriver:
         self._writer = False
         self._tick: asyncio.TimerHandle | None = None
         self._closed: asyncio.Future[None] | None = None
+        self._halt = asyncio.Event()  # stop(): no more connection attempts
+        self._accepted = False  # the broker accepted a connection since the last backoff
+        self._runner: asyncio.Task[None] | None = None
         client.on_socket_register_write = self._want_write
         client.on_socket_unregister_write = _ignore  # _flush keeps the writer in step
         client.on_socket_close = self._socket_closed
 
-    @property
-    def attached(self) -> bool:
-        return self._sock is not None
+    def start(
+        self,
+        host: str,
+        port: int,
+        options: Callable[[], dict[str, Any]],
+        reconnect_min_s: float,
+        reconnect_max_s: float,
+    ) -> None:
+        """Run the connection task: ``options()`` gives each attempt's connect options."""
+        self._runner = self._loop.create_task(
+            self._run(host, port, options, reconnect_min_s, reconnect_max_s)
+        )
+
+    def accepted(self) -> None:
+        """The broker accepted the connection: the next reconnect backs off from the start."""
+        self._accepted = True
+
+    async def stop(self, timeout_s: float) -> None:
+        """No more attempts -> DISCONNECT -> the task ends once the socket closes; a
+        goodbye that does not get out in ``timeout_s`` (a broker that does not read, or
+        a slow connect) is cut short, and a task still not done after 10 s is left."""
+        self._halt.set()  # before the DISCONNECT: the task must not reconnect
+        if self._runner is None:
+            return
+        self.disconnect()
+        done, _ = await asyncio.wait({self._runner}, timeout=timeout_s)
+        if not done:
+            self.abort()
+            done, _ = await asyncio.wait({self._runner}, timeout=10.0)
+        if not done:
+            log.warning("mqtt: the connection did not end; leaving it behind")
+            self._runner.cancel()
+
+    async def _run(
+        self,
+        host: str,
+        port: int,
+        options: Callable[[], dict[str, Any]],
+        low: float,
+        high: float,
+    ) -> None:
+        attempt = 0
+        while not self._halt.is_set():
+            try:
+                await self.connect(host, port, **options())
+            except Exception as exc:  # OSError, ssl.SSLError, ValueError: all retried
+                log.warning("mqtt: cannot connect to %s:%d: %s", host, port, exc)
+            else:
+                if self._halt.is_set():  # stop() came while connecting: say goodbye
+                    self.disconnect()
+                await self.closed()
+                if self._accepted:
+                    self._accepted, attempt = False, 0
+            if self._halt.is_set():
+                break
+            delay = backoff_delay(attempt, low, high, random.random)
+            attempt += 1
+            log.info("mqtt: reconnecting in %.2fs (attempt %d)", delay, attempt)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._halt.wait(), delay)
 
     async def connect(self, host: str, port: int, **options: Any) -> None:
         """Open the connection (CONNECT queued) on a worker thread, then attach it."""
