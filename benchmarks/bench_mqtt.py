@@ -20,6 +20,12 @@ completes inside the window, and the window also closes after ``--max-requests``
 Every reply is checked (no error, the expected size). CPU time of the server and of
 the broker is read from /proc around each window.
 
+``--baseline DIR`` serves a second source tree (another checkout, e.g. a ``git
+worktree`` of the commit before a change) next to this one, on its own topic prefix
+and HTTP port, and ``--repeats N`` runs every case N times alternating the trees, so
+both sides see the same machine noise; the report adds each side's median server CPU
+per request and the MQTT/HTTP ratio.
+
 Results are printed as markdown and written to ``benchmarks/results/<date>-mqtt.md``.
 Everything is stopped by PID at the end, also on error or Ctrl-C.
 """
@@ -116,12 +122,14 @@ class Case:
     transport: str
     workload: str
     concurrency: int
+    side: str = ""
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)  # seconds, completed in the window
     errors: int = 0
     first_error: str = ""
     server_cpu_s: float = 0.0
     broker_cpu_s: float = 0.0
+    load: float = 0.0  # the 1-minute load average after the case
 
     def per_s(self) -> float:
         return len(self.latencies) / self.seconds if self.seconds else 0.0
@@ -168,6 +176,7 @@ class MqttLoad:
         self._pending: dict[bytes, float] = {}
         self._ids = itertools.count()
         self._sending = False
+        self._prefix = ""
         self._work: Workload | None = None
         self._case: Case | None = None
         self._window: Window | None = None
@@ -187,7 +196,7 @@ class MqttLoad:
         self.client = c
 
     def _send(self) -> None:
-        assert self._work is not None
+        assert self._work is not None and self._prefix
         corr = b"%d" % next(self._ids)
         props = Properties(PacketTypes.PUBLISH)
         props.ResponseTopic = self.reply_topic
@@ -196,7 +205,10 @@ class MqttLoad:
         with self._lock:
             self._pending[corr] = time.perf_counter()
         self.client.publish(
-            f"{PREFIX}/{DEVICE}/infer/{self._work.model}", self._work.body, qos=1, properties=props
+            f"{self._prefix}/{DEVICE}/infer/{self._work.model}",
+            self._work.body,
+            qos=1,
+            properties=props,
         )
 
     def _on_reply(self, client: mqtt.Client, userdata: object, message: mqtt.MQTTMessage) -> None:
@@ -222,8 +234,8 @@ class MqttLoad:
         elif left == 0:
             self._idle.set()
 
-    def run(self, case: Case, work: Workload, window: Window) -> None:
-        self._work, self._case, self._window = work, case, window
+    def run(self, case: Case, work: Workload, window: Window, prefix: str = PREFIX) -> None:
+        self._work, self._case, self._window, self._prefix = work, case, window, prefix
         self._idle.clear()
         self._sending = True
         for _ in range(case.concurrency):
@@ -274,12 +286,17 @@ async def http_case(url: str, case: Case, work: Workload, window: Window) -> Non
 
 
 def start_appliance(
-    repo: Path, workdir: Path, broker_port: int, http_port: int
+    repo: Path,
+    workdir: Path,
+    broker_port: int,
+    http_port: int,
+    tree: Path = REPO_ROOT,
+    prefix: str = PREFIX,
 ) -> subprocess.Popen[bytes]:
-    config = workdir / "appliance.yaml"
+    config = workdir / f"appliance-{prefix}.yaml"
     config.write_text(
         f"mqtt:\n  host: 127.0.0.1\n  port: {broker_port}\n  device_id: {DEVICE}\n"
-        f"  topic_prefix: {PREFIX}\n  max_pending: 256\n"
+        f"  client_id: {DEVICE}-{prefix}\n  topic_prefix: {prefix}\n  max_pending: 256\n"
     )
     command = [
         sys.executable, "-m", "appliance", "serve", "--config", str(config),
@@ -288,20 +305,21 @@ def start_appliance(
     ]  # fmt: skip
     return subprocess.Popen(
         command,
-        cwd=REPO_ROOT,
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
-        stderr=open(workdir / "appliance.log", "wb"),
+        stderr=open(workdir / f"appliance-{prefix}.log", "wb"),
     )
 
 
-def wait_online(port: int, timeout_s: float = 120.0) -> None:
+def wait_online(port: int, timeout_s: float = 120.0, prefix: str = PREFIX) -> None:
     """The bridge's retained status turns 'online' once it has subscribed."""
     online = threading.Event()
     c = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=MQTTProtocolVersion.MQTTv5)
     c.on_message = lambda cl, u, m: m.payload == b"online" and online.set()
     c.connect("127.0.0.1", port)
-    c.subscribe(f"{PREFIX}/{DEVICE}/status", qos=1)
+    c.subscribe(f"{prefix}/{DEVICE}/status", qos=1)
     c.loop_start()
     try:
         if not online.wait(timeout_s):
@@ -323,27 +341,62 @@ def machine() -> dict[str, str]:
 def render(cases: list[Case], info: dict[str, str], command: str, started: str) -> str:
     out = [f"# MQTT benchmark, {started}", "", "```", command, "```", "", "| | |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in info.items()]
+    sided = any(c.side for c in cases)
     out += [
         "",
         "Client, broker and server share the machine. CPU ms/req: CPU time of the "
-        "appliance process (and of mosquitto) per completed request.",
+        "appliance process (and of mosquitto) per completed request; load: the 1-minute "
+        "load average after the case.",
         "",
-        "| model | transport | conc | req/s | p50 ms | p99 ms | server CPU ms/req | "
-        "broker CPU ms/req | errors |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        ("| tree " if sided else "")
+        + "| model | transport | conc | req/s | p50 ms | p99 ms | server CPU ms/req | "
+        "broker CPU ms/req | errors | load |",
+        ("|---" if sided else "") + "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cases:
         broker = f"{c.cpu_ms(c.broker_cpu_s):.3f}" if c.transport == "mqtt" else "-"
         out.append(
-            f"| {c.workload} | {c.transport} | {c.concurrency} | {c.per_s():.0f} | "
+            (f"| {c.side} " if sided else "")
+            + f"| {c.workload} | {c.transport} | {c.concurrency} | {c.per_s():.0f} | "
             f"{c.ms(50):.2f} | {c.ms(99):.2f} | {c.cpu_ms(c.server_cpu_s):.3f} | {broker} | "
-            f"{c.errors} |"
+            f"{c.errors} | {c.load:.2f} |"
         )
+    if sided:
+        out += ["", "Medians over the repeats (server CPU ms/req; MQTT / HTTP):", ""]
+        out += [
+            "| tree | model | conc | mqtt | http | mqtt / http |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        keys = dict.fromkeys((c.side, c.workload, c.concurrency) for c in cases)
+        for side, workload, level in keys:
+            med = {}
+            for transport in ("mqtt", "http"):
+                got = [
+                    c.cpu_ms(c.server_cpu_s)
+                    for c in cases
+                    if (c.side, c.workload, c.concurrency, c.transport)
+                    == (side, workload, level, transport)
+                ]
+                med[transport] = float(np.median(got)) if got else float("nan")
+            out.append(
+                f"| {side} | {workload} | {level} | {med['mqtt']:.3f} | {med['http']:.3f} | "
+                f"{med['mqtt'] / med['http']:.2f} |"
+            )
     errors = [c for c in cases if c.first_error]
     out += [""] + [
         f"- {c.transport} {c.workload} c={c.concurrency}: {c.first_error}" for c in errors
     ]
     return "\n".join(out) + "\n"
+
+
+def tree_name(tree: Path) -> str:
+    """The tree's commit, ``+`` when it has changes not committed."""
+    git = ["git", "-C", str(tree)]
+    rev = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    )
+    return (rev.stdout.strip() or tree.name) + ("+" if dirty.stdout.strip() else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="measured window per case")
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--max-requests", type=int, default=20000)
+    parser.add_argument("--baseline", type=Path, help="another source tree, served alongside")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each case (alternated)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     binary = find_mosquitto()
@@ -366,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     chosen = [workloads()[w] for w in args.workloads.split(",")]
     levels = [int(x) for x in args.concurrency.split(",")]
+    trees = [REPO_ROOT] + ([args.baseline.resolve()] if args.baseline else [])
     cases: list[Case] = []
     with tempfile.TemporaryDirectory(prefix="bench-mqtt-") as tmp:
         workdir = Path(tmp)
@@ -375,44 +431,36 @@ def main(argv: list[str] | None = None) -> int:
         (workdir / "broker").mkdir()
         broker = Broker(binary, workdir / "broker")
         broker.start()
-        http_port = free_port()
-        server = start_appliance(repo, workdir, broker.port, http_port)
+        # one appliance per tree: (name, prefix, http port, process)
+        sides = []
+        for i, tree in enumerate(trees):
+            prefix, port = f"{PREFIX}{i}" if args.baseline else PREFIX, free_port()
+            proc = start_appliance(repo, workdir, broker.port, port, tree, prefix)
+            sides.append((tree_name(tree) if args.baseline else "", prefix, port, proc))
         load: MqttLoad | None = None
         try:
-            log(f"mosquitto on {broker.port}, appliance pid {server.pid}: waiting for it")
-            wait_online(broker.port)
+            log(f"mosquitto on {broker.port}, appliance pids {[s[3].pid for s in sides]}")
+            for _, prefix, _, _ in sides:
+                wait_online(broker.port, prefix=prefix)
             load = MqttLoad(broker.port)
             for work in chosen:
                 for level in levels:
-                    for transport in ("mqtt", "http"):
-                        case = Case(transport, work.model, level)
-                        window = Window(args.warmup, args.seconds, args.max_requests)
-                        cpu0 = (cpu_seconds(server.pid), cpu_seconds(broker.process.pid))  # type: ignore[union-attr]
-                        if transport == "mqtt":
-                            load.run(case, work, window)
-                        else:
-                            asyncio.run(
-                                http_case(f"http://127.0.0.1:{http_port}", case, work, window)
-                            )
-                        cpu1 = (cpu_seconds(server.pid), cpu_seconds(broker.process.pid))  # type: ignore[union-attr]
-                        # CPU over warm-up + window, scaled to the window's share
-                        share = case.seconds / (case.seconds + args.warmup)
-                        case.server_cpu_s = (cpu1[0] - cpu0[0]) * share
-                        case.broker_cpu_s = (cpu1[1] - cpu0[1]) * share
-                        cases.append(case)
-                        log(
-                            f"{work.model} {transport} c={level}: {case.per_s():.0f} req/s, "
-                            f"p50 {case.ms(50):.2f} ms, p99 {case.ms(99):.2f} ms, "
-                            f"{case.errors} errors"
-                        )
+                    for _ in range(args.repeats):
+                        for name, prefix, http_port, server in sides:
+                            for transport in ("mqtt", "http"):
+                                case = Case(transport, work.model, level, name)
+                                run_case(load, case, work, args, server, broker, prefix, http_port)
+                                cases.append(case)
         finally:
             if load is not None:
                 load.close()
-            server.terminate()
-            try:
-                server.wait(40)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            for *_, server in sides:
+                server.terminate()
+            for *_, server in sides:
+                try:
+                    server.wait(40)
+                except subprocess.TimeoutExpired:
+                    server.kill()
             broker.stop()
     report = render(cases, info, command, started)
     print(report)
@@ -421,6 +469,36 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(report)
     log(f"wrote {path}")
     return 1 if any(c.errors for c in cases) else 0
+
+
+def run_case(
+    load: MqttLoad,
+    case: Case,
+    work: Workload,
+    args: argparse.Namespace,
+    server: subprocess.Popen[bytes],
+    broker: Broker,
+    prefix: str,
+    http_port: int,
+) -> None:
+    window = Window(args.warmup, args.seconds, args.max_requests)
+    cpu0 = (cpu_seconds(server.pid), cpu_seconds(broker.process.pid))  # type: ignore[union-attr]
+    if case.transport == "mqtt":
+        load.run(case, work, window, prefix)
+    else:
+        asyncio.run(http_case(f"http://127.0.0.1:{http_port}", case, work, window))
+    cpu1 = (cpu_seconds(server.pid), cpu_seconds(broker.process.pid))  # type: ignore[union-attr]
+    # CPU over warm-up + window, scaled to the window's share
+    share = case.seconds / (case.seconds + args.warmup)
+    case.server_cpu_s = (cpu1[0] - cpu0[0]) * share
+    case.broker_cpu_s = (cpu1[1] - cpu0[1]) * share
+    case.load = os.getloadavg()[0]
+    log(
+        f"{case.side} {work.model} {case.transport} c={case.concurrency}: "
+        f"{case.per_s():.0f} req/s, p50 {case.ms(50):.2f} ms, p99 {case.ms(99):.2f} ms, "
+        f"{case.server_cpu_s * 1e3 / max(1, len(case.latencies)):.3f} ms CPU/req, "
+        f"{case.errors} errors"
+    )
 
 
 if __name__ == "__main__":
