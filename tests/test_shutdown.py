@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import tritonclient.grpc as grpcclient
+from http_helpers import metric_value
 from mosquitto import wait_until
 from serve_process import start_serve
 
@@ -154,13 +155,15 @@ def test_grpc_call_in_flight_is_answered_and_stop_does_not_sit_out_the_timeout(
 
     caller = threading.Thread(target=call)
     caller.start()
-    wait_until(lambda: srv.call(_pending(srv)) == 1, what="the call to wait in the model's queue")
+    wait_until(lambda: _pending(srv) == 1, what="the call to wait in the model's queue")
     srv.call(srv.server.stop(), timeout=EXIT_WAIT_S)  # far below the 600 s drain timeout
     caller.join(EXIT_WAIT_S)
     assert result and not isinstance(result[0], Exception), result
     np.testing.assert_array_equal(result[0].as_numpy("OUTPUT0"), [[1.0]])
 
 
-async def _pending(srv: Any) -> int:
-    stats = srv.server.dataplane.statistics("slow")["model_stats"][0]
-    return int(stats["pending_request_bytes"] > 0)
+def _pending(srv: Any) -> int:
+    held = metric_value(
+        srv.metrics_url, "nv_inference_pending_request_bytes", model="slow", version="1"
+    )
+    return int(bool(held))

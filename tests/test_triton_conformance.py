@@ -374,6 +374,36 @@ def test_errors_as_triton_words_them(server: Any, triton_repo: Path) -> None:
             "model files in a load request",
             status="INVALID_ARGUMENT",
         )
+        # what Triton cannot load either answers INTERNAL with its words: a malformed
+        # override config, a model file name no file system takes (Triton 2.51 aborts)
+        unpolled = "failed to load 'add_sub', failed to poll from model repository: "
+        for config in ("{not json", '{"max_batch_size": "x"}', "[]"):
+            for call in (http.load_model, grpc.load_model):
+                message = _fails(
+                    lambda call=call, config=config: call("add_sub", config=config),
+                    unpolled + "load request parameter 'config'",
+                )
+                assert "Traceback" not in message
+        status, body = post_json(
+            f"http://{server.url}/v2/repository/models/add_sub/load",
+            {"parameters": {"config": 5}},
+        )
+        assert status == 500 and json.loads(body)["error"].startswith(unpolled)
+        long_name = "file:1/" + "a" * 300 + ".py"
+        for call, status in ((http.load_model, "500"), (grpc.load_model, "INTERNAL")):
+            message = _fails(
+                lambda call=call: call(
+                    "add_sub", config='{"backend": "python"}', files={long_name: b"x"}
+                ),
+                unpolled + "model file 'file:1/aaaa",
+                "has a path component of 303 bytes; a file name has at most 255",
+                status=status,
+            )
+            assert len(message) < 400  # the name is not echoed whole
+        _fails(
+            lambda: grpc.load_model("add_sub", config="{not json"),
+            status="INTERNAL",
+        )
     finally:
         (broken / "config.pbtxt").unlink()
         (broken / "1").rmdir()
@@ -476,12 +506,35 @@ def test_trace_settings_and_trace_files(
 
 
 def test_tracing_needs_a_trace_file(server: Any) -> None:
+    # as Triton 2.51 (tritonserver from the nvidia-pytriton 0.7.0 wheel) answers with no
+    # trace file: turning tracing on is refused, every other setting is taken (200)
     http = httpclient.InferenceServerClient(server.url)
     _fails(
         lambda: http.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]}),
+        "trace file name is not given",
         "set trace_file in the server config",
     )
     assert http.get_trace_settings()["trace_level"] == ["OFF"]
+    url = f"http://{server.url}/v2/trace/setting"
+    status, body = post_json(url, {"trace_rate": "1", "trace_count": "5", "log_frequency": "2"})
+    assert status == 200
+    assert json.loads(body) == {
+        "trace_level": ["OFF"],
+        "trace_rate": "1",
+        "trace_count": "5",
+        "log_frequency": "2",
+        "trace_file": "",
+        "trace_mode": "triton",
+    }
+    for cleared in ({"trace_rate": None}, {"trace_level": []}, {"trace_level": ["OFF"]}, {}):
+        status, body = post_json(url, cleared)
+        assert status == 200, (cleared, body)
+    assert json.loads(body)["trace_rate"] == "1000"  # Triton's default again
+    status, body = post_json(f"http://{server.url}/v2/models/simple/trace/setting", {})
+    assert status == 200 and json.loads(body)["trace_count"] == "5"
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    over_grpc = grpc.update_trace_settings(settings={"trace_count": None}, as_json=True)
+    assert over_grpc["settings"]["trace_count"]["value"] == ["-1"]
 
 
 def test_log_settings_change_the_level_at_run_time(server: Any) -> None:
@@ -503,3 +556,30 @@ def test_log_settings_change_the_level_at_run_time(server: Any) -> None:
         _fails(lambda: http.update_log_settings({"log_info": "yes"}), "true or false")
     finally:
         root.setLevel(before)
+
+
+def test_statistics_parse_strictly_into_tritons_message(server: Any) -> None:
+    """Clients that parse the statistics JSON strictly into Triton's protobuf message
+    (json_format without ignore_unknown_fields) must find no field of ours in it."""
+    from google.protobuf import json_format
+    from tritonclient.grpc import service_pb2
+
+    http = httpclient.InferenceServerClient(server.url)
+    ones = np.ones((1, 16), np.int32)
+    http.infer("simple", _http_inputs(INPUT0=ones, INPUT1=ones))
+    http.infer("add_sub", _http_inputs(INPUT0=X, INPUT1=Y))
+    with pytest.raises(InferenceServerException):  # a failure is counted too
+        http.infer("add_sub", _http_inputs(INPUT0=X[:2], INPUT1=Y[:2]))
+    parsed = {}
+    for url in ("models/stats", "models/simple/stats", "models/add_sub/versions/1/stats"):
+        with urllib.request.urlopen(f"http://{server.url}/v2/{url}", timeout=30) as response:
+            text = response.read().decode()
+        parsed[url] = json_format.Parse(text, service_pb2.ModelStatisticsResponse())
+    by_name = {s.name: s for s in parsed["models/stats"].model_stats}
+    assert by_name["simple"].inference_count == 1
+    assert by_name["simple"].batch_stats[0].batch_size == 1
+    assert by_name["simple"].memory_usage[0].type == "CPU"
+    assert parsed["models/simple/stats"].model_stats[0].inference_stats.success.count == 1
+    assert parsed["models/add_sub/versions/1/stats"].model_stats[0].version == "1"
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    assert grpc.get_inference_statistics("simple").model_stats[0].inference_count == 1

@@ -57,6 +57,8 @@ def pbtxt_to_dict(text: str, source: str) -> dict[str, Any]:
 
 def json_to_dict(text: str, source: str) -> dict[str, Any]:
     """Parse Triton's JSON model config (a load request's ``config`` parameter)."""
+    if not text.lstrip().startswith("{"):  # protobuf would read ``[]`` as an empty config
+        raise ConfigError(source, "", "not a valid Triton model config: expected a JSON object")
     return _parse(text, source, "json")
 
 

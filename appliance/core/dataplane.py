@@ -32,7 +32,14 @@ from appliance.core.servable import Servable, State
 from appliance.core.shared_memory import SharedMemoryRegistry
 from appliance.core.trace import Tracer
 from appliance.decoupled import RequestInputs, ResponseStream
-from appliance.errors import ApplianceError, Code, FailureReason, invalid, unavailable
+from appliance.errors import (
+    ApplianceError,
+    Code,
+    FailureReason,
+    internal,
+    invalid,
+    unavailable,
+)
 from appliance.request import InferenceRequest, InferenceResponse
 from appliance.version import __version__
 
@@ -65,6 +72,11 @@ def classify(arr: np.ndarray, k: int, batched: bool, labels: tuple[str, ...] = (
             for i in top[r]
         ]
     return out if batched else out[0]
+
+
+def _shortened(text: str, keep: int = 60) -> str:
+    """``text`` for an error message: a long one cut, saying how long it was."""
+    return text if len(text) <= keep + 20 else f"{text[:keep]}... ({len(text)} characters)"
 
 
 def _checked(name: str, version: str) -> tuple[str, str]:
@@ -297,19 +309,29 @@ class DataPlane:
         self._check_control("load")
         params = dict(parameters or {})
         files = sorted(k for k in params if k.startswith("file:"))
+        # Triton's words when a load request yields no model (Triton answers INTERNAL)
+        unpolled = f"failed to load '{name}', failed to poll from model repository"
         if files:
             # Triton's override files: the model's files travel in the request. Not taken
             # here: a Python model's files are code, and the appliance runs only what its
             # own repository holds.
+            shown = [_shortened(f) for f in files]
+            for key in files:
+                longest = max(len(part.encode()) for part in key[len("file:") :].split("/"))
+                if longest > names.MAX_NAME_BYTES:
+                    # no file system takes the name (Triton 2.51 aborts on it)
+                    raise internal(
+                        f"{unpolled}: model file {_shortened(key)!r} has a path component of "
+                        f"{longest} bytes; a file name has at most {names.MAX_NAME_BYTES}"
+                    )
             if "config" not in params:
                 raise invalid(
                     f"failed to load '{name}': load parameter 'config' must be provided "
-                    f"together with model files {files}"
+                    f"together with model files {shown}"
                 )
             raise invalid(
-                f"failed to load '{name}', failed to poll from model repository: model files "
-                f"in a load request {files} are not accepted by this server; place them in "
-                "the model repository"
+                f"{unpolled}: model files in a load request {shown} are not accepted by this "
+                "server; place them in the model repository"
             )
         override = None
         if "config" in params:
@@ -317,11 +339,13 @@ class DataPlane:
             if isinstance(raw, dict):
                 raw = json.dumps(raw)
             if not isinstance(raw, str):
-                raise invalid("load parameter 'config' must be the model config as a JSON string")
+                raise internal(
+                    f"{unpolled}: load parameter 'config' must be the model config as a JSON string"
+                )
             try:
                 override = json_to_dict(raw, "load request parameter 'config'")
             except ApplianceError as exc:  # Triton's clients look for "failed to load"
-                raise invalid(f"failed to load '{name}': {exc.message}") from None
+                raise internal(f"{unpolled}: {exc.message}") from None
         in_place = params.pop("in_place", False)
         if isinstance(in_place, str) and in_place.lower() in ("true", "false"):
             in_place = in_place.lower() == "true"

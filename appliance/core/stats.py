@@ -161,8 +161,9 @@ class ModelStats:
                 }
                 for size, b in sorted(self.batches.items())
             ],
+            # Triton's ModelStatistics exactly: clients parse it strictly; what is ours
+            # (pending_bytes, the memory lower bound) is on the metrics page only
             "memory_usage": self.memory_usage,
-            "pending_request_bytes": self.pending_bytes,  # ours; Triton clients ignore it
         }
 
 

@@ -6,7 +6,10 @@ Settings (server-wide, and per model on top): ``trace_level`` (``OFF`` or
 file every N traces, named ``<trace_file>.<k>``; 0: one file, written when
 tracing is turned off or the server stops), ``trace_file`` and ``trace_mode``
 (``triton``). Values travel as strings, as in Triton. A model setting set to
-``null`` falls back to the server's.
+``null`` (or an empty list, gRPC's way) falls back to the server's; a server setting
+cleared so goes back to its default, as in Triton. Without a ``trace_file`` every
+setting is taken except a level other than OFF, which Triton refuses too ("trace
+file name is not given").
 
 The file is Triton's JSON trace format: a JSON array with, per trace, an object
 ``{id, model_name, model_version, request_id}`` and an object ``{id, timestamps:
@@ -112,18 +115,20 @@ class Tracer:
         settings now in force for ``model`` (or the server)."""
         parsed: dict[str, Any] = {}
         for key, value in changes.items():
-            if value is None:
-                if not model:
-                    raise invalid(f"cannot clear the server's trace setting '{key}'")
+            if value is None or value == []:  # cleared (gRPC sends an empty list)
+                if key not in DEFAULTS:
+                    _normalise(key, "")  # the error for an unknown setting
                 parsed[key] = None
             else:
                 parsed[key] = _normalise(key, value)
         target = self._models.setdefault(model, {}) if model else self._global
         for key, value in parsed.items():
-            if value is None:
-                target.pop(key, None)
-            else:
+            if value is not None:
                 target[key] = value
+            elif model:  # a model's own value cleared: the server's applies again
+                target.pop(key, None)
+            elif key != "trace_file":  # the server's cleared: back to Triton's default
+                target[key] = DEFAULTS[key]
         was_active = self.active
         self.active = any(self.settings(m)["trace_level"] != ["OFF"] for m in ("", *self._models))
         if self.active and self._file is None:
@@ -131,7 +136,10 @@ class Tracer:
             self._global["trace_level"] = ["OFF"]
             for own in self._models.values():
                 own.pop("trace_level", None)
-            raise invalid("tracing needs a trace file: set trace_file in the server config")
+            raise invalid(
+                "Attempting to set invalid trace setting: trace file name is not given; "
+                "set trace_file in the server config"
+            )
         if was_active and not self.active:
             self._flush()
         return self.settings(model)

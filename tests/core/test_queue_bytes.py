@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from http_helpers import metric_value
 from mosquitto import wait_until
 from tritonclient.utils import InferenceServerException
 
@@ -109,9 +110,12 @@ def _gate_repository(tmp_path: Path, model_limit: bool) -> Path:
     return tmp_path
 
 
-def _pending_bytes(url: str) -> int:
-    stats = httpclient.InferenceServerClient(url).get_inference_statistics("gate")
-    return int(stats["model_stats"][0]["pending_request_bytes"])
+def _pending_bytes(metrics_url: str) -> int:
+    held = metric_value(
+        metrics_url, "nv_inference_pending_request_bytes", model="gate", version="1"
+    )
+    assert held is not None
+    return int(held)
 
 
 def _infer(url: str, value: float) -> np.ndarray:
@@ -141,9 +145,13 @@ def test_queued_bytes_limit_sheds_with_503_and_returns_to_zero(
     try:
         # the first executes (held at the gate), the second waits in the queue
         threads[0].start()
-        wait_until(lambda: _pending_bytes(srv.url) == 4 * FLOATS, what="the first request held")
+        wait_until(
+            lambda: _pending_bytes(srv.metrics_url) == 4 * FLOATS, what="the first request held"
+        )
         threads[1].start()
-        wait_until(lambda: _pending_bytes(srv.url) == 8 * FLOATS, what="the second request held")
+        wait_until(
+            lambda: _pending_bytes(srv.metrics_url) == 8 * FLOATS, what="the second request held"
+        )
         with pytest.raises(InferenceServerException) as refused:
             _infer(srv.url, 9)
         assert refused.value.status() == "503"
@@ -161,7 +169,7 @@ def test_queued_bytes_limit_sheds_with_503_and_returns_to_zero(
             t.join(120)
     for i in range(2):
         np.testing.assert_array_equal(results[i], np.full(FLOATS, i + 2, np.float32))
-    wait_until(lambda: _pending_bytes(srv.url) == 0, what="the held bytes to be released")
+    wait_until(lambda: _pending_bytes(srv.metrics_url) == 0, what="the held bytes to be released")
     with urllib.request.urlopen(srv.metrics_url, timeout=10) as r:
         text = r.read().decode()
     assert 'nv_inference_pending_request_bytes{model="gate",version="1"} 0' in text

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from appliance.core.log_settings import LogSettings
-from appliance.core.trace import Tracer
+from appliance.core.trace import DEFAULTS, Tracer
 from appliance.errors import ApplianceError
 
 
@@ -41,7 +41,7 @@ def test_model_settings_override_and_fall_back(tmp_path: Path) -> None:
         ({"trace_file": "/etc/passwd"}, "cannot be changed through the network"),
         ({"trace_mode": "opentelemetry"}, "not supported"),
         ({"colour": "red"}, "unknown trace setting"),
-        ({"trace_rate": None}, "cannot clear the server's"),
+        ({"colour": None}, "unknown trace setting"),
     ],
 )
 def test_bad_trace_settings_are_refused(tmp_path: Path, changes: dict, words: str) -> None:
@@ -50,6 +50,14 @@ def test_bad_trace_settings_are_refused(tmp_path: Path, changes: dict, words: st
     with pytest.raises(ApplianceError, match=words):
         tracer.update(changes)
     assert tracer.settings() == before
+
+
+def test_a_cleared_server_setting_goes_back_to_its_default(tmp_path: Path) -> None:
+    tracer = Tracer(tmp_path / "t.json")
+    tracer.update({"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "5"})
+    settings = tracer.update({"trace_rate": None, "trace_level": [], "trace_count": None})
+    assert settings == {**DEFAULTS, "trace_file": str(tmp_path / "t.json")}
+    assert not tracer.active
 
 
 def test_tracing_without_a_file_is_refused() -> None:
