@@ -244,6 +244,15 @@ class ApplianceCollector(Collector):
             for s in stats:
                 family.add_metric([s.name, s.version], getattr(s, attr))
             yield family
+        lower = GaugeMetricFamily(
+            "appliance_model_memory_lower_bound",
+            "1 when a model version's measured memory is a lower bound "
+            "(dynamic dims measured at 1, or its warm-up failed): declare a model_warmup",
+            labels=["model", "version"],
+        )
+        for s in stats:
+            lower.add_metric([s.name, s.version], 1 if s.memory_lower_bound else 0)
+        yield lower
         budget = self.sources.budget()
         if budget is not None:
             limit, used_by_models = budget

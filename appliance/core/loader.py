@@ -197,6 +197,7 @@ async def load_model_version(
     share_group = f"{config.name}:{version_dir.name}:{next(_LOADS)}"
     factory = backend_factory(config, backend, path, threads, share_group)
     completed = config
+    probe_failures: list[str] = []  # per instance warmed: why the memory probe failed
 
     async def prepare(first: ModelInstance) -> Warm:
         nonlocal completed
@@ -209,7 +210,9 @@ async def load_model_version(
         outputs = [t.name for t in completed.outputs]
 
         async def warm(instance: ModelInstance) -> tuple[memory.Usage, memory.Usage]:
-            return await _warm(instance, samples, outputs, config.name)
+            cost, working, failure = await _warm(instance, samples, outputs, config.name)
+            probe_failures.append(failure)
+            return cost, working
 
         return warm
 
@@ -254,8 +257,18 @@ async def load_model_version(
         memory.fmt(admitted.each_further.total),
         time.perf_counter() - started,
     )
+    lower = warmup.lower_bound(completed, probe_failures[0] if probe_failures else "")
+    if lower:
+        log.warning(
+            "model '%s' version %d: memory is a lower bound: declare a model_warmup at your "
+            "largest input (%s; measured %s)",
+            config.name,
+            version,
+            lower,
+            memory.fmt(admitted.held.total),
+        )
     effective = replace(completed, instance_group=_trimmed(completed.instance_group, count))
-    return ModelVersion(
+    served = ModelVersion(
         effective,
         version,
         admitted.group,
@@ -265,6 +278,8 @@ async def load_model_version(
         admitted.owner,
         config.instance_count,
     )
+    served.stats.memory_lower_bound = lower
+    return served
 
 
 def _with_sequence_inputs(sample: warmup.Sample, config: ModelConfig) -> warmup.Sample:
@@ -288,15 +303,16 @@ def _trimmed(groups: tuple[GroupConfig, ...], admitted: int) -> tuple[GroupConfi
 
 async def _warm(
     instance: ModelInstance, samples: list[warmup.Sample], outputs: list[str], model: str
-) -> tuple[memory.Usage, memory.Usage]:
-    """Warm ``instance`` up; return (its whole cost, the part the warm-up added).
+) -> tuple[memory.Usage, memory.Usage, str]:
+    """Warm ``instance`` up; return (its whole cost, the part the warm-up added, why
+    the memory probe failed or "").
 
     The engine's own report counts where RSS and NVML are blind (GPU memory on a
     Jetson, for one).
     """
-    _, working = await instance.run_measured(warmup.run, model, outputs, samples)
+    failure, working = await instance.run_measured(warmup.run, model, outputs, samples)
     cost = instance.created + working
     reported = memory_usage(instance.backend)
     if reported is not None:
         cost = cost.at_least(memory.Usage(reported.cpu_bytes, reported.gpu_bytes))
-    return cost, working
+    return cost, working, failure

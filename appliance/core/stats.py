@@ -99,6 +99,8 @@ class ModelStats:
     memory_usage: list[dict[str, Any]] = field(default_factory=list)
     instances: int = 0  # admitted by the memory budget
     instances_requested: int = 0  # what the config asked for
+    # why memory_usage is a lower bound ("": it is not); see core/warmup.lower_bound
+    memory_lower_bound: str = ""
     # the latency window behind Triton's summaries; None unless the server config
     # turns summaries on (metrics_summary_latencies)
     latencies: LatencyWindow | None = None

@@ -6,8 +6,14 @@ working memory, not only its weights. Samples are built once per model copy from
 the completed config; each instance runs them on its own worker thread.
 
 A model without ``model_warmup`` gets one implicit sample, the *memory probe*:
-zeros at batch size 1 (dynamic dims as 1). Its failure is not the model's: it is
-logged and the load goes on, measured without working memory.
+zeros at batch size 1, at the dims the completed config states (a config may fix
+dims the graph leaves dynamic), the dims still dynamic as 1. Its failure is not the
+model's: the load goes on, measured without working memory. Either way the figure
+can fall far short of what a real input needs (a text detector with dims
+``[3, -1, -1]``: a few MiB at 1x1 against hundreds at a camera frame), so
+:func:`lower_bound` says when the measured memory is a lower bound, and the loader
+warns naming the model and tells how to measure it right (a ``model_warmup`` at the
+largest input).
 """
 
 from __future__ import annotations
@@ -150,11 +156,31 @@ def probe(config: ModelConfig) -> Sample:
     return Sample("memory probe", inputs, 1, required=False)
 
 
-def run(backend: Backend, model: str, outputs: list[str], todo: list[Sample]) -> None:
-    """Run every sample on ``backend`` (blocking: the instance's own thread).
+def lower_bound(config: ModelConfig, probe_failure: str = "") -> str:
+    """Why the memory measured for ``config`` (completed) is a lower bound, or "" when
+    it is not: the implicit probe failed (``probe_failure``: only the weights were
+    measured), or it ran inputs whose dims are dynamic at 1."""
+    if config.model_warmup:
+        return ""
+    if probe_failure:
+        return f"the implicit warm-up run failed ({probe_failure}), only the load was measured"
+    dynamic = [
+        f"'{t.name}' {list(t.model_dims)}"
+        for t in config.inputs
+        if not t.optional and any(d < 0 for d in t.model_dims)
+    ]
+    if not dynamic:
+        return ""
+    return f"input {', '.join(dynamic)} was measured with each dynamic dim at 1"
+
+
+def run(backend: Backend, model: str, outputs: list[str], todo: list[Sample]) -> str:
+    """Run every sample on ``backend`` (blocking: the instance's own thread); return
+    why an optional sample (the memory probe) failed, "" when none did.
 
     Raises INVALID_ARG naming the sample when a required one fails.
     """
+    failure = ""
     for sample in todo:
         for _ in range(sample.count):
             try:
@@ -164,5 +190,7 @@ def run(backend: Backend, model: str, outputs: list[str], todo: list[Sample]) ->
                     raise invalid(
                         f"model '{model}': warm-up sample '{sample.name}' failed: {exc}"
                     ) from None
+                failure = f"{sample.name}: {exc}"
                 log.info("model '%s': %s skipped (%s)", model, sample.name, exc)
                 break
+    return failure

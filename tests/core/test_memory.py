@@ -190,3 +190,69 @@ def test_statistics_and_metrics_report_each_versions_memory(run_appliance) -> No
     assert metrics["appliance_memory_budget_bytes"] == -1  # unlimited
     total = _memory(client, "")  # every model of the demo repository
     assert metrics["appliance_memory_budget_used_bytes"] == total
+
+
+NEEDS_WIDE_PY = """
+import numpy as np
+from appliance import python_model as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "x").as_numpy()
+        if x.shape[-1] < 8:  # as a detector that refuses an input smaller than its stride
+            raise ValueError(f"width {x.shape[-1]} is below 8")
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("y", x.sum(axis=-1, keepdims=True))])]
+"""
+
+NEEDS_WIDE_CONFIG = """
+backend: python
+max_batch_size: 0
+input: [{name: x, data_type: TYPE_FP32, dims: [-1]}]
+output: [{name: y, data_type: TYPE_FP32, dims: [1]}]
+"""
+
+
+def test_a_dynamic_shape_or_a_failed_probe_is_named_a_lower_bound(
+    run_appliance, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    frame = modelgen.frame_mean()  # dims [-1, -1, 3]: its probe is a 1x1 frame
+    modelgen.write_model(tmp_path, "dynamic", frame)
+    warmed = modelgen.write_model(tmp_path, "warmed", frame)
+    (warmed / "config.yaml").write_text(
+        "model_warmup:\n"
+        "  - name: full_hd\n"
+        "    batch_size: 1\n"
+        "    inputs: {frame: {data_type: TYPE_UINT8, dims: [1080, 1920, 3], zero_data: true}}\n"
+    )
+    fixed = modelgen.write_model(tmp_path, "fixed", frame)  # the config states the frame
+    (fixed / "config.yaml").write_text(
+        "input: [{name: frame, data_type: TYPE_UINT8, dims: [480, 640, 3]}]\n"
+    )
+    modelgen.write_model(tmp_path, "static", modelgen.simple_add_sub())
+    folder = tmp_path / "needs_wide"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.py").write_text(NEEDS_WIDE_PY)
+    (folder / "config.yaml").write_text(NEEDS_WIDE_CONFIG)
+    with caplog.at_level("WARNING", logger="appliance.core.loader"):
+        srv = run_appliance(tmp_path)
+    warnings = {
+        name: [r.getMessage() for r in caplog.records if f"model '{name}'" in r.getMessage()]
+        for name in ("dynamic", "warmed", "fixed", "static", "needs_wide")
+    }
+    (dynamic,) = warnings["dynamic"]
+    assert "memory is a lower bound: declare a model_warmup at your largest input" in dynamic
+    assert "input 'frame' [-1, -1, 3] was measured with each dynamic dim at 1" in dynamic
+    (failed,) = warnings["needs_wide"]
+    assert "memory is a lower bound" in failed
+    assert "the implicit warm-up run failed (memory probe: " in failed and "below 8" in failed
+    assert warnings["warmed"] == warnings["fixed"] == warnings["static"] == []
+    metrics = _scrape(srv.metrics_url)
+    for name, expected in (("dynamic", 1), ("needs_wide", 1), ("warmed", 0), ("fixed", 0)):
+        key = f'appliance_model_memory_lower_bound{{model="{name}",version="1"}}'
+        assert metrics[key] == expected, name
+    # the model whose probe failed still serves
+    client = httpclient.InferenceServerClient(srv.url)
+    x = httpclient.InferInput("x", [8], "FP32")
+    x.set_data_from_numpy(np.ones(8, np.float32))
+    assert client.infer("needs_wide", [x]).as_numpy("y").tolist() == [8.0]
