@@ -7,160 +7,38 @@ that step's policy. Tensors travel between steps as the numpy arrays themselves,
 never serialized. A step starts as soon as every tensor it reads exists, so
 independent steps run concurrently.
 
-Validation happens at load, against the step models' configs as loaded then:
-unknown models, tensors no step or input provides, model tensors a map names
-that do not exist, datatype and dims mismatches, outputs produced twice, and
-cycles are config errors naming the step. The step models must load first
-(:mod:`appliance.core.lifecycle` loads ensembles after every other model).
+The steps are checked at load into a plan (:mod:`appliance.core.ensemble_plan`),
+which also says which steps fan out: their inputs' rows go to the step model in
+chunks of at most its ``max_batch_size`` rows, each a request of its own (row views,
+no copies), and the chunks' outputs are joined back in row order.
 
-Failure: the first failing step fails the request with that step's error (its
-code unchanged: a bad input to a step is still INVALID_ARG); steps still
-running are left to finish in their own batchers and their results dropped.
+Failure: the first failing step (or chunk) fails the request with that step's error
+(its code unchanged: a bad input to a step is still INVALID_ARG); steps still
+running are cancelled out of their batchers' queues and their results dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from appliance import datatypes
 from appliance.config.ensemble_config import EnsembleStep
-from appliance.config.fields import ConfigError
-from appliance.config.model_config import ModelConfig, TensorConfig
+from appliance.config.model_config import ModelConfig
 from appliance.config.server_config import ServerConfig
 from appliance.core import memory
+from appliance.core.ensemble_plan import Plan, Resolver, plan, step_version
 from appliance.core.limits import RequestRules
-from appliance.core.servable import Servable, State, failures_counted, tensor_metadata
+from appliance.core.servable import State, failures_counted, tensor_metadata
 from appliance.core.stats import ModelStats
-from appliance.errors import ApplianceError, FailureReason, unavailable
+from appliance.errors import FailureReason, invalid, unavailable
 from appliance.request import InferenceRequest, InferenceResponse
 
-# (model name, version or "") -> the version serving it; raises NOT_FOUND/UNAVAILABLE
-Resolver = Callable[[str, str], Servable]
-
-
-def _version(step: EnsembleStep) -> str:
-    return "" if step.model_version < 0 else str(step.model_version)
-
-
-def _dims_agree(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
-    return len(a) == len(b) and all(x == -1 or y == -1 or x == y for x, y in zip(a, b, strict=True))
-
-
-def validate(config: ModelConfig, resolve: Resolver) -> None:
-    """Raise ConfigError unless the steps form a well-typed DAG over loaded models."""
-    src = config.source
-    known: dict[str, TensorConfig] = {t.name: t for t in config.inputs}
-    producer: dict[str, int] = {}
-    for i, step in enumerate(config.ensemble_steps):
-        where = f"ensemble_scheduling.step[{i}]"
-        try:
-            step_config = resolve(step.model_name, _version(step)).config
-        except ApplianceError as exc:
-            raise ConfigError(src, where + ".model_name", str(exc)) from None
-        if step_config.decoupled:
-            raise ConfigError(
-                src,
-                where,
-                f"model '{step.model_name}' is decoupled (0..N responses a request); "
-                "an ensemble step must answer each request once",
-            )
-        if config.batch_size > 0 and step_config.batch_size == 0:
-            raise ConfigError(
-                src,
-                where,
-                f"model '{step.model_name}' does not batch (max_batch_size 0) but the "
-                "ensemble does; the batch dimension could not pass through it",
-            )
-        ins = {t.name: t for t in step_config.inputs}
-        outs = {t.name: t for t in step_config.outputs}
-        for kind, mapping, tensors in (
-            ("input", step.input_map, ins),
-            ("output", step.output_map, outs),
-        ):
-            for model_tensor in mapping:
-                if model_tensor not in tensors:
-                    raise ConfigError(
-                        src,
-                        f"{where}.{kind}_map",
-                        f"model '{step.model_name}' has no {kind} '{model_tensor}'; "
-                        f"its {kind}s are {sorted(tensors)}",
-                    )
-        needed = [t for t in ins.values() if not t.optional and t.name not in step.input_map]
-        if needed:
-            raise ConfigError(
-                src,
-                f"{where}.input_map",
-                f"model '{step.model_name}' also needs input(s) {[t.name for t in needed]}",
-            )
-        for model_out, tensor in step.output_map.items():
-            if tensor in known:
-                raise ConfigError(
-                    src,
-                    f"{where}.output_map",
-                    f"tensor '{tensor}' is already an ensemble input or another step's output",
-                )
-            producer[tensor] = i
-            spec = outs[model_out]
-            known[tensor] = TensorConfig(tensor, spec.datatype, spec.dims)
-    # every read tensor exists somewhere, with the type the reader expects
-    for i, step in enumerate(config.ensemble_steps):
-        step_config = resolve(step.model_name, _version(step)).config
-        ins = {t.name: t for t in step_config.inputs}
-        for model_in, tensor in step.input_map.items():
-            have = known.get(tensor)
-            where = f"ensemble_scheduling.step[{i}].input_map.{model_in}"
-            if have is None:
-                raise ConfigError(
-                    src, where, f"tensor '{tensor}' is neither an ensemble input nor a step output"
-                )
-            want = ins[model_in]
-            if have.datatype != want.datatype or not _dims_agree(have.dims, want.dims):
-                raise ConfigError(
-                    src,
-                    where,
-                    f"tensor '{tensor}' is {have.datatype} {list(have.dims)} but model "
-                    f"'{step.model_name}' input '{model_in}' expects {want.datatype} "
-                    f"{list(want.dims)}",
-                )
-    for out in config.outputs:
-        have = known.get(out.name)
-        if have is None or out.name not in producer:
-            raise ConfigError(src, f"output '{out.name}'", "no step produces this tensor")
-        if have.datatype != out.datatype or not _dims_agree(have.dims, out.dims):
-            raise ConfigError(
-                src,
-                f"output '{out.name}'",
-                f"config says {out.datatype} {list(out.dims)} but the step produces "
-                f"{have.datatype} {list(have.dims)}",
-            )
-    order(config)
-
-
-def order(config: ModelConfig) -> list[list[int]]:
-    """The steps in waves: every step of a wave reads only tensors of earlier waves.
-    Raises ConfigError naming the steps of a cycle."""
-    available = {t.name for t in config.inputs}
-    left = list(range(len(config.ensemble_steps)))
-    waves: list[list[int]] = []
-    while left:
-        wave = [i for i in left if set(config.ensemble_steps[i].input_map.values()) <= available]
-        if not wave:
-            names = [config.ensemble_steps[i].model_name for i in left]
-            raise ConfigError(
-                config.source,
-                "ensemble_scheduling",
-                f"steps {names} wait on each other's outputs (a cycle)",
-            )
-        for i in wave:
-            available |= set(config.ensemble_steps[i].output_map.values())
-        left = [i for i in left if i not in wave]
-        waves.append(wave)
-    return waves
+__all__ = ["EnsembleVersion", "Resolver"]
 
 
 class EnsembleVersion:
@@ -172,8 +50,16 @@ class EnsembleVersion:
     models they use keep serving them.
     """
 
-    def __init__(self, config: ModelConfig, version: int, server: ServerConfig, resolve: Resolver):
+    def __init__(
+        self,
+        config: ModelConfig,
+        version: int,
+        server: ServerConfig,
+        resolve: Resolver,
+        steps_plan: Plan | None = None,
+    ):
         self.config = config
+        self._plan = steps_plan or plan(config, resolve)
         self.rules = RequestRules(config)
         self.version = version
         self.state = State.READY
@@ -186,8 +72,7 @@ class EnsembleVersion:
     def load_ensemble(
         cls, config: ModelConfig, version_dir: Path, server: ServerConfig, resolve: Resolver
     ) -> EnsembleVersion:
-        validate(config, resolve)
-        return cls(config, int(version_dir.name), server, resolve)
+        return cls(config, int(version_dir.name), server, resolve, plan(config, resolve))
 
     @property
     def ready(self) -> bool:
@@ -230,7 +115,7 @@ class EnsembleVersion:
     ) -> dict[str, np.ndarray]:
         steps = self.config.ensemble_steps
         left = set(range(len(steps)))
-        running: dict[asyncio.Task[InferenceResponse], int] = {}
+        running: dict[asyncio.Future[dict[str, np.ndarray]], int] = {}
         try:
             while left or running:
                 ready = [
@@ -238,30 +123,101 @@ class EnsembleVersion:
                 ]
                 for i in ready:
                     left.discard(i)
-                    step = steps[i]
-                    model = self._resolve(step.model_name, _version(step))
-                    request = InferenceRequest(
-                        step.model_name,
-                        {m: tensors[t] for m, t in step.input_map.items()},
-                        outputs=tuple(step.output_map),
-                        # a stateful step sees the ensemble request's sequence (Triton's)
-                        sequence_id=outer.sequence_id,
-                        sequence_start=outer.sequence_start,
-                        sequence_end=outer.sequence_end,
-                    )
-                    running[asyncio.ensure_future(model.infer(request))] = i
+                    inputs = {m: tensors[t] for m, t in steps[i].input_map.items()}
+                    if i in self._plan.fan_out:
+                        call = self._fan_out(i, inputs, outer)
+                    else:
+                        call = self._step(i, inputs, outer)
+                    running[asyncio.ensure_future(call)] = i
                 done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     i = running.pop(task)
-                    response = task.result()  # the step's error fails the request
+                    outputs = task.result()  # the step's error fails the request
                     for model_out, tensor in steps[i].output_map.items():
-                        tensors[tensor] = response.outputs[model_out]
+                        tensors[tensor] = outputs[model_out]
         finally:
             # a step failed (or the caller went away): the others' results are not
             # needed; cancelling takes them out of their batchers' queues, and waiting
             # keeps a reference until they are done
-            for task in running:
-                task.cancel()
-            if running:
-                await asyncio.gather(*running, return_exceptions=True)
+            await _cancel(running)
         return tensors
+
+    async def _step(
+        self, i: int, inputs: dict[str, np.ndarray], outer: InferenceRequest
+    ) -> dict[str, np.ndarray]:
+        """One request to step ``i``'s model; its outputs by the model's names."""
+        step = self.config.ensemble_steps[i]
+        model = self._resolve(step.model_name, step_version(step))
+        request = InferenceRequest(
+            step.model_name,
+            inputs,
+            outputs=tuple(step.output_map),
+            # a stateful step sees the ensemble request's sequence (Triton's)
+            sequence_id=outer.sequence_id,
+            sequence_start=outer.sequence_start,
+            sequence_end=outer.sequence_end,
+        )
+        return (await model.infer(request)).outputs
+
+    async def _fan_out(
+        self, i: int, inputs: dict[str, np.ndarray], outer: InferenceRequest
+    ) -> dict[str, np.ndarray]:
+        """Step ``i`` over the rows of its inputs: chunks of at most the model's
+        ``max_batch_size`` rows, each its own request, outputs joined in row order."""
+        step = self.config.ensemble_steps[i]
+        where = f"ensemble '{self.config.name}' step {i} (model '{step.model_name}')"
+        counts = {int(a.shape[0]) if a.ndim else -1 for a in inputs.values()}
+        if len(counts) != 1 or -1 in counts:
+            shapes = {name: list(a.shape) for name, a in inputs.items()}
+            raise invalid(f"{where}: its inputs must have the same number of rows, got {shapes}")
+        (rows,) = counts
+        if rows > self._plan.max_fan_out:
+            raise invalid(
+                f"{where}: {rows} rows to fan out, more than the {self._plan.max_fan_out} "
+                "one request may (parameters.max_fan_out of the ensemble)"
+            )
+        model = self._resolve(step.model_name, step_version(step))
+        if rows == 0:
+            return _no_rows(model.config, step)
+        chunk = max(1, model.config.batch_size)
+        calls = [
+            asyncio.ensure_future(
+                self._step(i, {n: a[start : start + chunk] for n, a in inputs.items()}, outer)
+            )
+            for start in range(0, rows, chunk)
+        ]
+        try:
+            parts = await asyncio.gather(*calls)
+        finally:
+            await _cancel(dict.fromkeys(calls, i))
+        if len(parts) == 1:
+            return parts[0]
+        joined = {}
+        for name in step.output_map:
+            pieces = [p[name] for p in parts]
+            if len({p.shape[1:] for p in pieces}) != 1:
+                raise invalid(
+                    f"{where}: output '{name}' has rows of different shapes across chunks "
+                    f"({sorted({p.shape[1:] for p in pieces})}); it cannot be joined"
+                )
+            joined[name] = np.concatenate(pieces)
+        return joined
+
+
+def _no_rows(config: ModelConfig, step: EnsembleStep) -> dict[str, np.ndarray]:
+    """A fan-out over no rows: each output empty, with its declared shape after the rows."""
+    specs = {t.name: t for t in config.outputs}
+    out = {}
+    for name in step.output_map:
+        spec = specs[name]
+        shape = (0, *(max(d, 0) for d in spec.dims))
+        out[name] = np.empty(shape, datatypes.to_numpy_dtype(spec.datatype))
+    return out
+
+
+async def _cancel(running: dict[Any, int]) -> None:
+    """Cancel the calls still running and wait until they are done."""
+    for task in running:
+        task.cancel()
+    if running:
+        await asyncio.gather(*running, return_exceptions=True)
