@@ -19,6 +19,7 @@ from typing import Any
 
 from appliance.config.fields import ConfigError
 from appliance.core.memory import fmt
+from appliance.core.repository import model_folder_hint
 
 log = logging.getLogger("appliance.server")
 
@@ -84,6 +85,9 @@ def report(
 ) -> None:
     """Log the outcome of the start-up loads; ConfigError when the budget admits nothing."""
     check_cgroup(memory_limit, cgroup_memory_max())
+    hint = model_folder_hint(repository)
+    if hint:
+        log.warning("%s", hint)
     no_room = all(_BUDGET in reason for reason in summary.failed.values())
     if summary.failed and summary.ready_versions == 0 and memory_limit is not None and no_room:
         raise ConfigError(

@@ -127,3 +127,22 @@ def test_example_configs_are_valid() -> None:
     example = yaml.safe_load((root / "models" / "mymodel" / "config.yaml").read_text())
     config = parse_model_config(example, "example", "models/mymodel/config.yaml")
     assert config.instance_count == 2 and config.dynamic_batching is not None
+
+
+def test_every_option_and_argument_of_every_command_has_help() -> None:
+    import argparse
+
+    from appliance.cli import build_parser
+
+    missing = []
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{path} {name}")
+            elif not isinstance(action, argparse._HelpAction) and not action.help:
+                missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(build_parser(), "appliance")
+    assert missing == []

@@ -119,3 +119,23 @@ def test_a_budget_above_the_cgroup_limit_is_warned_about(
     assert len(warnings) == 1 and "at most 384.0 MiB" in warnings[0]
     (tmp_path / "cgroup").write_text("0::/no/such/group\n")
     assert cgroup_memory_max(str(tmp_path / "cgroup")) is None
+
+
+def test_a_model_folder_given_as_the_repository_gets_a_hint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = modelgen.write_model(tmp_path, "simple", modelgen.simple_add_sub())
+    with caplog.at_level(logging.INFO, logger="appliance.server"):
+        assert _start_and_stop(folder) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    hint = f"{folder} looks like a model folder (it holds the version folder 1/)"
+    assert any(hint in w and f"such as {tmp_path}" in w for w in warnings), warnings
+    (folder / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\n')
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="appliance.server"):
+        assert _start_and_stop(folder) is None
+    assert any("(it holds config.pbtxt)" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="appliance.server"):
+        assert _start_and_stop(tmp_path) is None  # the repository itself: no hint
+    assert not any("looks like a model folder" in r.getMessage() for r in caplog.records)

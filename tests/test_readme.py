@@ -170,3 +170,18 @@ def test_command_lines_parse(index: int) -> None:
             parser.parse_args(argv[1:])
         except SystemExit as exc:  # argparse's way of refusing
             raise AssertionError(f"the command line refuses {line!r}") from exc
+
+
+def test_the_quoted_config_error_is_what_the_validator_says() -> None:
+    import yaml
+
+    from appliance.config.fields import ConfigError
+    from appliance.config.model_config import parse_model_config
+
+    found = re.search(r"`dims: (\[[^`]*\])` in `([^`]+)` gets\s+`([^`]+)`", README)
+    assert found, "the README's example of a config error"
+    dims, source, quoted = found.groups()
+    doc = yaml.safe_load(f"input: [{{name: a, data_type: TYPE_FP32, dims: {dims}}}]")
+    with pytest.raises(ConfigError) as error:
+        parse_model_config(doc, "det", source)
+    assert str(error.value) == quoted

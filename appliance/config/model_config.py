@@ -5,7 +5,7 @@ Model configs use Triton's field names: ``config.yaml``, or Triton's own
 Triton's published ``ModelConfig`` schema, then validated by the same code as
 YAML). Every error names the file, the field and what was expected, e.g.
 ``models/simple/config.yaml: input[0].dims: expected a list of integers >= -1,
-got 'x'``. A config may leave inputs, outputs and max_batch_size out;
+got ['x']`` for ``dims: [x]``. A config may leave inputs, outputs and max_batch_size out;
 :func:`appliance.config.completion.complete` fills them from what the engine
 declares, as Triton's auto-complete does.
 """

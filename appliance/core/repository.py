@@ -40,6 +40,28 @@ def model_names(repository: Path) -> list[str]:
     return sorted(p.name for p in repository.iterdir() if p.is_dir() and names.is_name(p.name))
 
 
+def model_folder_hint(repository: Path) -> str:
+    """A hint when ``repository`` looks like one model's folder, not a repository of
+    them (a model config in it, or version folders 1/, 2/ ...), else ""."""
+    try:
+        configs = [name for name in CONFIG_FILES if (repository / name).is_file()]
+        versions = sorted(
+            p.name
+            for p in repository.iterdir()
+            if p.is_dir() and names.version_folder(p.name) is not None
+        )
+    except OSError:
+        return ""
+    if not configs and not versions:
+        return ""
+    what = configs[0] if configs else f"the version folder {versions[0]}/"
+    return (
+        f"{repository} looks like a model folder (it holds {what}), not a model repository: "
+        f"point --model-repository (model_repository) at the folder that holds the model "
+        f"folders, such as {repository.parent}"
+    )
+
+
 def version_dirs(model_dir: Path) -> list[int]:
     """The model's version numbers; INVALID_ARG naming a folder that is not a number."""
     versions = []

@@ -199,6 +199,17 @@ def test_mqtt_config_defaults_overrides_and_errors(tmp_path: Path) -> None:
             load_server_config(None, overrides)
 
 
+def test_the_docs_state_the_default_topic_prefix() -> None:
+    import re
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "mqtt.md").read_text()
+    cfg = load_server_config(None, {"mqtt": {"host": "h", "device_id": "cam-gate-3"}}).mqtt
+    assert cfg is not None
+    stated = re.search(r"topic_prefix: \S+ +# default: (\S+) ", docs)
+    assert stated and stated.group(1) == cfg.topic_prefix
+    assert f"`{cfg.topic_prefix}/cam-gate-3/infer/<model>` by default" in docs
+
+
 def test_topics_forms_dedup_backoff_and_file_rules(tmp_path: Path) -> None:
     t = Topics("site/a", "cam1", "fleet")
     assert t.subscriptions() == [

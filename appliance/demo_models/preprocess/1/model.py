@@ -34,6 +34,12 @@ def preprocess(data: bytes, max_pixels: int) -> np.ndarray:
         raise pb_utils.TritonError(
             f"image is too large (more than {max_pixels} pixels)", pb_utils.TritonError.INVALID_ARG
         ) from None
+    except Image.UnidentifiedImageError:  # Pillow's text names its BytesIO object
+        raise pb_utils.TritonError(
+            f"not a readable JPEG or PNG image: {len(data)} bytes in no image format "
+            f"(they start {data[:8]!r})",
+            pb_utils.TritonError.INVALID_ARG,
+        ) from None
     except (OSError, SyntaxError, ValueError) as exc:  # what Pillow raises for bad data
         raise pb_utils.TritonError(
             f"not a readable JPEG or PNG image: {exc}", pb_utils.TritonError.INVALID_ARG
