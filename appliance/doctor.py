@@ -184,6 +184,7 @@ def check_repository(repository: Path) -> Check:
     from appliance.config.reader import load_model_config
     from appliance.core import repository as repo
     from appliance.core.loader import resolve_backend
+    from appliance.core.warmup import lower_bound
 
     if not repository.is_dir():
         return Check("models", FAIL, f"model repository {repository} is not a directory")
@@ -211,6 +212,9 @@ def check_repository(repository: Path) -> Check:
                     raise ValueError(f"backend {backend} is not installed: {hint}")
                 backends.add(backend)
             rows[name] = f"{', '.join(sorted(backends))}, version(s) {versions}"
+            lower = lower_bound(config)  # from the dims the config declares
+            if lower:
+                rows[name] += f"; memory is a lower bound: declare a model_warmup ({lower})"
         except (ApplianceError, ValueError) as exc:
             failed += 1
             rows[name] = f"WOULD FAIL: {exc}"

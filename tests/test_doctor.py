@@ -58,6 +58,22 @@ def test_a_healthy_setup_passes(tmp_path: Path) -> None:
     assert checks["platform"]["details"]["arch"]
 
 
+def test_a_model_whose_memory_would_be_a_lower_bound_is_named(tmp_path: Path) -> None:
+    repo = tmp_path / "models"
+    frame = modelgen.frame_mean()
+    dynamic = "input: [{name: frame, data_type: TYPE_UINT8, dims: [-1, -1, 3]}]\n"
+    modelgen.write_model(repo, "camera", frame, dynamic)
+    modelgen.write_model(repo, "fixed", frame, dynamic.replace("-1, -1", "480, 640"))
+    code, checks = _checks("--config", str(_config(tmp_path)))
+    rows = checks["models"]["details"]["models"]
+    assert code == 0 and checks["models"]["status"] == "ok"  # a note, not a failure
+    assert rows["camera"] == (
+        "onnxruntime, version(s) [1]; memory is a lower bound: declare a model_warmup "
+        "(input 'frame' [-1, -1, 3] is measured with each dynamic dim at 1)"
+    )
+    assert rows["fixed"] == "onnxruntime, version(s) [1]"
+
+
 def test_what_would_fail_to_load_is_named_with_the_reason(tmp_path: Path) -> None:
     repo = tmp_path / "models"
     modelgen.write_model(repo, "good", modelgen.simple_add_sub())

@@ -171,7 +171,7 @@ def lower_bound(config: ModelConfig, probe_failure: str = "") -> str:
     ]
     if not dynamic:
         return ""
-    return f"input {', '.join(dynamic)} was measured with each dynamic dim at 1"
+    return f"input {', '.join(dynamic)} is measured with each dynamic dim at 1"
 
 
 def run(backend: Backend, model: str, outputs: list[str], todo: list[Sample]) -> str:

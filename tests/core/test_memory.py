@@ -242,7 +242,7 @@ def test_a_dynamic_shape_or_a_failed_probe_is_named_a_lower_bound(
     }
     (dynamic,) = warnings["dynamic"]
     assert "memory is a lower bound: declare a model_warmup at your largest input" in dynamic
-    assert "input 'frame' [-1, -1, 3] was measured with each dynamic dim at 1" in dynamic
+    assert "input 'frame' [-1, -1, 3] is measured with each dynamic dim at 1" in dynamic
     (failed,) = warnings["needs_wide"]
     assert "memory is a lower bound" in failed
     assert "the implicit warm-up run failed (memory probe: " in failed and "below 8" in failed
