@@ -194,12 +194,13 @@ def test_a_diamond_dag_runs_in_dependency_order(run_appliance, tmp_path: Path) -
     assert int(simple["success"]["count"]) == 3  # each step went through the model
 
 
-async def _load_reason(repo: Path) -> str:
+async def load_reason(repo: Path, model: str = "pipe") -> str:
+    """Why ``model`` did not load when the repository started ("" when it did)."""
     server = load_server_config(None, {"model_repository": repo, "model_control_mode": "none"})
     lifecycle = ModelLifeCycle(repo, server)
     await lifecycle.start()
     try:
-        return lifecycle.entry("pipe").reason
+        return lifecycle.entry(model).reason
     finally:
         await lifecycle.stop(5)
 
@@ -268,7 +269,7 @@ ONE_OUT = "  - {name: OUT, data_type: TYPE_INT32, dims: [16]}\n"
     ],
 )
 def test_invalid_ensembles_are_config_errors(tmp_path: Path, config: str, message: str) -> None:
-    reason = asyncio.run(_load_reason(_repo(tmp_path, config)))
+    reason = asyncio.run(load_reason(_repo(tmp_path, config)))
     assert message in reason
     assert "pipe/config.yaml" in reason
 

@@ -15,9 +15,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from appliance.config.server_config import load_server_config
-from appliance.core.lifecycle import ModelLifeCycle
 from devtools import modelgen, ocr_models
+from tests.core.test_ensemble import load_reason
 
 
 def _repository(repo: Path, ocr_config: str = ocr_models.OCR_CONFIG) -> Path:
@@ -104,16 +103,6 @@ def test_more_rows_than_max_fan_out_is_refused_and_serving_goes_on(
     assert five["labels"].shape == (5, 1)
 
 
-async def _load_reason(repo: Path) -> str:
-    server = load_server_config(None, {"model_repository": repo, "model_control_mode": "none"})
-    lifecycle = ModelLifeCycle(repo, server)
-    await lifecycle.start()
-    try:
-        return lifecycle.entry("ocr").reason
-    finally:
-        await lifecycle.stop(5)
-
-
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -139,9 +128,23 @@ async def _load_reason(repo: Path) -> str:
 def test_fan_out_configs_that_cannot_work_are_config_errors(
     tmp_path: Path, change, message: str
 ) -> None:
-    reason = asyncio.run(_load_reason(_repository(tmp_path, change(ocr_models.OCR_CONFIG))))
+    reason = asyncio.run(load_reason(_repository(tmp_path, change(ocr_models.OCR_CONFIG)), "ocr"))
     assert message in reason
     assert "ocr/config.yaml" in reason
+
+
+def _one_step_ensemble(repo: Path, tensors: dict[str, str], step: str) -> None:
+    """``repo/ocr``: an ensemble of one step; ``tensors``: name -> "TYPE dims", the last
+    one its output."""
+    *inputs, output = (
+        f"{{name: {n}, data_type: {t.split()[0]}, dims: {t.split(' ', 1)[1]}}}"
+        for n, t in tensors.items()
+    )
+    (repo / "ocr" / "1").mkdir(parents=True)
+    (repo / "ocr" / "config.yaml").write_text(
+        f"platform: ensemble\nmax_batch_size: 0\ninput: [{', '.join(inputs)}]\n"
+        f"output: [{output}]\nensemble_scheduling:\n  step:\n    - {step}\n"
+    )
 
 
 def test_rows_fan_out_only_to_a_batching_model_and_every_input_needs_them(
@@ -149,31 +152,20 @@ def test_rows_fan_out_only_to_a_batching_model_and_every_input_needs_them(
 ) -> None:
     fixed = tmp_path / "fixed"  # a model of one fixed shape [4] cannot take N rows
     modelgen.write_model(fixed, "add", modelgen.no_batch_add((4,)))
-    (fixed / "ocr" / "1").mkdir(parents=True)
-    (fixed / "ocr" / "config.yaml").write_text(
-        "platform: ensemble\nmax_batch_size: 0\n"
-        "input:\n"
-        "  - {name: A, data_type: TYPE_FP32, dims: [-1, 4]}\n"
-        "  - {name: B, data_type: TYPE_FP32, dims: [-1, 4]}\n"
-        "output: [{name: SUM, data_type: TYPE_FP32, dims: [-1, 4]}]\n"
-        "ensemble_scheduling:\n  step:\n"
-        "    - {model_name: add, input_map: {A: A, B: B}, output_map: {SUM: SUM}}\n"
+    _one_step_ensemble(
+        fixed,
+        {"A": "TYPE_FP32 [-1, 4]", "B": "TYPE_FP32 [-1, 4]", "SUM": "TYPE_FP32 [-1, 4]"},
+        "{model_name: add, input_map: {A: A, B: B}, output_map: {SUM: SUM}}",
     )
-    reason = asyncio.run(_load_reason(fixed))
+    reason = asyncio.run(load_reason(fixed, "ocr"))
     assert "its leading dim of rows can fan out only to a model that batches" in reason
 
     other = tmp_path / "mixed"
     modelgen.write_model(other, "simple", modelgen.simple_add_sub(), modelgen.SIMPLE_CONFIG)
-    (other / "ocr" / "1").mkdir(parents=True)
-    (other / "ocr" / "config.yaml").write_text(
-        "platform: ensemble\nmax_batch_size: 0\n"
-        "input:\n"
-        "  - {name: A, data_type: TYPE_INT32, dims: [-1, 16]}\n"
-        "  - {name: B, data_type: TYPE_INT32, dims: [16]}\n"
-        "output: [{name: OUT, data_type: TYPE_INT32, dims: [-1, 16]}]\n"
-        "ensemble_scheduling:\n  step:\n"
-        "    - {model_name: simple, input_map: {INPUT0: A, INPUT1: B}, "
-        "output_map: {OUTPUT0: OUT}}\n"
+    _one_step_ensemble(
+        other,
+        {"A": "TYPE_INT32 [-1, 16]", "B": "TYPE_INT32 [16]", "OUT": "TYPE_INT32 [-1, 16]"},
+        "{model_name: simple, input_map: {INPUT0: A, INPUT1: B}, output_map: {OUTPUT0: OUT}}",
     )
-    reason = asyncio.run(_load_reason(other))
+    reason = asyncio.run(load_reason(other, "ocr"))
     assert "gets the rows of ['INPUT0'] as its batch, but input(s) ['INPUT1']" in reason
