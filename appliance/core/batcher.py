@@ -36,6 +36,7 @@ from appliance.core.batching import (
     decide,
     failed_batch,
     run_batch,
+    wake_rows,
 )
 from appliance.core.instances import InstanceGroup
 from appliance.core.stats import ModelStats
@@ -88,7 +89,9 @@ class DynamicBatcher:
         self._stats = stats
         self._loop = asyncio.get_running_loop()
         self._queue: deque[_Pending] = deque()
+        self._wake_rows = wake_rows(policy)
         self._ready = threading.Condition(threading.Lock())  # guards everything below
+        self._queued_rows = 0  # the rows of every queued request
         self._running: dict[int, list[_Pending]] = {}  # instance index -> its batch
         self._accepting = True
         self._halted = False  # stop() gave up: instances take nothing more
@@ -137,9 +140,14 @@ class DynamicBatcher:
         if timeout_s:
             item.timer = self._loop.call_later(timeout_s, self._expire, item, timeout_s)
         with self._ready:
+            was_empty = not self._queue
             self._queue.append(item)
+            self._queued_rows += rows
             self._stats.pending = len(self._queue)
-            self._ready.notify()
+            # an instance waiting out the delay is woken only when this arrival can
+            # change its decision (batching.wake_rows), not for every request
+            if was_empty or self._queued_rows >= self._wake_rows:
+                self._ready.notify()
         try:
             return await item.future
         except asyncio.CancelledError:
@@ -167,6 +175,7 @@ class DynamicBatcher:
                 self._queue.remove(item)
             except ValueError:
                 return False  # already executing: its delivery skips the done future
+            self._queued_rows -= item.rows
             self._stats.pending = len(self._queue)
         return True
 
@@ -213,6 +222,7 @@ class DynamicBatcher:
             chosen = set(positions)
             items = [self._queue[i] for i in positions]
             self._queue = deque(x for i, x in enumerate(self._queue) if i not in chosen)
+        self._queued_rows -= sum(it.rows for it in items)
         self._stats.pending = len(self._queue)
         self._running[index] = items
         if self._queue:
@@ -282,6 +292,7 @@ class DynamicBatcher:
         request an instance is still running with that)."""
         with self._ready:
             queued, self._queue = list(self._queue), deque()
+            self._queued_rows = 0
             busy = [it for items in self._running.values() for it in items]
             self._stats.pending = 0
         failed = [(it, error) for it in queued]

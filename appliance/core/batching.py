@@ -106,6 +106,24 @@ def decide(queue: Iterable[Queued], now: float, policy: BatchPolicy) -> Decision
     return Decision(wait_s=head.arrival + delay - now)
 
 
+def wake_rows(policy: BatchPolicy) -> int:
+    """The queued rows (of any shape) from which an arrival can change the decision of
+    an instance waiting out the oldest request's delay.
+
+    Before the delay runs out, :func:`decide` sends only a batch that is full, blocked
+    by a request that does not fit, or at a preferred size; each needs at least this
+    many rows queued. Below it an arrival leaves a waiting instance asleep until the
+    delay runs out (or an arrival reaches it): one wake-up per batch instead of one per
+    request, each of which costs the waking thread the GIL. An arrival into an empty
+    queue always wakes an idle instance (it starts the delay).
+    """
+    if not policy.dynamic or policy.max_batch_size <= 0:
+        return 1  # every request is a batch of its own
+    limit = policy.max_batch_size
+    reachable = [size for size in policy.preferred_batch_sizes if 0 < size <= limit]
+    return min(reachable) if reachable else limit
+
+
 @dataclass(slots=True)
 class BatchResult:
     """What one request gets back: its slice of the outputs and the batch timings."""
