@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from appliance.core.batcher import DynamicBatcher
-from appliance.core.batching import BatchPolicy, BatchResult, Decision, decide
+from appliance.core.batching import BatchPolicy, BatchResult, Decision, decide, wake_rows
 from appliance.core.instances import InstanceGroup
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, Code, FailureReason
@@ -118,6 +118,45 @@ def test_decide_preferred_sizes_follow_triton() -> None:
 def test_decide_without_delay_sends_what_is_there() -> None:
     policy = BatchPolicy(max_batch_size=8, max_queue_delay_s=0.0, dynamic=True)
     assert decide([Item(), Item(rows=2)], 0.0, policy).send == (0, 1)
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        DYNAMIC,
+        BatchPolicy(
+            max_batch_size=8, preferred_batch_sizes=(4, 6), max_queue_delay_s=1.0, dynamic=True
+        ),
+        BatchPolicy(
+            max_batch_size=8, preferred_batch_sizes=(3, 16), max_queue_delay_s=1.0, dynamic=True
+        ),
+        BatchPolicy(
+            max_batch_size=4, preferred_batch_sizes=(9,), max_queue_delay_s=1.0, dynamic=True
+        ),
+    ],
+)
+def test_below_wake_rows_no_arrival_changes_a_waiting_decision(policy: BatchPolicy) -> None:
+    # the batcher wakes an instance that waits out the delay only from wake_rows queued
+    # rows on: below that, decide() must still say "wait" whatever the queue holds
+    rows = wake_rows(policy)
+    assert 1 <= rows <= policy.max_batch_size
+    for shapes in ([1] * (rows - 1), [rows - 1], [1, rows - 2] if rows > 2 else [1]):
+        queue = [Item(rows=n) for n in shapes if n > 0]
+        for mixed in (queue, [*queue[:1], *(Item(rows=n, signature="b") for n in shapes[1:])]):
+            if mixed:
+                assert decide(mixed, 0.0, policy).send == ()
+    # and at wake_rows of one shape the decision can change before the delay ran out
+    assert decide([Item()] * rows, 0.0, policy).send != ()
+
+
+def test_wake_rows_follow_the_policy() -> None:
+    assert wake_rows(DYNAMIC) == 8  # no preferred size: only a full batch goes early
+    prefs = BatchPolicy(
+        max_batch_size=8, preferred_batch_sizes=(6, 4), max_queue_delay_s=1.0, dynamic=True
+    )
+    assert wake_rows(prefs) == 4  # the smallest preferred size
+    assert wake_rows(BatchPolicy(max_batch_size=8)) == 1  # not dynamic: every request
+    assert wake_rows(BatchPolicy(max_batch_size=0, dynamic=True)) == 1
 
 
 # ---- DynamicBatcher with fake backends ------------------------------------------------
