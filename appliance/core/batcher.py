@@ -33,6 +33,7 @@ from appliance.core.batching import (
     BatchPolicy,
     BatchResult,
     answer,
+    catch_up,
     decide,
     failed_batch,
     run_batch,
@@ -93,6 +94,8 @@ class DynamicBatcher:
         self._ready = threading.Condition(threading.Lock())  # guards everything below
         self._queued_rows = 0  # the rows of every queued request
         self._running: dict[int, list[_Pending]] = {}  # instance index -> its batch
+        # instance index -> when it finished a batch whose answers the loop has not taken
+        self._undelivered: dict[int, float] = {}
         self._accepting = True
         self._halted = False  # stop() gave up: instances take nothing more
         self._serving = [
@@ -205,10 +208,22 @@ class DynamicBatcher:
                     now = time.monotonic() if self._accepting else math.inf
                     decision = decide(self._queue, now, self.policy)
                     if decision.send:
-                        return self._pop(index, decision.send)
-                    if decision.wait_s is not None:
+                        catch_up = self._catch_up_s(index, decision.send)
+                        if catch_up <= 0:
+                            return self._pop(index, decision.send)
+                        wait_s = min(wait_s, catch_up)
+                    elif decision.wait_s is not None:
                         wait_s = min(wait_s, decision.wait_s)
                 self._ready.wait(wait_s)
+
+    def _catch_up_s(self, index: int, send: tuple[int, ...]) -> float:
+        """How long this instance holds the batch ``send`` for the loop to take its last
+        answers (:func:`appliance.core.batching.catch_up`); 0 when stopping."""
+        since = self._undelivered.get(index)
+        if since is None or not self._accepting:
+            return 0.0
+        rows = sum(self._queue[i].rows for i in send)
+        return catch_up(self.policy, rows, since, time.monotonic())
 
     def _abandoned(self) -> bool:
         """Nobody will ever stop this batcher: its event loop is closed, or the
@@ -248,8 +263,9 @@ class DynamicBatcher:
                 outcome = exc
             with self._ready:
                 self._running.pop(index, None)
+                self._undelivered[index] = time.monotonic()
             try:
-                self._loop.call_soon_threadsafe(self._deliver, items, outcome, start_ns)
+                self._loop.call_soon_threadsafe(self._deliver, items, outcome, start_ns, index)
             except RuntimeError:  # the event loop is gone: nobody is waiting any more
                 return
             del items, outcome  # the inputs are not held while waiting for the next batch
@@ -264,7 +280,12 @@ class DynamicBatcher:
 
     # ---- the event loop's side -----------------------------------------------------------
 
-    def _deliver(self, items: list[_Pending], outcome: _Outcome, start_ns: int) -> None:
+    def _deliver(
+        self, items: list[_Pending], outcome: _Outcome, start_ns: int, index: int
+    ) -> None:
+        with self._ready:
+            if self._undelivered.pop(index, None) is not None:
+                self._ready.notify_all()  # the instance may hold a batch for this
         for it in items:
             if it.timer is not None:
                 it.timer.cancel()

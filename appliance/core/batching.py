@@ -124,6 +124,23 @@ def wake_rows(policy: BatchPolicy) -> int:
     return min(reachable) if reachable else limit
 
 
+def catch_up(policy: BatchPolicy, rows: int, since: float, now: float) -> float:
+    """How long an instance holds a batch of ``rows`` that :func:`decide` would send,
+    while the event loop has not yet taken the answers the instance handed it at
+    monotonic time ``since``: the rest of the queue delay from then (0: send now).
+
+    A loop with answers to hand out has requests to read too: a batch taken the moment
+    the instance is idle leaves those for the next one, a whole execution later (under
+    load, small batches back to back while the loop falls behind). Holding it until the
+    loop took the answers (it wakes the instance then), within the delay the config
+    grants for fuller batches, lets them in. A full batch, or no delay, goes at once.
+    """
+    delay = policy.max_queue_delay_s
+    if delay <= 0 or not policy.dynamic or rows >= policy.max_batch_size:
+        return 0.0
+    return max(0.0, since + delay - now)
+
+
 @dataclass(slots=True)
 class BatchResult:
     """What one request gets back: its slice of the outputs and the batch timings."""

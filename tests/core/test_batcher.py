@@ -21,7 +21,14 @@ import numpy as np
 import pytest
 
 from appliance.core.batcher import DynamicBatcher
-from appliance.core.batching import BatchPolicy, BatchResult, Decision, decide, wake_rows
+from appliance.core.batching import (
+    BatchPolicy,
+    BatchResult,
+    Decision,
+    catch_up,
+    decide,
+    wake_rows,
+)
 from appliance.core.instances import InstanceGroup
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, Code, FailureReason
@@ -147,6 +154,15 @@ def test_below_wake_rows_no_arrival_changes_a_waiting_decision(policy: BatchPoli
                 assert decide(mixed, 0.0, policy).send == ()
     # and at wake_rows of one shape the decision can change before the delay ran out
     assert decide([Item()] * rows, 0.0, policy).send != ()
+
+
+def test_catch_up_holds_a_partial_batch_for_the_rest_of_the_delay_only() -> None:
+    # answers handed to the loop at t=10.0; DYNAMIC: max_batch_size 8, delay 1 s
+    assert catch_up(DYNAMIC, 3, since=10.0, now=10.25) == pytest.approx(0.75)
+    assert catch_up(DYNAMIC, 3, since=10.0, now=11.5) == 0.0  # the delay ran out: send
+    assert catch_up(DYNAMIC, 8, since=10.0, now=10.25) == 0.0  # full: nothing can join
+    assert catch_up(BatchPolicy(max_batch_size=8, dynamic=True), 1, 10.0, 10.0) == 0.0  # no delay
+    assert catch_up(BatchPolicy(max_batch_size=8, max_queue_delay_s=1.0), 1, 10.0, 10.0) == 0.0
 
 
 def test_wake_rows_follow_the_policy() -> None:
