@@ -1,13 +1,17 @@
 """Dynamic batching: one bounded queue per model version, served by its instances'
 own threads.
 
-As in Triton's dynamic batcher, each instance's thread is its own scheduler: it
-takes the next batch from the queue the moment it is idle (the decision is
+As in Triton's dynamic batcher, each instance's thread is its own scheduler: when
+idle it takes the next batch from the queue (the decision is
 :func:`appliance.core.batching.decide`), runs it, hands the results to the event
-loop in one call and goes straight back to the queue. The event loop only
-appends requests (``submit``) and resolves futures (one callback per batch); it
-never wakes a scheduler task, creates a task per batch or waits for a thread to
-pick work up, so an instance runs back to back however busy the loop is.
+loop in one call and goes back to the queue. The event loop only appends requests
+(``submit``) and resolves futures (one callback per batch); it never wakes a
+scheduler task, creates a task per batch or waits for a thread to pick work up, so
+an instance runs back to back however busy the loop is. Two rules from
+:mod:`appliance.core.batching` shape the tail: an arrival wakes an instance waiting
+out the delay only when it can change the decision (``wake_rows``), and a batch that
+is not full waits, within the queue delay, for the loop to take the instance's last
+answers (``catch_up``): the requests the loop reads meanwhile ride it.
 
 Concurrency contract: the queue and the in-flight lists are guarded by one lock;
 each request's future is resolved on the event loop by exactly one party, the
