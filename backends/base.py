@@ -42,8 +42,14 @@ class BackendOptions:
     instance_index: int = 0
     instance_count: int = 1
     kind: str = "KIND_CPU"
-    # threads this instance may use for one inference (its share of the cores)
+    # threads this instance may use for one inference in an engine of its own (its
+    # share of the cores)
     threads: int = 1
+    # threads of an engine the instances of one copy share (ONNX Runtime's shared
+    # session), whichever of them are busy: every usable core unless the config pins
+    # intra_op_thread_count. 0: ``threads``. Never sent to a worker process, whose
+    # engine is its own.
+    shared_threads: int = 0
     parameters: dict[str, str] = field(default_factory=dict)
     # the config's max_batch_size; None when the config leaves it to auto-complete.
     # Engines with fixed shapes use it: OpenVINO reshapes a static batch dim, TensorRT

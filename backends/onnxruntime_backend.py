@@ -5,10 +5,13 @@ thread-safe): the first instance builds it, the others each run it from their ow
 thread, so weights are held once and each further instance costs only its working
 memory. The session is keyed by ``BackendOptions.share_group`` and freed with the
 last instance; ``parameters: {share_session: false}`` gives each instance its own.
-The intra-op pool is sized to the instance's share of the cores
-(``BackendOptions.threads``), so N instances on a small device don't oversubscribe
-it. Spinning is off: a spinning pool burns the core another instance (or the event
-loop) needs.
+A shared session's intra-op pool has every usable core
+(``BackendOptions.shared_threads``): the instances' runs draw on that one pool, so a
+lone busy instance runs at full speed and N busy ones share the cores instead of each
+being held to a 1/N slice; a session of its own (``share_session: false``, or each
+instance in its own process) gets the instance's share (``BackendOptions.threads``), so
+N instances don't oversubscribe the device. Spinning is off: a spinning pool burns the
+core another instance (or the event loop) needs.
 
 Execution providers follow the instance group's kind (:func:`select_providers`):
 KIND_CPU runs on the CPU; KIND_GPU on CUDA, or on TensorRT with
@@ -153,8 +156,14 @@ class OnnxRuntimeBackend:
     """One model instance: its own thread's handle on a (shared) ONNX Runtime session."""
 
     def __init__(self, options: BackendOptions) -> None:
+        model = options.model_name
+        share = Parameters(model, options.parameters).flag(("share_session",), True)
+        shared = share and bool(options.share_group)
+        self.threads = max(
+            1, (options.shared_threads or options.threads) if shared else options.threads
+        )
         so = ort.SessionOptions()
-        so.intra_op_num_threads = max(1, options.threads)
+        so.intra_op_num_threads = self.threads
         so.inter_op_num_threads = 1
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         # never spin: a spinning pool burns the cores the event loop (HTTP decoding) and
@@ -164,7 +173,6 @@ class OnnxRuntimeBackend:
         so.graph_optimization_level = getattr(
             ort.GraphOptimizationLevel, level, ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         )
-        model = options.model_name
         providers = select_providers(
             options.kind,
             options.parameters,
@@ -183,9 +191,8 @@ class OnnxRuntimeBackend:
                 provider_options=[opts for _, opts in providers],
             )
 
-        share = Parameters(model, options.parameters).flag(("share_session",), True)
         self._lease: Lease[ort.InferenceSession] | None = None
-        if share and options.share_group:
+        if shared:
             key = (options.share_group, file_identity(options.model_path))
             self._lease = _SESSIONS.acquire(key, build)
             self._session = self._lease.value

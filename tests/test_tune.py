@@ -18,9 +18,10 @@ import yaml
 
 from appliance.config.model_config import parse_model_config
 from appliance.config.triton_config import pbtxt_to_dict
+from appliance.core.instances import cpu_share
 from appliance.errors import ApplianceError
 from appliance.perf.command import new_loop
-from appliance.perf.tune import Options, candidate, render, tune
+from appliance.perf.tune import Options, candidate, render, split_threads, tune
 from devtools import modelgen
 
 
@@ -117,6 +118,15 @@ def test_candidates_and_pbtxt_output() -> None:
     assert cfg["dynamic_batching"]["preferred_batch_size"] == [2, 4, 8, 16]
     assert cfg["instance_group"] == [{"kind": "KIND_CPU", "count": 3}]
     assert base["max_batch_size"] == 8  # the running config is not changed in place
+    # several ONNX Runtime instances: the "fixed slice each" way to share the cores too
+    assert split_threads("onnxruntime", 2, base) == cpu_share(2)
+    assert split_threads("onnxruntime", 1, base) == 0  # one instance has all the cores
+    assert split_threads("openvino", 2, base) == 0  # OpenVINO shares its streams itself
+    pinned = {**base, "parameters": {"intra_op_thread_count": "3"}}
+    assert split_threads("onnxruntime", 2, pinned) == 0  # the config decides
+    label, sliced = candidate(base, "onnxruntime", 8, "max", 100, 2, split=1)
+    assert label == "onnxruntime n=2 threads=1 each mbs=8 pref=max delay=100us"
+    assert sliced["parameters"] == {"intra_op_thread_count": "1"}
     text = render(cfg, "pbtxt", "tuned")
     back = pbtxt_to_dict(text, "tuned.pbtxt")
     parsed = parse_model_config(back, "m", "tuned.pbtxt")

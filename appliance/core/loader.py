@@ -125,15 +125,20 @@ def declared_tensors(
     return specs(config.inputs, implicit_inputs(sb)), specs(config.outputs, implicit_outputs(sb))
 
 
-def thread_share(config: ModelConfig) -> int:
-    """Intra-op threads per instance: ``parameters.intra_op_thread_count``, else an
-    equal share of the cores among the requested instances."""
+def thread_share(config: ModelConfig) -> tuple[int, int]:
+    """Intra-op threads (for an engine of each instance's own, for one engine the
+    instances share). ``parameters.intra_op_thread_count`` pins both. Else engines of
+    their own split the cores equally (N of them run at once on their own pools), and
+    a shared engine gets every core: its one pool serves whichever instances are busy,
+    so a lone busy instance runs on all the cores and N busy ones share them."""
     pinned = Parameters(config.name, config.parameters).integer(("intra_op_thread_count",), 0)
-    return pinned or cpu_share(config.instance_count)
+    if pinned:
+        return pinned, pinned
+    return cpu_share(config.instance_count), cpu_share(1)
 
 
 def backend_factory(
-    config: ModelConfig, backend: str, path: Path, threads: int, share_group: str
+    config: ModelConfig, backend: str, path: Path, threads: tuple[int, int], share_group: str
 ) -> Callable[[int], backends.Backend]:
     """Instance index -> a new backend object built with this version's options."""
     declared_in, declared_out = declared_tensors(config)
@@ -149,7 +154,8 @@ def backend_factory(
                 instance_index=index,
                 instance_count=config.instance_count,
                 kind=kind,
-                threads=threads,
+                threads=threads[0],
+                shared_threads=threads[1],
                 parameters=config.parameters,
                 max_batch_size=config.max_batch_size,
                 share_group=share_group,
@@ -249,7 +255,8 @@ async def load_model_version(
         config.name,
         version,
         count,
-        threads,
+        # what the engine reports (a shared ONNX Runtime session: its pool), else the share
+        getattr(admitted.group.instances[0].backend, "threads", threads[0]),
         backend,
         completed.batch_size,
         memory.fmt(admitted.held.total),

@@ -9,7 +9,10 @@ override), measured with ``appliance perf``, and the model's measured memory is
 read from its statistics. The search is pruned, not exhaustive: instance counts
 grow only while throughput rises (by 5 %) and stop when the server refuses a copy
 (memory budget) or ``--memory-budget`` is exceeded; a larger max batch size is
-not tried once a smaller one was no faster at one instance. At the end the
+not tried once a smaller one was no faster at one instance. With several ONNX
+Runtime instances both ways of sharing the cores are tried: one pool of every core
+that whichever instances are busy draw on (the server's default) and a fixed
+``cores / N`` each (``intra_op_thread_count``; the cores are this machine's). At the end the
 config that served before is loaded again, unless ``--apply`` loads the winner.
 The winner is written as YAML, or as ``config.pbtxt`` text for a Triton
 repository (``--output *.pbtxt``).
@@ -29,6 +32,7 @@ import orjson
 import yaml
 
 from appliance.config.fields import parse_limit
+from appliance.core.instances import cpu_share
 from appliance.errors import ApplianceError, invalid
 from appliance.perf.command import Settings, new_loop, run
 from appliance.perf.httpclient import Admin, model_path
@@ -76,9 +80,16 @@ class Options:
 
 
 def candidate(
-    base: dict[str, Any], backend: str, mbs: int, preferred: str, delay: int, n: int
+    base: dict[str, Any],
+    backend: str,
+    mbs: int,
+    preferred: str,
+    delay: int,
+    n: int,
+    split: int = 0,
 ) -> tuple[str, dict[str, Any]]:
-    """The model's running config with the searched fields set."""
+    """The model's running config with the searched fields set; ``split``: that many
+    intra-op threads per instance (else the server's rule: one shared pool)."""
     cfg = copy.deepcopy(base)
     if backend != cfg.get("backend"):
         cfg["backend"] = backend
@@ -91,10 +102,22 @@ def candidate(
         db["max_queue_delay_microseconds"] = delay
     groups = cfg.get("instance_group") or [{"kind": "KIND_CPU"}]
     cfg["instance_group"] = [{**{k: v for k, v in groups[0].items() if k != "name"}, "count": n}]
-    label = f"{backend} n={n}"
+    if split:
+        cfg["parameters"] = {**(cfg.get("parameters") or {}), "intra_op_thread_count": str(split)}
+    label = f"{backend} n={n}" + (f" threads={split} each" if split else "")
     if int(base.get("max_batch_size", 0)) > 0:
         label += f" mbs={mbs} pref={preferred} delay={delay}us"
     return label, cfg
+
+
+def split_threads(backend: str, n: int, base: dict[str, Any]) -> int:
+    """Intra-op threads per instance for the "fixed slice each" trial of ``n`` ONNX
+    Runtime instances (0: nothing to try: one instance, another engine, or a config
+    that pins the threads itself)."""
+    params = base.get("parameters") or {}
+    if n < 2 or backend != "onnxruntime" or "intra_op_thread_count" in params:
+        return 0
+    return cpu_share(n)
 
 
 def _memory(stats: dict[str, Any] | None) -> int:
@@ -202,9 +225,14 @@ class Tuner:
             if t.status in ("refused", "over-budget", "failed"):
                 return first  # out of memory (or the backend cannot run it): stop growing
             first = first or t
-            if n > 1 and t.throughput < last * GROWTH:
+            best = t.throughput
+            split = split_threads(backend, n, base)
+            if split:  # the other way to share the cores: a fixed slice each
+                s = await self._try(*candidate(base, backend, mbs, pref, delay, n, split))
+                best = max(best, s.throughput)
+            if n > 1 and best < last * GROWTH:
                 break  # throughput stopped rising
-            last = t.throughput
+            last = best
         return first
 
     async def _restore(self, base: dict[str, Any]) -> None:

@@ -115,3 +115,48 @@ def test_cuda_provider_agrees_with_the_cpu(tmp_path: Path) -> None:
     finally:
         cpu.close()
         gpu.close()
+
+
+def _pool(backend: object) -> int:
+    """The intra-op pool the instance's session really has."""
+    session = backend._session  # type: ignore[attr-defined]
+    return int(session.get_session_options().intra_op_num_threads)
+
+
+def test_instances_sharing_a_session_draw_on_every_core_and_own_sessions_split(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "m" / "1" / "model.onnx"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(modelgen.identity("FP32", [-1]))
+    made = []
+    try:
+        # two instances of one copy share a session: its pool has every core (4), so a
+        # lone busy instance is not held to its half (2)
+        shared = [
+            backends.create(
+                "onnxruntime",
+                BackendOptions(path, i, 2, threads=2, shared_threads=4, share_group="copy"),
+            )
+            for i in range(2)
+        ]
+        made += shared
+        assert shared[0]._session is shared[1]._session  # type: ignore[attr-defined]
+        assert [_pool(b) for b in shared] == [4, 4] and [b.threads for b in shared] == [4, 4]  # type: ignore[attr-defined]
+        # sessions of their own (share_session: false): each keeps its share
+        own = backends.create(
+            "onnxruntime",
+            BackendOptions(
+                path, 0, 2, threads=2, shared_threads=4, share_group="other",
+                parameters={"share_session": "false"},
+            ),
+        )  # fmt: skip
+        made.append(own)
+        assert _pool(own) == 2
+        # no copy to share (a worker process): its share
+        alone = backends.create("onnxruntime", BackendOptions(path, threads=2))
+        made.append(alone)
+        assert _pool(alone) == 2
+    finally:
+        for b in made:
+            b.close()

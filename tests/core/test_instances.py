@@ -12,9 +12,11 @@ from typing import TypeVar
 import numpy as np
 import pytest
 
+from appliance.config.model_config import ModelConfig, parse_model_config
 from appliance.core.batcher import DynamicBatcher
 from appliance.core.batching import BatchPolicy
 from appliance.core.instances import InstanceGroup, cpu_share
+from appliance.core.loader import thread_share
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, Code
 from backends.base import TensorSpec
@@ -159,3 +161,14 @@ def test_cpu_share_splits_the_usable_cores_and_is_at_least_one(
         assert 1 <= cpu_share(count) <= cpu_share(1)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     assert [cpu_share(n) for n in (0, 1, 2, 3, 4, 8, 9, 64)] == [8, 8, 4, 2, 2, 1, 1, 1]
+
+
+def test_thread_share_gives_a_shared_engine_every_core_unless_pinned() -> None:
+    def cfg(data: dict[str, object]) -> ModelConfig:
+        return parse_model_config({"backend": "onnxruntime", **data}, "m", "m/config.yaml")
+
+    two = cfg({"instance_group": [{"count": 2, "kind": "KIND_CPU"}]})
+    assert thread_share(two) == (cpu_share(2), cpu_share(1))  # own engines split, a shared one not
+    assert thread_share(cfg({})) == (cpu_share(1), cpu_share(1))
+    pinned = cfg({"instance_group": [{"count": 2}], "parameters": {"intra_op_thread_count": "3"}})
+    assert thread_share(pinned) == (3, 3)
