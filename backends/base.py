@@ -68,11 +68,17 @@ class BackendOptions:
     outputs: tuple[TensorSpec, ...] = ()
     model_config: str = ""
     config_source: str = ""  # the config file, for error messages
+    # the private key that opens sealed model files (backends/sealed.py); None: none
+    key_file: Path | None = None
 
     @property
     def model_name(self) -> str:
         """The model's name (``<repository>/<model>/<version>/<file>``)."""
         return self.model_path.parent.parent.name
+
+
+# the first bytes of a sealed (encrypted at rest) model file: backends/sealed.py
+SEALED_MAGIC = b"APLSEAL1"
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ import numpy as np
 import onnxruntime as ort
 
 from appliance.errors import invalid
+from backends import sealed
 from backends.base import BackendOptions, TensorSpec, check_inputs
 from backends.parameters import Parameters
 from backends.shared import Lease, SharedCache, file_identity
@@ -152,6 +153,13 @@ def select_providers(
     return providers
 
 
+def _without_engine_cache(providers: ProviderList) -> ProviderList:
+    """TensorRT's engine cache would write the model, compiled, to disk: off for a
+    sealed model (whose engine is then built at each load)."""
+    trt = PROVIDERS["tensorrt"]
+    return [(n, {**o, "trt_engine_cache_enable": "False"} if n == trt else o) for n, o in providers]
+
+
 class OnnxRuntimeBackend:
     """One model instance: its own thread's handle on a (shared) ONNX Runtime session."""
 
@@ -184,11 +192,15 @@ class OnnxRuntimeBackend:
             log.info("model '%s': ONNX Runtime providers %s", model, [n for n, _ in providers])
 
         def build() -> ort.InferenceSession:
+            # a sealed file opens into memory; TensorRT's engine cache would put the
+            # model on disk, so a sealed model's engine is built each time instead
+            data = sealed.read_model(options.model_path, options.key_file)
+            chosen = providers if data is None else _without_engine_cache(providers)
             return ort.InferenceSession(
-                str(options.model_path),
+                data if data is not None else str(options.model_path),
                 sess_options=so,
-                providers=[name for name, _ in providers],
-                provider_options=[opts for _, opts in providers],
+                providers=[name for name, _ in chosen],
+                provider_options=[opts for _, opts in chosen],
             )
 
         self._lease: Lease[ort.InferenceSession] | None = None

@@ -33,6 +33,7 @@ import numpy as np
 import openvino as ov
 
 from appliance.errors import invalid
+from backends import sealed
 from backends.base import BackendOptions, TensorSpec, check_inputs, engine_message
 from backends.parameters import Parameters
 from backends.shared import SharedCache, file_identity
@@ -233,8 +234,28 @@ def _specs(ports: list[ov.Output], read: list[str], model: str, kind: str) -> li
     ]
 
 
+def _read(core: ov.Core, path: Path, key_file: Path | None) -> ov.Model:
+    """The model as read from its file(s), a sealed one from memory (an IR's weights
+    as a tensor over the decrypted bytes): nothing decrypted is written anywhere."""
+    data = sealed.read_model(path, key_file)
+    if path.suffix != ".xml":
+        return core.read_model(data if data is not None else str(path))
+    weights_path = path.with_suffix(".bin")
+    weights = sealed.read_model(weights_path, key_file)
+    if data is None and weights is None:
+        return core.read_model(str(path))
+    xml = data if data is not None else path.read_bytes()
+    binary = weights if weights is not None else weights_path.read_bytes()
+    return core.read_model(xml, ov.Tensor(np.frombuffer(binary, np.uint8)))
+
+
 def _compile(
-    path: Path, s: OpenVinoSettings, max_batch: int, model: str, wanted: frozenset[str]
+    path: Path,
+    s: OpenVinoSettings,
+    max_batch: int,
+    model: str,
+    wanted: frozenset[str],
+    key_file: Path | None = None,
 ) -> _Compiled:
     started = time.perf_counter()
     core = _get_core()
@@ -248,7 +269,7 @@ def _compile(
         s.requests,
     )
     try:
-        ov_model = core.read_model(str(path))
+        ov_model = _read(core, path, key_file)
     except RuntimeError as exc:
         raise invalid(
             f"model '{model}': OpenVINO cannot read {path.name}: {engine_message(exc)}"
@@ -297,7 +318,8 @@ class OpenVinoBackend:
         # names the config declares: an output with several names is served by that one
         wanted = frozenset(spec.name for spec in (*options.inputs, *options.outputs))
         self._lease = _COMPILED.acquire(
-            key, lambda: _compile(path, self.settings, max_batch, self._model, wanted)
+            key,
+            lambda: _compile(path, self.settings, max_batch, self._model, wanted, options.key_file),
         )
         shared = self._lease.value
         try:

@@ -271,6 +271,7 @@ def options_to_wire(options: BackendOptions, drop: Collection[str]) -> dict[str,
     """``options`` as JSON values, without the parameters named in ``drop``."""
     out: dict[str, Any] = {name: getattr(options, name) for name in _OPTION_FIELDS}
     out["model_path"] = str(options.model_path)
+    out["key_file"] = str(options.key_file) if options.key_file else ""
     out["parameters"] = {k: v for k, v in options.parameters.items() if k not in drop}
     out["inputs"] = specs_to_wire(options.inputs)
     out["outputs"] = specs_to_wire(options.outputs)
@@ -281,6 +282,7 @@ def options_from_wire(raw: dict[str, Any]) -> BackendOptions:
     """The worker's side of :func:`options_to_wire` (the server is trusted)."""
     return BackendOptions(
         model_path=Path(raw["model_path"]),
+        key_file=Path(raw["key_file"]) if raw.get("key_file") else None,
         parameters=dict(raw["parameters"]),
         inputs=tuple(specs_from_wire(raw["inputs"])),
         outputs=tuple(specs_from_wire(raw["outputs"])),

@@ -37,6 +37,7 @@ import pycuda.driver as cuda
 import tensorrt as trt
 
 from appliance.errors import internal, invalid
+from backends import sealed
 from backends.base import BackendOptions, MemoryUsage, TensorSpec, check_inputs
 from backends.shared import Lease, SharedCache, file_identity
 from backends.tensorrt_support import (
@@ -73,14 +74,19 @@ class _Engine:
 _ENGINES: SharedCache[_Engine] = SharedCache(close=_Engine.close)
 
 
-def _build(onnx_path: Path, s: TrtSettings, config_max: int | None, model: str) -> bytes:
-    """Build an engine from ONNX (minutes on a Jetson), or read the cached one."""
+def _build(
+    onnx_path: Path, s: TrtSettings, config_max: int | None, model: str, plain: bytes | None
+) -> bytes:
+    """Build an engine from ONNX (minutes on a Jetson), or read the cached one. A
+    sealed ONNX (``plain``: its bytes, opened in memory) is parsed from memory and its
+    engine is neither cached nor read from a cache: an engine file is the model."""
     device = cuda.Device(s.device_id)
     max_batch = config_max if config_max else DEFAULT_BUILD_MAX_BATCH
     builder = trt.Builder(_LOGGER)
     network = builder.create_network(0)  # TensorRT 10: explicit batch is the only mode
     parser = trt.OnnxParser(network, _LOGGER)
-    if not parser.parse_from_file(str(onnx_path)):
+    parsed = parser.parse(plain) if plain is not None else parser.parse_from_file(str(onnx_path))
+    if not parsed:
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise invalid(f"model '{model}': TensorRT cannot parse {onnx_path.name}: {errors}")
     inputs = [
@@ -99,7 +105,7 @@ def _build(onnx_path: Path, s: TrtSettings, config_max: int | None, model: str) 
         s.precision,
         max_batch if batched else 0,
     )
-    if path.exists():
+    if plain is None and path.exists():
         log.info("model '%s': using the cached TensorRT engine %s", model, path.name)
         return path.read_bytes()
     config = builder.create_builder_config()
@@ -128,6 +134,8 @@ def _build(onnx_path: Path, s: TrtSettings, config_max: int | None, model: str) 
         raise invalid(f"model '{model}': TensorRT could not build an engine (see its log above)")
     data = bytes(serialized)
     log.info("model '%s': engine built in %.0fs", model, time.perf_counter() - started)
+    if plain is not None:
+        return data  # sealed: never on disk
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_bytes(data)
@@ -138,8 +146,15 @@ def _build(onnx_path: Path, s: TrtSettings, config_max: int | None, model: str) 
     return data
 
 
-def _load(path: Path, s: TrtSettings, config_max: int | None, model: str) -> _Engine:
-    data = _build(path, s, config_max, model) if path.suffix == ".onnx" else path.read_bytes()
+def _load(
+    path: Path, s: TrtSettings, config_max: int | None, model: str, key_file: Path | None
+) -> _Engine:
+    # a sealed file (a plan, or an ONNX to build from) opens into memory
+    plain = sealed.read_model(path, key_file)
+    if path.suffix == ".onnx":
+        data = _build(path, s, config_max, model, plain)
+    else:
+        data = plain if plain is not None else path.read_bytes()
     runtime = trt.Runtime(_LOGGER)
     engine = runtime.deserialize_cuda_engine(data)
     if engine is None:
@@ -177,7 +192,9 @@ class TensorRtBackend:
                     s,
                     options.max_batch_size,
                 ),
-                lambda: _load(options.model_path, s, options.max_batch_size, model),
+                lambda: _load(
+                    options.model_path, s, options.max_batch_size, model, options.key_file
+                ),
             )
             self._setup(self._lease.value, options.max_batch_size)
         except BaseException:

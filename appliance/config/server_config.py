@@ -52,6 +52,8 @@ class ServerConfig:
     tls_cert: Path | None = None  # TLS on the HTTP and gRPC endpoints: certificate and key
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # mutual TLS: clients need a certificate this CA signed
+    # the private key that opens sealed (encrypted at rest) model files: backends/sealed.py
+    model_key_file: Path | None = None
     # what one request may hold and how long a peer may take: see _limits() below
     allow_symlinked_models: bool = False  # model folders/files may link outside the repo
     max_request_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS  # elements one request declares
@@ -371,7 +373,9 @@ def _control(f: Fields, path: Path | None) -> dict[str, Any]:
     client_ca = _file(f, "tls_client_ca", path)
     if client_ca is not None and cert is None:
         raise f.fail("tls_client_ca", "mutual TLS needs tls_cert and tls_key too")
+    key_file = _key_file(f, path)
     return {
+        "model_key_file": key_file,
         "model_control_mode": mode,
         "load_model": tuple(names),
         "repository_poll_secs": float(poll),
@@ -383,6 +387,21 @@ def _control(f: Fields, path: Path | None) -> dict[str, Any]:
         "tls_key": key,
         "tls_client_ca": client_ca,
     }
+
+
+def _key_file(f: Fields, path: Path | None) -> Path | None:
+    """``model_key_file``: environment variables expanded (a systemd credential lives
+    in ``$CREDENTIALS_DIRECTORY``), readable by this user alone."""
+    value = f.data.get("model_key_file")
+    if isinstance(value, str):
+        f = Fields(f.source, {**f.data, "model_key_file": os.path.expandvars(value)}, f.path)
+    key = _file(f, "model_key_file", path)
+    if key is not None and key.stat().st_mode & 0o077:
+        raise f.fail(
+            "model_key_file",
+            f"{key} is readable by other users; chmod 600 it (the service user alone may read it)",
+        )
+    return key
 
 
 # ---- request limits and trust in the repository (limits.py, names.py, http_api.py) ----

@@ -138,7 +138,12 @@ def thread_share(config: ModelConfig) -> tuple[int, int]:
 
 
 def backend_factory(
-    config: ModelConfig, backend: str, path: Path, threads: tuple[int, int], share_group: str
+    config: ModelConfig,
+    backend: str,
+    path: Path,
+    threads: tuple[int, int],
+    share_group: str,
+    key_file: Path | None = None,
 ) -> Callable[[int], backends.Backend]:
     """Instance index -> a new backend object built with this version's options."""
     declared_in, declared_out = declared_tensors(config)
@@ -163,6 +168,7 @@ def backend_factory(
                 outputs=declared_out,
                 model_config=config_json,
                 config_source=config.source,
+                key_file=key_file,
             ),
         )
 
@@ -201,7 +207,7 @@ async def load_model_version(
     threads = thread_share(config)
     version = int(version_dir.name)
     share_group = f"{config.name}:{version_dir.name}:{next(_LOADS)}"
-    factory = backend_factory(config, backend, path, threads, share_group)
+    factory = backend_factory(config, backend, path, threads, share_group, server.model_key_file)
     completed = config
     probe_failures: list[str] = []  # per instance warmed: why the memory probe failed
 
