@@ -187,10 +187,18 @@ def classifier(seed: int = 0) -> bytes:
     )
 
 
-def mlp(in_features: int = 256, hidden: int = 512, out_features: int = 16, seed: int = 1) -> bytes:
+def mlp(
+    in_features: int = 256,
+    hidden: int = 512,
+    out_features: int = 16,
+    seed: int = 1,
+    retrained: tuple[int, int] | None = None,
+) -> bytes:
     """Three-layer MLP: "input" FP32 [batch,in] -> "output" FP32 [batch,out].
 
-    Gemm+Relu -> Gemm+Relu -> Gemm, He-initialised.
+    Gemm+Relu -> Gemm+Relu -> Gemm, He-initialised. ``retrained=(layer, seed)``: the
+    same model as ``seed`` gives except layer ``layer`` (0-2), drawn from that other
+    seed: a fine-tune that retrained one layer (what a delta update ships).
     """
     rng = np.random.default_rng(seed)
     sizes = [in_features, hidden, hidden, out_features]
@@ -199,8 +207,12 @@ def mlp(in_features: int = 256, hidden: int = 512, out_features: int = 16, seed:
     x = "input"
     for i, (fin, fout) in enumerate(itertools.pairwise(sizes)):
         w, b = f"fc{i}.weight", f"fc{i}.bias"
-        inits += [_param(w, rng, (fout, fin), np.sqrt(2.0 / fin))]
-        inits += [_param(b, rng, (fout,), 0.1)]
+        layer = [_param(w, rng, (fout, fin), np.sqrt(2.0 / fin)), _param(b, rng, (fout,), 0.1)]
+        if retrained is not None and retrained[0] == i:
+            other = np.random.default_rng(retrained[1])
+            layer = [_param(w, other, (fout, fin), np.sqrt(2.0 / fin))]
+            layer += [_param(b, other, (fout,), 0.1)]
+        inits += layer
         last = i == len(sizes) - 2
         y = "output" if last else f"fc{i}"
         nodes.append(helper.make_node("Gemm", [x, w, b], [y], name=y, transB=1))

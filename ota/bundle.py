@@ -15,6 +15,7 @@ fresh staging folder the caller renames into place.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
@@ -23,7 +24,7 @@ import os
 import platform
 import shutil
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -122,20 +123,32 @@ def build(
     )
     parse(manifest.dumps())  # what devices will check, checked here first
     tmp = out.with_name(f".{out.name}.tmp")
+    with writer(tmp, manifest.dumps(), config_name, config.read_bytes()) as add:
+        for entry, path in entries:
+            with open(path, "rb") as content:
+                add(entry, content)
+    os.replace(tmp, out)
+    return manifest
+
+
+@contextlib.contextmanager
+def writer(
+    out: Path, manifest: bytes, config_name: str, config: bytes
+) -> Iterator[Callable[[FileEntry, IO[bytes]], None]]:
+    """Write a bundle to ``out``: the manifest and config, then each model file the
+    caller adds (``add(entry, content)``, in the manifest's order), reproducibly."""
     with (
-        open(tmp, "wb") as raw,
+        open(out, "wb") as raw,
         gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz,
         tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar,
     ):
-        data = manifest.dumps()
-        tar.addfile(_member("manifest.json", len(data)), io.BytesIO(data))
-        cfg = config.read_bytes()
-        tar.addfile(_member(config_name, len(cfg)), io.BytesIO(cfg))
-        for entry, path in entries:
-            with open(path, "rb") as content:
-                tar.addfile(_member(MODEL_PREFIX + entry.path, entry.size), content)
-    os.replace(tmp, out)
-    return manifest
+        tar.addfile(_member("manifest.json", len(manifest)), io.BytesIO(manifest))
+        tar.addfile(_member(config_name, len(config)), io.BytesIO(config))
+
+        def add(entry: FileEntry, content: IO[bytes]) -> None:
+            tar.addfile(_member(MODEL_PREFIX + entry.path, entry.size), content)
+
+        yield add
 
 
 def _check_member(info: tarfile.TarInfo) -> str:
