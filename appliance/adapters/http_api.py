@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web, web_protocol
 from aiohttp.typedefs import Middleware
 
-from appliance.adapters import http_codec, http_limits, offload, request_form
+from appliance.adapters import http_codec, http_limits, http_shadow, offload, request_form
 from appliance.adapters.access import AccessPolicy, Scope
 from appliance.core.dataplane import DataPlane
 from appliance.errors import ApplianceError, Code, invalid
@@ -395,6 +395,7 @@ def create_app(
     post("/v2/repository/index", repository_index, inference)
     post("/v2/repository/models/{model}/load", repository_load, admin)
     post("/v2/repository/models/{model}/unload", repository_unload, admin)
+    http_shadow.routes(DATAPLANE, get, post, _json_body, _json)
     shm = "/v2/systemsharedmemory"
     get(shm + "/status", shm_status, inference)
     get(shm + "/region/{region}/status", shm_status, inference)

@@ -38,6 +38,7 @@ from appliance.errors import (
     FailureReason,
     internal,
     invalid,
+    not_found,
     unavailable,
 )
 from appliance.request import InferenceRequest, InferenceResponse
@@ -366,6 +367,19 @@ class DataPlane:
         entry = await self.lifecycle.load(name, override, in_place, default)
         if entry.state != State.READY or entry.reason:  # a failed reload keeps the old copy
             raise invalid(f"failed to load '{name}': {entry.reason}")
+
+    def start_shadow(self, name: str, params: dict[str, Any]) -> dict[str, Any]:
+        """Mirror a sample of ``name``'s unversioned traffic to a loaded candidate version
+        and compare outputs (:mod:`appliance.core.shadow`); the report."""
+        names.check_model_name(name)
+        return self.lifecycle.entry(name).mirror(params)
+
+    def shadow_report(self, name: str) -> dict[str, Any]:
+        names.check_model_name(name)
+        mirror = self.lifecycle.entry(name).shadow
+        if mirror is None:
+            raise not_found(f"model '{name}' has no shadow traffic (none was started)")
+        return mirror.report()
 
     async def unload_model(self, name: str) -> None:
         names.check_model_name(name)

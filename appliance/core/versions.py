@@ -15,9 +15,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from appliance.config.model_config import ModelConfig, VersionPolicy
+from appliance.core import shadow
 from appliance.core.repository import Fingerprint
 from appliance.core.servable import Servable, State
-from appliance.errors import ApplianceError, not_found, unavailable
+from appliance.core.shadow import Shadow
+from appliance.errors import ApplianceError, invalid, not_found, unavailable
 
 
 def comparable(config: ModelConfig) -> ModelConfig:
@@ -83,8 +85,10 @@ class ModelEntry:
     # ``default_version`` so a candidate can be loaded and tested by version while
     # the old one keeps the default traffic (the OTA agent's self-test)
     default: int = 0
-    # unversioned requests go here: the default version's copy, else the newest
+    # unversioned requests go here: the default version's copy, else the newest (or
+    # the shadow wrapping it while its traffic is mirrored to a candidate)
     routed: Servable | None = None
+    shadow: Shadow | None = None  # the last shadow traffic started (core/shadow.py)
 
     @property
     def state(self) -> State:
@@ -100,12 +104,36 @@ class ModelEntry:
         return self.records.setdefault(version, VersionRecord(version))
 
     def flip(self) -> None:
-        """Route to what the records serve now, in one assignment each."""
+        """Route to what the records serve now, in one assignment each. Every change
+        of the model goes through here, and ends its shadow traffic."""
+        if self.shadow is not None:
+            self.shadow.active = False
         routing = {v: r.serving for v, r in sorted(self.records.items()) if r.serving}
         if self.default not in routing:
             self.default = 0
         self.versions = routing
         self.routed = routing.get(self.default) or (routing[max(routing)] if routing else None)
+
+    def mirror(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Mirror a sample of the unversioned traffic to the loaded version
+        ``params["version"]`` (:mod:`appliance.core.shadow`); its first report."""
+        if self.busy:
+            raise invalid(f"model '{self.name}' is {self.busy} right now")
+        number = params.get("version")
+        if isinstance(number, str) and number.isdigit():
+            number = int(number)
+        candidate = self.versions.get(number) if isinstance(number, int) else None
+        serving = self.routed.serving if isinstance(self.routed, Shadow) else self.routed
+        if candidate is None or serving is None:
+            raise invalid(
+                f"shadow parameter 'version' must name a loaded version of model "
+                f"'{self.name}' ({sorted(self.versions)}), got {number!r}"
+            )
+        if self.shadow is not None:
+            self.shadow.active = False
+        self.shadow = shadow.start(serving, candidate, params)
+        self.routed = self.shadow
+        return self.shadow.report()
 
     def prune(self) -> None:
         """Forget records with nothing left to report."""
