@@ -11,10 +11,13 @@ import time
 import urllib.request
 
 
-def start_serve(*args: str) -> tuple[subprocess.Popen[str], int, list[str]]:
+def start_serve(
+    *args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[str], int, list[str]]:
     """Start ``appliance serve`` with HTTP, gRPC and metrics on free ports (``args`` may
-    turn one off or add others); wait until ready. Returns the process, its HTTP port,
-    and its log lines (still growing, read by a thread)."""
+    turn one off or add others; ``env``: its environment, default this one's); wait
+    until ready. Returns the process, its HTTP port, and its log lines (still growing,
+    read by a thread)."""
     proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "appliance", "serve"),
@@ -22,6 +25,7 @@ def start_serve(*args: str) -> tuple[subprocess.Popen[str], int, list[str]]:
         ],
         stderr=subprocess.PIPE,
         text=True,
+        env=env,
     )
     lines: list[str] = []
     port_found = threading.Event()

@@ -163,15 +163,9 @@ def test_sealed_models_serve_and_nothing_plain_reaches_the_disk(
     scratch.mkdir()
     config = tmp_path / "appliance.yaml"
     config.write_text(f"model_repository: {repo}\nmodel_key_file: {keys['device']}\n")
-    env_tmp = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(scratch)  # the server's temporary files, if it made any
-    try:
-        proc, port, lines = start_serve("--config", str(config), "--grpc-port", "-1")
-    finally:
-        if env_tmp is None:
-            del os.environ["TMPDIR"]
-        else:
-            os.environ["TMPDIR"] = env_tmp
+    # the server's temporary files, if it made any, would land in ``scratch``
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    proc, port, lines = start_serve("--config", str(config), "--grpc-port", "-1", env=env)
     try:
         assert urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready").status == 200, (
             lines
