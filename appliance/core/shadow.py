@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from appliance.config.model_config import ModelConfig
+from appliance.core.limits import RequestRules
 from appliance.core.memory import Usage
 from appliance.core.servable import Servable, State
 from appliance.core.stats import ModelStats
@@ -116,6 +117,7 @@ class Shadow:
         self.version: int = serving.version
         self.stats: ModelStats = serving.stats
         self.memory: Usage = serving.memory
+        self.rules: RequestRules = serving.rules
         self.active = True
         self.offered = 0  # live requests seen
         self.sampled = 0  # of them, mirrored
@@ -145,8 +147,8 @@ class Shadow:
 
     # ---- mirroring --------------------------------------------------------------------
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse:
-        response = await self.serving.infer(request)
+    async def infer(self, request: InferenceRequest, declared: bool = False) -> InferenceResponse:
+        response = await self.serving.infer(request, declared)
         if self.active:
             try:
                 self._offer(request, response)
