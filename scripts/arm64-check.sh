@@ -148,10 +148,15 @@ echo "arm64-check: installed after ${installed} s:" \
 # brings the dependencies; the tests import the copy in /src)
 test_started=$(date +%s)
 set +e
-in_chroot /bin/sh -c "cd /src && PATH=/opt/venv/bin:\$PATH /opt/venv/bin/python -m pytest \
+# emulation runs every step many times slower: the tests' bounded waits and the
+# blocking detector's threshold are scaled by APPLIANCE_TEST_SLOWDOWN (tests/pace.py)
+slowdown=${APPLIANCE_TEST_SLOWDOWN:-10}
+in_chroot /bin/sh -c "cd /src && PATH=/opt/venv/bin:\$PATH APPLIANCE_TEST_SLOWDOWN=$slowdown \
+    /opt/venv/bin/python -m pytest \
     -q -p no:cacheprovider ${TESTS[*]}" 2>&1 | tee "$WORK/pytest.log"
 status=${PIPESTATUS[0]}
 set -e
-echo "arm64-check: tests took $(( $(date +%s) - test_started )) s under emulation, exit $status;" \
+echo "arm64-check: tests took $(( $(date +%s) - test_started )) s under emulation" \
+    "(waits scaled x$slowdown), exit $status;" \
     "total $(( $(date +%s) - started )) s"
 exit "$status"

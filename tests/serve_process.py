@@ -10,6 +10,8 @@ import threading
 import time
 import urllib.request
 
+from pace import scaled
+
 
 def start_serve(
     *args: str, env: dict[str, str] | None = None
@@ -41,10 +43,10 @@ def start_serve(
                 port_found.set()
 
     threading.Thread(target=read, daemon=True).start()
-    if not port_found.wait(60):
+    if not port_found.wait(scaled(60)):
         proc.kill()
         raise AssertionError("the server did not start:\n" + "".join(lines))
-    for _ in range(600):  # ready once the models loaded (bounded: 60 s)
+    for _ in range(int(scaled(600))):  # ready once the models loaded (bounded: 60 s)
         try:
             url = f"http://127.0.0.1:{port[0]}/v2/health/ready"
             if urllib.request.urlopen(url, timeout=5).status == 200:

@@ -19,6 +19,7 @@ import numpy as np
 import onnxruntime as ort
 import tritonclient.http as httpclient
 from http_helpers import post_json
+from pace import scaled
 from tritonclient.utils import InferenceServerException
 
 from devtools import modelgen
@@ -99,7 +100,7 @@ class LoadGenerator:
 
 
 def _wait_for(condition: Any, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
+    end = time.monotonic() + scaled(timeout)
     while not condition():
         assert time.monotonic() < end, "timed out"
         time.sleep(0.05)
