@@ -67,6 +67,14 @@ def unavailable() -> str | None:
     for name in ("resolv.conf", "hosts", "nsswitch.conf"):
         if not Path("/etc", name).exists():  # a bind mount needs something to cover
             return f"needs /etc/{name}"
+    probe = subprocess.run(
+        ["unshare", "--net", "--mount", "--propagation", "private", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if probe.returncode != 0:  # a container without CAP_SYS_ADMIN, say
+        return f"cannot make namespaces here: {probe.stderr.strip()}"
     return None
 
 
