@@ -69,7 +69,7 @@ async def run(
             for p in _points(s, transport.name):
                 await measure(
                     transport, p, len(samples), s.warmup_s, s.window_s, stats,
-                    s.max_outstanding, progress=_progress(table, p),
+                    s.max_outstanding, progress=_progress(table, p), min_requests=s.min_requests,
                 )  # fmt: skip
                 points.append(_show(table, p))
         finally:
@@ -145,6 +145,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--warmup", type=float, default=2.0, help="seconds before each window")
     p.add_argument("--duration", type=float, default=5.0, help="measured seconds per point")
     p.add_argument(
+        "--measurement-request-count",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a window also lasts until N requests sent in it completed (0: time only)",
+    )
+    p.add_argument(
         "--input-data", choices=("random", "zeros", "files"), default="random", help="tensors"
     )
     p.add_argument("--input-files", type=pathlib.Path, help="file or folder for --input-data files")
@@ -163,8 +170,8 @@ def add_parser(sub: Any) -> None:
 def settings_from_args(args: argparse.Namespace) -> Settings:
     if min(args.batch_size, args.max_outstanding, args.processes) < 1 or args.duration <= 0:
         raise invalid("-b, --duration, --max-outstanding and --processes must be > 0")
-    if args.warmup < 0:
-        raise invalid("--warmup must be >= 0")
+    if args.warmup < 0 or args.measurement_request_count < 0:
+        raise invalid("--warmup and --measurement-request-count must be >= 0")
     if not args.model and not args.ceiling:
         raise invalid("-m/--model is required (or --ceiling)")
     return Settings(
@@ -182,6 +189,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         request_rates=parse_range(args.request_rate, "--request-rate") if args.request_rate else [],
         warmup_s=args.warmup,
         window_s=args.duration,
+        min_requests=args.measurement_request_count,
         input_data=args.input_data,
         input_files=args.input_files,
         shapes=parse_shapes(args.shape),

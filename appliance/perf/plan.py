@@ -45,6 +45,7 @@ class Settings:
     request_rates: list[float] = field(default_factory=list)
     warmup_s: float = 2.0
     window_s: float = 5.0
+    min_requests: int = 0  # the window lasts until that many requests sent in it completed
     input_data: str = "random"
     input_files: Path | None = None
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)

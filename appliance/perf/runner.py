@@ -3,13 +3,15 @@
 A point is either closed-loop (``concurrency`` requests always outstanding, each
 reply sends the next) or open-loop (requests arrive at ``rate`` per second with
 exponential gaps, i.e. a Poisson process, whatever the replies do). Each point
-runs a warm-up, then a measured window of fixed length: a request counts if it
+runs a warm-up, then a measured window (:mod:`appliance.perf.window`: of fixed
+length, or until enough requests completed): a request counts if it
 completes inside the window; its latency is taken from its send time (closed
 loop) or from its scheduled arrival (open loop, so a late client is not hidden:
 no coordinated omission). Open-loop requests beyond ``max_outstanding`` are not
 sent and are counted as errors of kind ``client: outstanding limit``.
 
-Around the window the server's statistics are read; their difference gives the
+Around the window the server's statistics are read (the window opens once the
+first read is in, and the second follows its close); their difference gives the
 server-side queue and compute time per request. The device's telemetry is read with
 them (``perf/throttle``): a point during which the device throttled says so. The
 process's own CPU time over the window is reported too (client CPU per request):
@@ -34,6 +36,7 @@ import numpy as np
 from appliance.errors import invalid
 from appliance.perf.httpclient import RequestFailed
 from appliance.perf.transports import Transport
+from appliance.perf.window import Window, make_window
 from appliance.telemetry import summary
 
 StatsReader = Callable[[], Awaitable[dict[str, Any] | None]]
@@ -119,23 +122,6 @@ class Point:
         return f"c={self.concurrency}" if self.concurrency else f"r={self.request_rate:g}/s"
 
 
-class Window:
-    """Latencies of requests completing inside [start, end]; errors by kind."""
-
-    def __init__(self, start: float, end: float) -> None:
-        self.start, self.end = start, end
-        self.latencies: list[float] = []
-        self.errors: dict[str, int] = {}
-
-    def done(self, began: float, now: float) -> None:
-        if self.start <= now <= self.end:
-            self.latencies.append(now - began)
-
-    def failed(self, kind: str, now: float) -> None:
-        if self.start <= now <= self.end:
-            self.errors[kind] = self.errors.get(kind, 0) + 1
-
-
 _NUMBERS = re.compile(r"\d+")
 
 
@@ -157,7 +143,7 @@ async def _closed(
             try:
                 await transport.infer(i % samples, slot)
             except Exception as exc:  # counted by kind; the load goes on
-                window.failed(_kind(exc), clock())
+                window.failed(_kind(exc), clock(), began)
                 await asyncio.sleep(0.001)  # a refusing server must not spin the client
             else:
                 window.done(began, clock())
@@ -184,7 +170,7 @@ async def _open(
         try:
             await transport.infer(i % samples, slot)
         except Exception as exc:  # counted by kind
-            window.failed(_kind(exc), clock())
+            window.failed(_kind(exc), clock(), arrival)
         else:
             window.done(arrival, clock())
         finally:
@@ -257,14 +243,6 @@ def _cpu() -> float:
     return t.user + t.system
 
 
-def make_window(warmup_s: float, window_s: float, start_at: float | None = None) -> Window:
-    """The measured window: after ``warmup_s`` from now, or from ``start_at`` (a
-    ``time.time()`` instant: worker processes share one window that way)."""
-    now = time.perf_counter()
-    start = now + warmup_s if start_at is None else now + (start_at - time.time())
-    return Window(start, start + window_s)
-
-
 async def drive(
     transport: Transport,
     point: Point,
@@ -274,9 +252,11 @@ async def drive(
     max_outstanding: int = 256,
     seed: int = 0,
     progress: Callable[[float], None] | None = None,
+    opening: Awaitable[float] | None = None,
 ) -> tuple[float, dict[str, Any] | None, dict[str, Any] | None]:
     """Put ``point``'s load on ``transport`` until the window closes; returns the
-    process's CPU seconds over the window and the statistics at its start and end."""
+    process's CPU seconds over the window and the statistics at its start and end
+    (``opening``: see :func:`observe`)."""
     stop = asyncio.Event()
     if point.concurrency:
         load = _closed(transport, point.concurrency, samples, window, stop)
@@ -284,7 +264,7 @@ async def drive(
         load = _open(transport, point.request_rate, max_outstanding, samples, window, stop, seed)
     task = asyncio.create_task(load)
     try:
-        cpu, before, after = await observe(window, stats, progress, task)
+        cpu, before, after = await observe(window, stats, progress, task, opening)
     finally:
         stop.set()
         try:
@@ -299,16 +279,44 @@ async def observe(
     stats: StatsReader | None,
     progress: Callable[[float], None] | None = None,
     task: asyncio.Task[None] | None = None,
+    opening: Awaitable[float] | None = None,
 ) -> tuple[float, dict[str, Any] | None, dict[str, Any] | None]:
     """Wait through the window reading the statistics at both ends (and this
-    process's CPU time); ``task``: the load, whose crash ends the wait."""
-    await _sleep_until(window.start, task, None)
-    before = await stats() if stats else None
+    process's CPU time); ``task``: the load, whose crash ends the wait.
+
+    The window opens once the statistics at its start are in; ``opening`` instead: it
+    opens at the ``time.perf_counter`` instant that awaitable gives (a worker process
+    told by its parent)."""
+    before = None
+    if opening is None:
+        await _sleep_until(window.opens_at, task, None)
+        before = await stats() if stats else None
+        opened = time.perf_counter()
+    else:
+        opened = await _first(opening, task)
+    window.open(opened)
     cpu0 = _cpu()
     await _sleep_until(window.end, task, progress)
+    while (left := window.until - time.perf_counter()) > 0:  # a counting window's wait
+        if task is not None and task.done():
+            task.result()  # a crashed load loop: report it
+            break
+        await asyncio.sleep(min(left, 0.01))
     cpu1 = _cpu()
     after = await stats() if stats else None
     return cpu1 - cpu0, before, after
+
+
+async def _first(opening: Awaitable[float], task: asyncio.Task[None] | None) -> float:
+    """``opening``'s result, unless the load crashes first (its error is raised)."""
+    waiting = asyncio.ensure_future(opening)
+    if task is not None:
+        await asyncio.wait({waiting, task}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done() and not waiting.done():
+            waiting.cancel()
+            task.result()  # a crashed load loop: report it, do not measure nothing
+            raise RuntimeError("the load stopped before the window opened")
+    return await waiting
 
 
 def finish(
@@ -319,7 +327,7 @@ def finish(
     after: dict[str, Any] | None,
 ) -> Point:
     """Fill in ``point`` from a closed window (latencies, errors) and the statistics."""
-    point.window_s = window.end - window.start
+    point.window_s = window.seconds
     _server_delta(before, after, point)
     _device_delta(before, after, point)
     _finish(point, window, cpu_s)
@@ -336,9 +344,11 @@ async def measure(
     max_outstanding: int = 256,
     seed: int = 0,
     progress: Callable[[float], None] | None = None,
+    min_requests: int = 0,
 ) -> Point:
-    """Run one load point against an opened transport and fill in ``point``."""
-    window = make_window(warmup_s, window_s)
+    """Run one load point against an opened transport and fill in ``point``;
+    ``min_requests``: the window lasts until that many sent inside it completed."""
+    window = make_window(warmup_s, window_s, min_fresh=min_requests)
     cpu, before, after = await drive(
         transport, point, samples, window, stats, max_outstanding, seed, progress
     )
