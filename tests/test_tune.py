@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from appliance.config.triton_config import pbtxt_to_dict
 from appliance.core.instances import cpu_share
 from appliance.errors import ApplianceError
 from appliance.perf.command import new_loop
+from appliance.perf.runner import Point
 from appliance.perf.tune import Options, candidate, render, split_threads, tune
 from devtools import modelgen
 
@@ -46,7 +48,7 @@ def test_tune_finds_the_best_measured_config_within_the_budget(run_appliance, re
     budget = 64 * 2**20
     opts = Options(
         "simple", srv.url, max_batch_sizes=(1, 4), queue_delays_us=(0,), max_instances=2,
-        memory_budget=budget, concurrency=4, warmup_s=0.1, window_s=0.4,
+        memory_budget=budget, concurrency=4, warmup_s=0.1, window_s=0.4, min_requests=5,
     )  # fmt: skip
     out = tmp_path / "tuned.yaml"
     loop = new_loop()
@@ -54,6 +56,10 @@ def test_tune_finds_the_best_measured_config_within_the_budget(run_appliance, re
         tuner, winner = loop.run_until_complete(tune(opts, out, apply=False))
     finally:
         loop.close()
+    # nothing is refused: the server has no budget, and every candidate is a valid config
+    # (the "threads=1 each" ones too: their parameter in Triton's JSON form)
+    assert all(t.status == "ok" for t in tuner.trials), [(t.label, t.reason) for t in tuner.trials]
+    assert any("each" in t.label for t in tuner.trials)
     measured = [t for t in tuner.trials if t.point is not None]
     assert measured[0].label.startswith("running config")  # the default, same run
     assert len(measured) >= 3  # the default plus mbs 1 and 4 at one instance at least
@@ -90,7 +96,7 @@ def test_budget_refusal_stops_growing_and_apply_loads_the_winner(run_appliance, 
     srv = run_appliance(repo, model_control_mode="explicit", load_model=["simple"])
     opts = Options(
         "simple", srv.url, max_batch_sizes=(2, 8), queue_delays_us=(50,), max_instances=3,
-        memory_budget=1, concurrency=2, warmup_s=0.1, window_s=0.3,
+        memory_budget=1, concurrency=2, warmup_s=0.1, window_s=0.3, min_requests=5,
     )  # fmt: skip
     loop = new_loop()
     try:
@@ -126,7 +132,7 @@ def test_candidates_and_pbtxt_output() -> None:
     assert split_threads("onnxruntime", 2, pinned) == 0  # the config decides
     label, sliced = candidate(base, "onnxruntime", 8, "max", 100, 2, split=1)
     assert label == "onnxruntime n=2 threads=1 each mbs=8 pref=max delay=100us"
-    assert sliced["parameters"] == {"intra_op_thread_count": "1"}
+    assert sliced["parameters"] == {"intra_op_thread_count": {"string_value": "1"}}
     text = render(cfg, "pbtxt", "tuned")
     back = pbtxt_to_dict(text, "tuned.pbtxt")
     parsed = parse_model_config(back, "m", "tuned.pbtxt")
@@ -143,7 +149,9 @@ def test_readme_commands(run_appliance, repo, tmp_path, monkeypatch) -> None:
 
     srv = run_appliance(repo, model_control_mode="explicit", load_model=["simple"])
     monkeypatch.chdir(tmp_path)
+    # a short window that still waits for 5 requests: a loaded machine leaves none empty
     short = ["-u", srv.url, "--warmup", "0.1", "--duration", "0.3"]
+    short += ["--measurement-request-count", "5"]
     perf = ["perf", "-m", "simple", "--concurrency", "1:8:2x", "--csv", "simple.csv"]
     assert cli.main([*perf, *short, "--quiet"]) == 0
     assert len((tmp_path / "simple.csv").read_text().splitlines()) == 1 + 4  # 1, 2, 4, 8
@@ -153,3 +161,24 @@ def test_readme_commands(run_appliance, repo, tmp_path, monkeypatch) -> None:
         yaml.safe_load((tmp_path / "simple.yaml").read_text()), "simple", "simple.yaml"
     )
     assert written.max_batch_size in (1, 8)
+
+
+def test_a_trial_that_measured_no_request_is_not_ok(run_appliance, repo, monkeypatch) -> None:
+    # the measurement itself stands in for a window in which nothing completed (on a
+    # real server that depends on timing); the server, its load API and configs are real
+    from appliance.perf import tune as tune_module
+
+    async def nothing_completed(s: Any) -> list[Point]:
+        return [Point(s.transport, s.model, s.batch_size, concurrency=1, window_s=s.window_s)]
+
+    monkeypatch.setattr(tune_module, "run", nothing_completed)
+    srv = run_appliance(repo, model_control_mode="explicit", load_model=["simple"])
+    opts = Options("simple", srv.url, max_batch_sizes=(1, 4), max_instances=2, window_s=0.3)
+    loop = new_loop()
+    try:
+        tuner, winner = loop.run_until_complete(tune(opts, None, apply=False))
+    finally:
+        loop.close()
+    assert tuner.trials and all(t.status == "no requests" for t in tuner.trials)
+    assert tuner.trials[0].reason == "no request completed in its 0.3 s window"
+    assert not any(t.feasible for t in tuner.trials) and not winner.feasible

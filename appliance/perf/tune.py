@@ -48,7 +48,7 @@ class Trial:
 
     label: str
     config: dict[str, Any]
-    status: str = "ok"  # ok | refused | over-budget | failed | errors
+    status: str = "ok"  # ok | refused | over-budget | failed | errors | no requests
     reason: str = ""
     memory_bytes: int = 0
     point: Point | None = None
@@ -77,6 +77,7 @@ class Options:
     warmup_s: float = 1.0
     window_s: float = 3.0
     transport: str = "http"
+    min_requests: int = 0  # each trial's window lasts until that many requests completed
 
 
 def candidate(
@@ -103,7 +104,9 @@ def candidate(
     groups = cfg.get("instance_group") or [{"kind": "KIND_CPU"}]
     cfg["instance_group"] = [{**{k: v for k, v in groups[0].items() if k != "name"}, "count": n}]
     if split:
-        cfg["parameters"] = {**(cfg.get("parameters") or {}), "intra_op_thread_count": str(split)}
+        # Triton's JSON form of a parameter, as the load API parses the config
+        threads = {"string_value": str(split)}
+        cfg["parameters"] = {**(cfg.get("parameters") or {}), "intra_op_thread_count": threads}
     label = f"{backend} n={n}" + (f" threads={split} each" if split else "")
     if int(base.get("max_batch_size", 0)) > 0:
         label += f" mbs={mbs} pref={preferred} delay={delay}us"
@@ -148,12 +151,15 @@ class Tuner:
             s = Settings(
                 self.o.model, self.o.url, self.o.transport, batch_size=self.o.batch_size,
                 concurrency=[self.o.concurrency], warmup_s=self.o.warmup_s,
-                window_s=self.o.window_s, token=self.o.token,
+                window_s=self.o.window_s, token=self.o.token, min_requests=self.o.min_requests,
             )  # fmt: skip
             t.point = (await run(s))[0]
             if t.point.errors:
                 t.status = "errors"
                 t.reason = next(iter(t.point.errors_by_kind), "")
+            elif not t.point.requests:  # nothing was measured: no figure to rank it by
+                t.status = "no requests"
+                t.reason = f"no request completed in its {t.point.window_s:.1f} s window"
         t.feasible = self._feasible(t)
         self._show(t)
         self.trials.append(t)
@@ -283,6 +289,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("-i", "--transport", choices=("http", "grpc"), default="http", help="wire")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds before each trial")
     p.add_argument("--duration", type=float, default=3.0, help="measured seconds per trial")
+    p.add_argument(
+        "--measurement-request-count",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a trial's window also lasts until N requests sent in it completed",
+    )
     p.add_argument("--output", type=Path, help="file for the winning config (.yaml or .pbtxt)")
     p.add_argument("--json", type=Path, help="every trial as JSON")
     p.add_argument("--apply", action="store_true", help="load the winner on the server")
@@ -298,6 +311,8 @@ def options_from_args(a: argparse.Namespace) -> Options:
         raise invalid(f"--preferred {a.preferred!r}: choose from {', '.join(PREFERRED)}")
     if a.max_instances < 1 or a.concurrency < 1 or a.duration <= 0 or a.batch_size < 1:
         raise invalid("--max-instances, --concurrency, -b and --duration must be > 0")
+    if a.measurement_request_count < 0:
+        raise invalid("--measurement-request-count must be >= 0")
     delays = tuple(int(v) for v in a.queue_delays_us.split(",") if v.strip())
     if any(d < 0 for d in delays):
         raise invalid("--queue-delays-us: delays must be >= 0")
@@ -309,6 +324,7 @@ def options_from_args(a: argparse.Namespace) -> Options:
         memory_budget=parse_limit(a.memory_budget, "--memory-budget", "memory_budget"),
         p99_ms=a.p99_ms, min_throughput=a.min_throughput, concurrency=a.concurrency,
         batch_size=a.batch_size, warmup_s=a.warmup, window_s=a.duration, transport=a.transport,
+        min_requests=a.measurement_request_count,
     )  # fmt: skip
 
 
