@@ -6,6 +6,12 @@ from pathlib import Path
 
 from devtools import modelgen
 
+# how long a sequence may go without a request before the server releases it. Triton's
+# default is 1 s, which the gap between two requests of a test's sequence can exceed on
+# a loaded machine (the next request then fails: no START). Only the idle-release test
+# uses a short one, on purpose.
+IDLE_US = 60_000_000
+
 # Triton's config.pbtxt form: direct strategy, implicit state, a READY control
 ACCUMULATOR_PBTXT = """\
 name: "accumulator"
@@ -41,6 +47,7 @@ input:
 output:
   - {name: OUTPUT, data_type: TYPE_INT32, dims: [1]}
 sequence_batching:
+  max_sequence_idle_microseconds: IDLE_US
   oldest:
     max_candidate_sequences: 4
     preferred_batch_size: [2, 4]
@@ -54,7 +61,7 @@ sequence_batching:
       data_type: TYPE_INT32
       dims: [1]
       initial_state: {data_type: TYPE_INT32, dims: [1], data_file: hundred, name: start}
-"""
+""".replace("IDLE_US", str(IDLE_US))
 
 # a Python model that returns the control values it was fed
 CONTROLS_PBTXT = """\
@@ -70,6 +77,7 @@ output [
   { name: "ROWS" data_type: TYPE_INT32 dims: [ 1 ] }
 ]
 sequence_batching {
+  max_sequence_idle_microseconds: %(idle)d
   control_input [
     { name: "START" control [ { kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] } ] },
     { name: "END" control [ { kind: CONTROL_SEQUENCE_END int32_false_true: [ 0, 1 ] } ] },
@@ -108,7 +116,7 @@ class TritonPythonModel:
 """
 
 
-def write_sequence_repository(repo: Path, idle_us: int = 5_000_000, instances: int = 1) -> Path:
+def write_sequence_repository(repo: Path, idle_us: int = IDLE_US, instances: int = 1) -> Path:
     """A repository with ``accumulator`` (direct, pbtxt), ``accumulator_oldest``
     (oldest, YAML, initial state 100 from a file), ``controls`` (uint64 CORRID)
     and ``controls_string`` (string CORRID)."""
@@ -126,7 +134,7 @@ def write_sequence_repository(repo: Path, idle_us: int = 5_000_000, instances: i
         (folder / "1").mkdir(parents=True)
         (folder / "1" / "model.py").write_text(CONTROLS_MODEL)
         (folder / "config.pbtxt").write_text(
-            CONTROLS_PBTXT % {"name": name, "corrid_type": corrid_type}
+            CONTROLS_PBTXT % {"name": name, "corrid_type": corrid_type, "idle": idle_us}
         )
     return repo
 
@@ -144,6 +152,7 @@ output [
   { name: "INSTANCE" data_type: TYPE_INT32 dims: [ 1 ] }
 ]
 sequence_batching {
+  max_sequence_idle_microseconds: %(idle)d
   control_input [
     { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },
     { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 } ] }
@@ -197,7 +206,11 @@ def write_batching_repository(repo: Path) -> Path:
     folder = repo / "controls_batched"
     (folder / "1").mkdir(parents=True)
     (folder / "1" / "model.py").write_text(CONTROLS_MODEL)
-    text = CONTROLS_PBTXT % {"name": "controls_batched", "corrid_type": "TYPE_UINT64"}
+    text = CONTROLS_PBTXT % {
+        "name": "controls_batched",
+        "corrid_type": "TYPE_UINT64",
+        "idle": IDLE_US,
+    }
     (folder / "config.pbtxt").write_text(
         text.replace("sequence_batching {\n", "sequence_batching {\n" + WAITING_DIRECT)
     )
@@ -213,5 +226,5 @@ def write_counter(repo: Path) -> Path:
     folder = repo / "counter"
     (folder / "1").mkdir(parents=True)
     (folder / "1" / "model.py").write_text(COUNTER_MODEL)
-    (folder / "config.pbtxt").write_text(COUNTER_PBTXT)
+    (folder / "config.pbtxt").write_text(COUNTER_PBTXT % {"idle": IDLE_US})
     return repo

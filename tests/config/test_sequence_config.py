@@ -21,15 +21,23 @@ def _parse(sequence_batching: Any, **extra: Any) -> Any:
 
 
 def test_pbtxt_fields_reach_the_typed_config() -> None:
-    text = CONTROLS_PBTXT % {"name": "m", "corrid_type": "TYPE_STRING"}
+    text = CONTROLS_PBTXT % {"name": "m", "corrid_type": "TYPE_STRING", "idle": 7_000_000}
     sb = parse_model_config(pbtxt_to_dict(text, "m/config.pbtxt"), "m", "m").sequence_batching
     assert sb is not None and sb.strategy == "direct"
-    assert sb.max_sequence_idle_us == 1_000_000  # Triton's default
+    assert sb.max_sequence_idle_us == 7_000_000
     kinds = {c.kind: (c.name, c.datatype, c.false_true) for c in sb.controls}
     assert kinds[START] == ("START", "FP32", (0.0, 1.0))
     assert kinds[END] == ("END", "INT32", (0, 1))
     assert kinds[READY] == ("READY", "BOOL", (False, True))
     assert kinds[CORRID][:2] == ("CORRID", "BYTES")
+
+
+def test_a_sequence_without_an_idle_time_gets_tritons_default() -> None:
+    text = CONTROLS_PBTXT % {"name": "m", "corrid_type": "TYPE_STRING", "idle": 1}
+    text = text.replace("  max_sequence_idle_microseconds: 1\n", "")
+    assert "max_sequence_idle" not in text
+    sb = parse_model_config(pbtxt_to_dict(text, "m/config.pbtxt"), "m", "m").sequence_batching
+    assert sb is not None and sb.max_sequence_idle_us == 1_000_000  # Triton's default
 
 
 def test_the_config_endpoint_form_parses_back_to_the_same_config() -> None:
