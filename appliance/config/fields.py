@@ -26,6 +26,7 @@ class ConfigError(ApplianceError):
 
 
 _INT = re.compile(r"-?\d+")
+INT64_MAX = 2**63 - 1  # every integer of a model config is an int64 (or int32) in Triton's schema
 
 
 class Fields:
@@ -55,6 +56,8 @@ class Fields:
             value = int(value)  # protobuf JSON writes int64 as strings
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
             raise self.fail(key, f"expected an integer >= {minimum}, got {value!r}")
+        if value > INT64_MAX:
+            raise self.fail(key, f"expected an integer of at most 2**63 - 1, got {value!r}")
         return value
 
     def text(self, key: str, default: str = "") -> str:
@@ -88,6 +91,8 @@ class Fields:
             isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in value
         ):
             raise self.fail(key, f"expected a list of integers >= {minimum}, got {value!r}")
+        if any(v > INT64_MAX for v in value):
+            raise self.fail(key, f"expected integers of at most 2**63 - 1, got {value!r}")
         return tuple(value)
 
     def entries(self, key: str) -> list[Fields]:

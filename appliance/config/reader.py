@@ -35,14 +35,22 @@ def load_model_config(model_dir: Path) -> ModelConfig:
         raise ConfigError(str(path), "", f"not UTF-8 text: {exc}") from None
     except OSError as exc:
         raise ConfigError(str(path), "", f"cannot read: {exc.strerror}") from None
-    if path.suffix == ".pbtxt":
-        data = pbtxt_to_dict(text, str(path))
-    else:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(str(path), "", f"not valid YAML: {exc}") from None
-    return with_labels(parse_model_config(data, model_dir.name, str(path)), model_dir)
+    return with_labels(parse_config_text(text, path.name, model_dir.name, str(path)), model_dir)
+
+
+def parse_config_text(text: str, filename: str, model: str, source: str) -> ModelConfig:
+    """Validate the text of a model's config file (``filename`` says its form: YAML, or
+    Triton's pbtxt). The one reading of a config: the server's, and the OTA tools'
+    for a bundle's config before it is built, published or installed. ConfigError for
+    anything wrong, including YAML nested beyond Python's recursion limit."""
+    try:
+        pbtxt = filename.endswith(".pbtxt")
+        data = pbtxt_to_dict(text, source) if pbtxt else yaml.safe_load(text)
+        return parse_model_config(data, model, source)
+    except yaml.YAMLError as exc:
+        raise ConfigError(source, "", f"not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(source, "", "nested too deeply to be a model config") from None
 
 
 _MAX_LABELS_BYTES = 16 * 2**20

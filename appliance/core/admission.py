@@ -86,6 +86,6 @@ class Ticket:
         except RuntimeError:  # a worker thread
             here = False
         if here:
-            stats.record_failure(exc.reason, 0)
+            stats.record_error(exc, 0)
         else:
-            self._loop.call_soon_threadsafe(stats.record_failure, exc.reason, 0)
+            self._loop.call_soon_threadsafe(stats.record_error, exc, 0)

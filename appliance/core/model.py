@@ -102,7 +102,7 @@ class ModelVersion:
                     request = replace(request, inputs=inputs)
             result = await self.scheduler.enqueue(request, outputs, rows, signature, timeout)
         except ApplianceError as exc:  # servable.failures_counted, inline on the hot path
-            self.stats.record_failure(exc.reason, time.perf_counter_ns() - start)
+            self.stats.record_error(exc, time.perf_counter_ns() - start)
             raise
         except asyncio.CancelledError:  # the caller went away
             self.stats.record_failure(FailureReason.CANCELED, time.perf_counter_ns() - start)

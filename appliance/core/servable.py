@@ -86,7 +86,7 @@ def failures_counted(stats: ModelStats, start_ns: int) -> Iterator[None]:
     try:
         yield
     except ApplianceError as exc:
-        stats.record_failure(exc.reason, time.perf_counter_ns() - start_ns)
+        stats.record_error(exc, time.perf_counter_ns() - start_ns)
         raise
     except asyncio.CancelledError:  # the caller went away (e.g. an in-process timeout)
         stats.record_failure(FailureReason.CANCELED, time.perf_counter_ns() - start_ns)

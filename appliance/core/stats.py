@@ -16,11 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from appliance.errors import FailureReason
+from appliance.errors import ApplianceError, Code, FailureReason
 
 # the quantiles of Triton's latency summaries
 QUANTILES = (0.5, 0.9, 0.95, 0.99)
 LATENCY_KINDS = ("request", "queue", "compute_input", "compute_infer", "compute_output")
+# the codes a request is refused with for its own fault (the adapters answer them 4xx)
+CLIENT_CODES = (Code.INVALID_ARG, Code.NOT_FOUND, Code.TOO_LARGE)
 
 
 @dataclass(slots=True)
@@ -92,6 +94,10 @@ class ModelStats:
     compute_infer: Duration = field(default_factory=Duration)
     compute_output: Duration = field(default_factory=Duration)
     failures: dict[FailureReason, int] = field(default_factory=dict)
+    # failures that were the caller's fault (4xx class: an invalid, unknown or too large
+    # request), also counted in ``fail``; on the metrics page only
+    # (appliance_inference_request_client_error): the OTA agent's probation leaves them out
+    client_errors: int = 0
     batches: dict[int, BatchStats] = field(default_factory=dict)
     pending: int = 0  # requests queued, not yet executing
     pending_bytes: int = 0  # input bytes held by requests queued or executing (queue_bytes)
@@ -134,6 +140,13 @@ class ModelStats:
     def record_failure(self, reason: FailureReason, total_ns: int) -> None:
         self.fail.add(total_ns)
         self.failures[reason] = self.failures.get(reason, 0) + 1
+
+    def record_error(self, exc: ApplianceError, total_ns: int) -> None:
+        """A request that failed with ``exc``: counted by its reason, and apart when it
+        was the caller's fault."""
+        self.record_failure(exc.reason, total_ns)
+        if exc.code in CLIENT_CODES:
+            self.client_errors += 1
 
     def json(self) -> dict[str, Any]:
         empty = Duration().json()

@@ -46,6 +46,8 @@ def test_metrics_follow_triton_names(run_appliance) -> None:
     assert m["nv_inference_request_success" + label] == 2
     assert m['nv_inference_request_failure{model="simple",reason="OTHER",version="1"}'] == 1
     assert m['nv_inference_request_failure{model="simple",reason="REJECTED",version="1"}'] == 0
+    # that failure was the caller's (the wrong datatype), and is counted so apart
+    assert m["appliance_inference_request_client_error" + label] == 1
     assert m["nv_inference_count" + label] == 6
     assert m["nv_inference_exec_count" + label] == 2
     assert m["nv_inference_pending_request_count" + label] == 0
