@@ -3,11 +3,14 @@
 Fleet side: :mod:`ota.keys` (role keys), :mod:`ota.repo` (the TUF repository:
 init, publish, rollout, key rotation), :mod:`ota.bundle` (build and inspect model
 bundles), :mod:`ota.watch` (follow device reports, halt a failing rollout).
-Device side: :mod:`ota.agent` (the update state machine) with :mod:`ota.state`
-(its persisted state), :mod:`ota.download` (resumable verified downloads),
-:mod:`ota.server_api` (the appliance's HTTP API) and :mod:`ota.report` (MQTT
-reports). :mod:`ota.rollout` decides which devices a rollout includes; both sides
-use it. The package runs as its own process and never imports the server.
+Device side: :mod:`ota.agent` (the update cycle) running the steps of
+:mod:`ota.fetching` (download, verify, stage), :mod:`ota.trial` (load, self-test,
+switch, probation) and :mod:`ota.commit` (commit, rollback, and the convergence of
+state, disk and server after a crash) on a :class:`ota.context.Context`, with
+:mod:`ota.state` (its persisted state), :mod:`ota.download` (resumable verified
+downloads), :mod:`ota.server_api` (the appliance's HTTP API) and :mod:`ota.report`
+(MQTT reports). :mod:`ota.rollout` decides which devices a rollout includes; both
+sides use it. The package runs as its own process and never imports the server.
 """
 
 from __future__ import annotations
@@ -17,3 +20,17 @@ ROLES = ("root", "targets", "snapshot", "timestamp")
 
 class OtaError(Exception):
     """A refused update or a failed fleet operation; the message says why, for a person."""
+
+
+class Transient(OtaError):
+    """A passing condition (repository unreachable, disk full, mirror too slow): the
+    job is kept as it is and tried again at the next check, after a back-off."""
+
+
+class Withdrawn(OtaError):
+    """The fleet no longer offers the job (halted, removed, or a newer version): it is
+    undone without marking the version bad."""
+
+
+class Rollback(OtaError):
+    """The candidate failed after it touched the device: undo and mark it bad."""

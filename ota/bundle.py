@@ -24,48 +24,29 @@ import os
 import platform
 import shutil
 import tarfile
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from appliance.config.reader import CONFIG_FILES
-from ota import OtaError
+from ota import OtaError, release
 from ota.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest, parse, safe_path
 from ota.rollout import check_name
 
 MODEL_PREFIX = "model/"
 _CHUNK = 1 << 20
-
-# file suffix -> backend, for a config that names neither backend nor platform
-_SUFFIX_BACKENDS = {
-    ".onnx": "onnxruntime",
-    ".xml": "openvino",
-    ".plan": "tensorrt",
-    ".py": "python",
-}
-_PLATFORM_BACKENDS = {
-    "onnxruntime_onnx": "onnxruntime",
-    "openvino": "openvino",
-    "tensorrt_plan": "tensorrt",
-    "ensemble": "ensemble",
-}
-
-
-def _backend(config_text: str, files: list[str]) -> str:
-    # a light read of the config's own fields: the server validates it fully on load
-    for line in config_text.splitlines():
-        key, _, value = line.partition(":")
-        key, value = key.strip(), value.strip().strip("\"'")
-        if key == "backend" and value:
-            return value
-        if key == "platform" and value in _PLATFORM_BACKENDS:
-            return _PLATFORM_BACKENDS[value]
-    for f in files:
-        suffix = os.path.splitext(f)[1]
-        if suffix in _SUFFIX_BACKENDS:
-            return _SUFFIX_BACKENDS[suffix]
-    return "unknown"
-
+DEFAULT_MAX_BYTES = 4 << 30  # what `bundle inspect` reads at most; the agent's default too
+# a member's extended header (a PAX header, a GNU long name or link) holds a path and a
+# few numbers: anything beyond this is refused before it is read
+MAX_HEADER_BYTES = 64 << 10
+_EXTENDED = (
+    tarfile.GNUTYPE_LONGNAME,
+    tarfile.GNUTYPE_LONGLINK,
+    tarfile.XHDTYPE,
+    tarfile.XGLTYPE,
+    tarfile.SOLARIS_XHDTYPE,
+)
 
 def _member(name: str, size: int) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
@@ -108,11 +89,12 @@ def build(
     if not entries:
         raise OtaError(f"{version_dir} holds no files")
     entries.sort(key=lambda e: e[0].path)
-    config_text = config.read_text(encoding="utf-8")
+    config_data = config.read_bytes()
+    parsed = release.read_config(name, config_name, config_data, str(config))
     manifest = Manifest(
         name,
         version,
-        _backend(config_text, [e.path for e, _ in entries]),
+        release.backend_of(parsed, [e.path for e, _ in entries]),
         config_name,
         tuple(e for e, _ in entries),
         min_appliance_version,
@@ -122,8 +104,9 @@ def build(
         tuple(self_test or ()),
     )
     parse(manifest.dumps())  # what devices will check, checked here first
+    release.check_bundle(manifest, config_data)
     tmp = out.with_name(f".{out.name}.tmp")
-    with writer(tmp, manifest.dumps(), config_name, config.read_bytes()) as add:
+    with writer(tmp, manifest.dumps(), config_name, config_data) as add:
         for entry, path in entries:
             with open(path, "rb") as content:
                 add(entry, content)
@@ -158,11 +141,32 @@ def _check_member(info: tarfile.TarInfo) -> str:
     return safe_path(info.name)
 
 
+class _HeaderTooLarge(tarfile.TarError):
+    pass
+
+
+class _BoundedInfo(tarfile.TarInfo):
+    """A member header whose extended parts (GNU long names and links, PAX headers)
+    are refused beyond :data:`MAX_HEADER_BYTES` before tarfile reads them: their
+    declared size would otherwise be read into memory whole."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _EXTENDED and self.size > MAX_HEADER_BYTES:
+            raise _HeaderTooLarge(
+                f"a member header declares {self.size} bytes of extended header "
+                f"(GNU long name or PAX), above the limit of {MAX_HEADER_BYTES}"
+            )
+        if self.type == tarfile.GNUTYPE_SPARSE:
+            raise _HeaderTooLarge("a member is a GNU sparse file: only regular files allowed")
+        member: tarfile.TarInfo = super()._proc_member(tar)  # type: ignore[misc]
+        return member
+
+
 def _members(fileobj: IO[bytes], max_bytes: int) -> Iterator[tuple[tarfile.TarInfo, IO[bytes]]]:
     """Stream the archive's members (no seeking, so a member cannot be read twice);
     OtaError for anything malformed."""
     try:
-        with tarfile.open(fileobj=fileobj, mode="r|gz") as tar:
+        with tarfile.open(fileobj=fileobj, mode="r|gz", tarinfo=_BoundedInfo) as tar:
             total = 0
             for info in tar:
                 total += info.size
@@ -170,7 +174,9 @@ def _members(fileobj: IO[bytes], max_bytes: int) -> Iterator[tuple[tarfile.TarIn
                     raise OtaError(f"bundle holds more than {max_bytes} bytes (limit)")
                 reader = tar.extractfile(info) if info.isreg() else None
                 yield info, reader if reader is not None else io.BytesIO()
-    except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile) as exc:
+    except _HeaderTooLarge as exc:
+        raise OtaError(f"bundle refused: {exc}") from None
+    except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile, zlib.error) as exc:
         raise OtaError(f"bundle is not a valid gzip tar archive: {exc}") from None
 
 
@@ -249,9 +255,23 @@ def _copy_verified(reader: IO[bytes], entry: FileEntry, dest: Path | None) -> No
         raise OtaError(f"bundle member {entry.path!r}: sha256 does not match the manifest")
 
 
-def inspect(path: Path, max_bytes: int = 1 << 40) -> Manifest:
-    """The manifest, after checking every member against it. Writes and runs nothing."""
+def inspect(path: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> Manifest:
+    """The manifest, after checking every member against it (reading at most
+    ``max_bytes`` of content). Writes and runs nothing."""
     return _walk(path, max_bytes, None)[0]
+
+
+def read(path: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[Manifest, bytes]:
+    """:func:`inspect`, and the config file's bytes."""
+    return _walk(path, max_bytes, None)
+
+
+def first_manifest(path: Path) -> Manifest:
+    """The manifest alone (the first member), of a bundle verified before."""
+    with open(path, "rb") as f:
+        for info, reader in _members(f, MAX_MANIFEST_BYTES):
+            return _read_manifest(info, reader)
+    raise OtaError("bundle is empty")
 
 
 def extract(path: Path, staging: Path, max_bytes: int) -> tuple[Manifest, bytes]:

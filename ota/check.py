@@ -1,27 +1,33 @@
 """The check step: refresh the TUF metadata and pick the update this device takes.
 
 ngclient does the trust work (signatures and thresholds, version numbers never
-going back, expiry, snapshot consistency, root rotation from the pinned root);
-this module only reads the verified targets and applies the rollout rules, the
-bad-version list and what this machine can run.
+going back, expiry, snapshot consistency, root rotation). Every refresh starts
+from the configured ``trusted_root`` (python-tuf's bootstrap), never from whatever
+``root.json`` the state folder holds: ngclient walks its cached root history from
+the pinned root and refuses a local root that does not chain from it. This module
+reads the verified targets and applies the rollout rules, the bad-version list and
+what this machine can run, both to choose a job (:func:`newest_offer`) and to
+confirm, before each phase change, that the fleet still wants it
+(:func:`still_wanted`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from tuf.api import exceptions as tuf_errors
-from tuf.api.metadata import Metadata, TargetFile, Targets
-from tuf.ngclient import Updater
+from tuf.api.metadata import Metadata, TargetFile, Targets, Timestamp
+from tuf.ngclient import Updater, Urllib3Fetcher
 
 from appliance.version import __version__
-from ota import OtaError, bundle, install
+from ota import OtaError, Transient, bundle, install
 from ota.config import OtaConfig
 from ota.manifest import version_tuple
 from ota.rollout import Rollout
 from ota.server_api import ServerApi
-from ota.state import AgentState
+from ota.state import AgentState, Job
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,44 +36,70 @@ class Offer:
     version: int
     target: TargetFile
     memory_bytes: int
+    unpacked_bytes: int  # the files' size once installed (0: the target does not say)
+
+
+@dataclass(frozen=True, slots=True)
+class Fresh:
+    """Metadata ngclient has just verified."""
+
+    targets: Metadata[Targets]
+    timestamp_expires: datetime
 
 
 def updater(cfg: OtaConfig) -> Updater:
     """An ngclient Updater over the agent's metadata folder, bootstrapped from the
-    pinned root the first time (later runs start from the last verified root)."""
+    pinned root every time (python-tuf's advice)."""
     meta_dir = cfg.state_dir / "metadata"
     meta_dir.mkdir(parents=True, exist_ok=True)
-    bootstrap = None
-    if not (meta_dir / "root.json").exists():
-        bootstrap = cfg.trusted_root.read_bytes()
     return Updater(
         str(meta_dir),
         cfg.source + "metadata/",
         str(cfg.state_dir / "downloads"),
         cfg.source + "targets/",
-        bootstrap=bootstrap,
+        # (typed int, used as a float by urllib3: sub-second timeouts work)
+        fetcher=Urllib3Fetcher(socket_timeout=cfg.metadata_timeout_s),  # type: ignore[arg-type]
+        bootstrap=cfg.trusted_root.read_bytes(),
     )
 
 
-def refresh(cfg: OtaConfig) -> Metadata[Targets]:
-    """Refresh through ngclient; the verified top-level targets. OtaError saying why
-    TUF refused the repository, or why it could not be reached."""
+def _reason(exc: BaseException) -> str:
+    """An exception's message, or its cause's, or at least its type's name (ngclient's
+    SlowRetrievalError and some DownloadErrors carry no message of their own)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        text = str(seen).strip()
+        if text:
+            return text if seen is exc else f"{type(exc).__name__}: {text}"
+        seen = seen.__cause__ or seen.__context__
+    return type(exc).__name__
+
+
+def refresh(cfg: OtaConfig) -> Fresh:
+    """Refresh through ngclient. Transient when the repository cannot be reached,
+    OtaError saying why TUF refused it."""
     try:
         updater(cfg).refresh()
-        # written by ngclient only after it verified the file
-        return Metadata.from_file(str(cfg.state_dir / "metadata" / "targets.json"))
+        # written by ngclient only after it verified them
+        meta_dir = cfg.state_dir / "metadata"
+        targets: Metadata[Targets] = Metadata.from_file(str(meta_dir / "targets.json"))
+        ts: Metadata[Timestamp] = Metadata.from_file(str(meta_dir / "timestamp.json"))
+        return Fresh(targets, ts.signed.expires)
     except tuf_errors.RepositoryError as exc:
         raise OtaError(
-            f"TUF refused the repository metadata ({type(exc).__name__}): {exc}"
+            f"TUF refused the repository metadata ({type(exc).__name__}): {_reason(exc)}"
         ) from None
     except tuf_errors.DownloadError as exc:
-        raise OtaError(f"cannot reach the update repository: {exc}") from None
+        raise Transient(f"cannot reach the update repository: {_reason(exc)}") from None
     except OSError as exc:
-        raise OtaError(f"cannot read the pinned root or metadata: {exc}") from None
+        raise Transient(f"cannot read the pinned root or metadata: {exc}") from None
 
 
 def current(cfg: OtaConfig, state: AgentState, model: str) -> int:
-    """The committed version: the agent's record, else the newest folder on disk."""
+    """The committed version: the agent's record, else the newest folder on disk (a
+    model installed before the agent ran). During a job, the job's own record."""
+    if state.job is not None and state.job.model == model:
+        return state.job.previous
     ms = state.models.get(model)
     if ms is not None and ms.current:
         return ms.current
@@ -95,19 +127,67 @@ def applies(cfg: OtaConfig, state: AgentState, info: dict[str, Any]) -> tuple[st
     return model, version
 
 
-def newest_offer(cfg: OtaConfig, state: AgentState) -> Offer | None:
-    """The newest applicable bundle of the first model (by name) that has one."""
-    targets = refresh(cfg)
+def _info(target: TargetFile) -> dict[str, Any] | None:
+    custom = target.custom if isinstance(target.custom, dict) else {}
+    info = custom.get("appliance")
+    return info if isinstance(info, dict) else None
+
+
+def _size(info: dict[str, Any], key: str) -> int:
+    value = info.get(key, 0)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def offers(cfg: OtaConfig, state: AgentState, targets: Metadata[Targets]) -> dict[str, Offer]:
+    """The newest applicable bundle of each model."""
     best: dict[str, Offer] = {}
     for target in targets.signed.targets.values():
-        custom = target.custom if isinstance(target.custom, dict) else {}
-        info = custom.get("appliance")
-        chosen = applies(cfg, state, info) if isinstance(info, dict) else None
-        if chosen is None or chosen[1] <= (best[chosen[0]].version if chosen[0] in best else 0):
+        info = _info(target)
+        chosen = applies(cfg, state, info) if info is not None else None
+        if info is None or chosen is None:
             continue
-        memory = info.get("memory_bytes", 0) if isinstance(info, dict) else 0
-        best[chosen[0]] = Offer(chosen[0], chosen[1], target, int(memory or 0))
+        model, version = chosen
+        if model in best and version <= best[model].version:
+            continue
+        best[model] = Offer(
+            model, version, target, _size(info, "memory_bytes"), _size(info, "unpacked_bytes")
+        )
+    return best
+
+
+def newest_offer(cfg: OtaConfig, state: AgentState, fresh: Fresh | None = None) -> Offer | None:
+    """The newest applicable bundle of the first model (by name) that has one."""
+    best = offers(cfg, state, (fresh or refresh(cfg)).targets)
     return best[min(best)] if best else None
+
+
+def signed_backend(fresh: Fresh, path: str) -> str:
+    """The backend the signed target at ``path`` claims ("" when it does not say)."""
+    target = fresh.targets.signed.targets.get(path)
+    info = _info(target) if target is not None else None
+    backend = info.get("backend") if info is not None else None
+    return backend if isinstance(backend, str) else ""
+
+
+def still_wanted(cfg: OtaConfig, state: AgentState, job: Job, fresh: Fresh) -> str:
+    """Why the fleet no longer wants ``job`` ("" while it does): removed from the
+    signed targets, its bytes changed, its rollout halted or narrowed past this
+    device, or a newer version offered instead."""
+    target = fresh.targets.signed.targets.get(job.target)
+    if target is None:
+        return f"{job.model} version {job.version} was removed from the signed targets"
+    if target.length != job.length or target.hashes.get("sha256") != job.sha256:
+        return f"the signed target of {job.model} version {job.version} changed"
+    info = _info(target)
+    if info is None or applies(cfg, state, info) != (job.model, job.version):
+        return (
+            f"the fleet no longer offers {job.model} version {job.version} to this "
+            "device (rollout halted or narrowed)"
+        )
+    newer = offers(cfg, state, fresh.targets).get(job.model)
+    if newer is not None and newer.version > job.version:
+        return f"{job.model} version {newer.version} supersedes version {job.version}"
+    return ""
 
 
 def fits_budget(cfg: OtaConfig, api: ServerApi, offer: Offer) -> None:

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from appliance.config.fields import ConfigError, parse_size
+
 KEYS = "folder of the role keys (appliance fleet keys)"
 HALT_AT = "halt a rollout once the share of its devices that failed exceeds this (default 0.2)"
 REPORT_TIMEOUT = "seconds a device may stay silent mid-update before it counts as failed"
@@ -47,6 +49,11 @@ def register(sub: Any) -> None:
     g.add_argument("--percent", type=float, help="widen (or narrow) to this share of devices")
     g.add_argument("--halt", action="store_true", help="stop offering the version")
     g.add_argument("--resume", action="store_true", help="offer a halted version again")
+    p = fs.add_parser("remove", help="withdraw a published version from the signed targets")
+    p.add_argument("repo", type=Path, help="folder of the TUF repository")
+    p.add_argument("model", help="the model of the version to withdraw")
+    p.add_argument("--version", type=int, required=True, help="the version to withdraw")
+    p.add_argument("--keys", type=Path, required=True, help=KEYS)
     p = fs.add_parser("refresh", help="re-sign the timestamp (run it from a daily timer)")
     p.add_argument("repo", type=Path, help="folder of the TUF repository")
     p.add_argument("--keys", type=Path, required=True, help=KEYS)
@@ -58,8 +65,20 @@ def register(sub: Any) -> None:
     p.add_argument("--mqtt", required=True, metavar="HOST:PORT", help="the MQTT broker")
     p.add_argument("--prefix", default="appliance", help="the devices' MQTT topic prefix")
     p.add_argument("--halt-at-failure-rate", type=float, default=0.2, help=HALT_AT)
-    p.add_argument("--min-reports", type=int, default=5, help="reports before judging")
+    p.add_argument(
+        "--min-reports",
+        type=int,
+        default=5,
+        help="devices that must have reported on a version before it is judged (default 5)",
+    )
     p.add_argument("--report-timeout-s", type=float, default=3600.0, help=REPORT_TIMEOUT)
+    p.add_argument(
+        "--device-keys",
+        type=Path,
+        help="folder of <device_id>.pub report keys: count only reports they sign",
+    )
+    p.add_argument("--username", help="the watcher's broker user (see the broker ACL)")
+    p.add_argument("--password", default=None, help="the watcher's broker password")
     p.add_argument("--repo", type=Path, help="TUF repository to halt rollouts in")
     p.add_argument("--keys", type=Path, help=KEYS)
     p.add_argument("--model", help="the model to watch (default: every model)")
@@ -79,6 +98,12 @@ def register(sub: Any) -> None:
     p.add_argument("--self-test", type=Path, help="JSON list of self-test vectors")
     p = bs.add_parser("inspect", help="show a bundle's manifest after checking every member")
     p.add_argument("file", type=Path, help="the bundle file")
+    p.add_argument(
+        "--max-size",
+        type=_size,
+        default=4 << 30,
+        help="read at most this much content (default 4GiB, the agent's max_bundle_size)",
+    )
 
     o = sub.add_parser("ota", help="the device's update agent")
     os_ = o.add_subparsers(dest="ota_command", required=True)
@@ -87,6 +112,13 @@ def register(sub: Any) -> None:
     p.add_argument("--once", action="store_true", help="one cycle, then exit 0 / 1")
     p = os_.add_parser("status", help="the agent's state")
     p.add_argument("--config", type=Path, default=CONFIG, help="the server config (its ota:)")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, "--max-size", "")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,10 +9,11 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 from appliance.errors import ApplianceError
 from appliance.sdnotify import Notifier
-from ota import OtaError, bundle, keys, repo, watch
+from ota import OtaError, bundle, devicekey, keys, repo, watch
 from ota import config as ota_config
 from ota.agent import Agent
 from ota.rollout import Rollout
@@ -49,7 +50,11 @@ def _fleet(args: argparse.Namespace) -> int:
         new = repo.set_rollout(args.repo, args.keys, args.model, args.version, args.percent, halted)
         print(f"{args.model}: {new.to_json()}")
     elif cmd == "refresh":
-        repo.refresh(args.repo, args.keys)
+        ts = repo.refresh(args.repo, args.keys)
+        print(f"timestamp version {ts.version} signed; it expires {ts.expires.isoformat()}")
+    elif cmd == "remove":
+        repo.remove(args.repo, args.keys, args.model, args.version)
+        print(f"{args.model} version {args.version} removed from the signed targets")
     elif cmd == "rotate":
         version = repo.rotate(args.repo, args.keys, args.role)
         print(f"{args.role} key rotated; root version {version}")
@@ -60,7 +65,7 @@ def _fleet(args: argparse.Namespace) -> int:
 
 def _bundle(args: argparse.Namespace) -> int:
     if args.bundle_command == "inspect":
-        print(bundle.describe(bundle.inspect(args.file)))
+        print(bundle.describe(bundle.inspect(args.file, args.max_size)))
         return 0
     vectors = None
     if args.self_test:
@@ -85,9 +90,15 @@ def _bundle(args: argparse.Namespace) -> int:
 def _ota(args: argparse.Namespace) -> int:
     cfg = ota_config.load(args.config)
     if args.ota_command == "status":
-        state = StateFile(cfg.state_dir).load()
-        doc = state.to_json()
-        doc["next_check_in_s"] = round(max(0.0, state.next_check - time.time()), 1)
+        store = StateFile(cfg.state_dir)
+        state = store.load()
+        doc: dict[str, Any] = state.to_json() if state is not None else {"phase": "unknown"}
+        if state is not None:
+            doc["next_check_in_s"] = round(max(0.0, state.next_check - time.time()), 1)
+        if store.note:  # a damaged state file: what the agent does about it
+            doc["note"] = store.note
+        key = devicekey.load(cfg.state_dir, create=False)  # registered with the fleet
+        doc["report_key"] = devicekey.public_text(key) if key is not None else None
         print(json.dumps(doc, indent=2, sort_keys=True))
         return 0
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")

@@ -34,17 +34,24 @@ class OtaConfig:
     jitter: float = 0.2  # each wait is check_interval_s * (1 +- jitter), uniformly
     probation_s: float = 60.0
     probation_poll_s: float = 1.0
-    max_error_rate: float = 0.01  # failed / all requests of the new version in probation
+    max_error_rate: float = 0.01  # the model's own failures / answered requests in probation
+    probation_min_requests: int = 5  # answered requests probation needs, or it fails (0: none)
+    probe_timeout_s: float = 10.0  # a probation probe unanswered for this long is a failure
     max_latency_ratio: float = 3.0  # new mean latency over the old one's; 0: off
     max_latency_ms: float = 0.0  # absolute ceiling on the new mean latency; 0: off
     keep_versions: int = 2
     max_bandwidth: int = 0  # bytes/s while downloading; 0: unlimited
+    min_download_rate: int = 1024  # bytes/s over download_rate_window_s, or the attempt ends
+    download_rate_window_s: float = 60.0
+    job_deadline_s: float = 7 * 86400.0  # a download not finished by then is dropped
+    reserve_disk: int = 32 << 20  # free space the agent always leaves on each file system
     max_bundle_bytes: int = 4 << 30
     max_load_attempts: int = 2  # loads of one version interrupted before it is marked bad
     admin_token: str = ""
     memory_limit: int | None = None
     mqtt: MqttConfig | None = None
     request_timeout_s: float = 300.0
+    metadata_timeout_s: float = 30.0  # a metadata fetch silent this long fails (socket timeout)
 
 
 def _number(f: Fields, key: str, default: float, minimum: float) -> float:
@@ -57,8 +64,10 @@ def _number(f: Fields, key: str, default: float, minimum: float) -> float:
 KEYS = {
     "source", "trusted_root", "state_dir", "server", "device_id", "groups", "channel",
     "check_interval_s", "jitter", "probation_s", "probation_poll_s", "max_error_rate",
-    "max_latency_ratio", "max_latency_ms", "keep_versions", "max_bandwidth",
-    "max_bundle_size", "max_load_attempts", "request_timeout_s",
+    "probation_min_requests", "probe_timeout_s", "max_latency_ratio", "max_latency_ms",
+    "keep_versions", "max_bandwidth", "min_download_rate", "download_rate_window_s",
+    "job_deadline_s", "reserve_disk", "max_bundle_size", "max_load_attempts",
+    "request_timeout_s", "metadata_timeout_s",
 }  # fmt: skip
 
 
@@ -98,6 +107,8 @@ def load(path: Path) -> OtaConfig:
     if jitter >= 1:
         raise f.fail("jitter", "expected a fraction below 1")
     bandwidth = f.data.get("max_bandwidth", 0)
+    min_rate = f.data.get("min_download_rate", "1KiB")
+    reserve = f.data.get("reserve_disk", "32MiB")
     repository = server.model_repository
     if repository is None:
         raise ConfigError(str(path), "model_repository", "the update agent needs one")
@@ -115,10 +126,18 @@ def load(path: Path) -> OtaConfig:
         probation_s=_number(f, "probation_s", 60.0, 0.0),
         probation_poll_s=_number(f, "probation_poll_s", 1.0, 0.01),
         max_error_rate=_number(f, "max_error_rate", 0.01, 0.0),
+        probation_min_requests=f.integer("probation_min_requests", 5, minimum=0),
+        probe_timeout_s=_number(f, "probe_timeout_s", 10.0, 0.01),
         max_latency_ratio=_number(f, "max_latency_ratio", 3.0, 0.0),
         max_latency_ms=_number(f, "max_latency_ms", 0.0, 0.0),
         keep_versions=f.integer("keep_versions", 2, minimum=1),
         max_bandwidth=parse_size(bandwidth, str(path), "ota.max_bandwidth") if bandwidth else 0,
+        min_download_rate=(
+            parse_size(min_rate, str(path), "ota.min_download_rate") if min_rate else 0
+        ),
+        download_rate_window_s=_number(f, "download_rate_window_s", 60.0, 0.1),
+        job_deadline_s=_number(f, "job_deadline_s", 7 * 86400.0, 1.0),
+        reserve_disk=parse_size(reserve, str(path), "ota.reserve_disk") if reserve else 0,
         max_bundle_bytes=parse_size(
             f.data.get("max_bundle_size", "4GiB"), str(path), "ota.max_bundle_size"
         ),
@@ -127,4 +146,5 @@ def load(path: Path) -> OtaConfig:
         memory_limit=server.memory_limit,
         mqtt=server.mqtt,
         request_timeout_s=_number(f, "request_timeout_s", 300.0, 1.0),
+        metadata_timeout_s=_number(f, "metadata_timeout_s", 30.0, 0.1),
     )

@@ -1,34 +1,59 @@
 """Resumable, rate-limited bundle downloads, verified against the signed TUF target.
 
 Bytes go to ``<dir>/<sha256>.part``; after an interruption the next attempt asks
-for the rest with an HTTP Range request (a server that ignores Range gets a fresh
-start). Nothing longer than the signed length is ever written, and the finished
-file is checked against the target's length and hashes before it is renamed to
-``<sha256>.bundle``; a mismatch deletes it.
+for the rest with an HTTP Range request. The answer must be a ``206`` whose
+``Content-Range`` starts where the partial file ends; a mirror that ignores the
+Range (``200``), answers from another offset (a broken cache answering ``206``
+from 0) or cannot serve it (``416``) gets the partial file discarded and a full
+download in the same attempt. Nothing longer than the signed length is ever
+written, and the finished file is checked against the target's length and hashes
+before it is renamed to ``<sha256>.bundle``; a mismatch deletes it.
+
+Bounded in time: an attempt whose rate stays below ``min_rate`` bytes/s over a
+window (a mirror that trickles) ends as :class:`~ota.Transient` (the partial file
+is kept, the agent backs off and re-reads the metadata before it resumes), and a
+job whose download is not done by its deadline is dropped (:class:`Dropped`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import urllib3
 from tuf.api.exceptions import LengthOrHashMismatchError
 from tuf.api.metadata import TargetFile
 
-from ota import OtaError
+from ota import OtaError, Transient
 
 log = logging.getLogger(__name__)
 
 CHUNK = 64 * 1024
 Progress = Callable[[int, int], None]  # (bytes on disk, total)
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
-class Mismatch(OtaError):
-    """The downloaded bytes are not the signed target (deleted; not resumed)."""
+class Dropped(OtaError):
+    """The download is given up (files deleted); the job is dropped, nothing is marked
+    bad, and the next check starts over."""
+
+
+class Mismatch(Dropped):
+    """The downloaded bytes are not the signed target."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_bandwidth: int = 0  # bytes/s; 0: unlimited
+    min_rate: int = 0  # bytes/s over window_s, or the attempt ends; 0: no minimum
+    window_s: float = 60.0
+    deadline: float = 0.0  # wall-clock time the download must be done by; 0: none
+    timeout_s: float = 60.0  # connect and per-read socket timeout
 
 
 def _pace(started: float, sent: int, max_bandwidth: int) -> None:
@@ -44,12 +69,13 @@ def fetch(
     url: str,
     target: TargetFile,
     folder: Path,
-    max_bandwidth: int = 0,
+    limits: Limits | None = None,
     progress: Progress | None = None,
-    timeout_s: float = 60.0,
 ) -> Path:
     """Download ``target`` from ``url`` into ``folder``; returns the verified file.
-    OtaError (the partial file kept for the next attempt) when the transfer breaks."""
+    Transient (the partial file kept for the next attempt) when the transfer breaks
+    or is too slow, Dropped past the deadline, Mismatch for the wrong bytes."""
+    limits = limits or Limits()
     digest = target.hashes.get("sha256", "")
     if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
         raise OtaError(f"target {target.path}: no usable sha256 in the signed metadata")
@@ -62,7 +88,7 @@ def fetch(
     if have > target.length:
         have = 0
     if have < target.length:
-        have = _transfer(http, url, target, part, have, max_bandwidth, progress, timeout_s)
+        _transfer(http, url, target, part, have, limits, progress)
     try:
         with open(part, "rb") as f:
             target.verify_length_and_hashes(f)
@@ -75,65 +101,115 @@ def fetch(
     return done_path
 
 
+def _open(
+    http: urllib3.PoolManager, url: str, have: int, timeout_s: float
+) -> urllib3.BaseHTTPResponse:
+    headers = {"Range": f"bytes={have}-"} if have else {}
+    try:
+        return http.request(
+            "GET", url, headers=headers, preload_content=False, timeout=timeout_s, retries=False
+        )
+    except urllib3.exceptions.HTTPError as exc:
+        raise Transient(f"cannot download {url}: {exc}") from None
+
+
+def _resumes_at(response: urllib3.BaseHTTPResponse, have: int) -> bool:
+    """Whether a 206 answer really continues at byte ``have``."""
+    m = _CONTENT_RANGE.fullmatch(response.headers.get("Content-Range", "").strip())
+    return m is not None and int(m.group(1)) == have
+
+
 def _transfer(
     http: urllib3.PoolManager,
     url: str,
     target: TargetFile,
     part: Path,
     have: int,
-    max_bandwidth: int,
+    limits: Limits,
     progress: Progress | None,
-    timeout_s: float,
-) -> int:
-    headers = {"Range": f"bytes={have}-"} if have else {}
+) -> None:
+    response = _open(http, url, have, limits.timeout_s)
+    resumed = response.status == 206 and _resumes_at(response, have)
+    if have and not resumed and response.status in (200, 206, 416):
+        what = response.headers.get("Content-Range", "no Content-Range")
+        log.warning(
+            "%s: the mirror did not resume at byte %d (HTTP %d, %s): discarding the "
+            "partial file, downloading it whole",
+            target.path, have, response.status, what,
+        )  # fmt: skip
+        response.release_conn()
+        part.unlink(missing_ok=True)
+        have = 0
+        response = _open(http, url, 0, limits.timeout_s)
     try:
-        response = http.request(
-            "GET", url, headers=headers, preload_content=False, timeout=timeout_s, retries=False
-        )
-    except urllib3.exceptions.HTTPError as exc:
-        raise OtaError(f"cannot download {url}: {exc}") from None
-    try:
-        if response.status == 200 and have:
-            log.info("%s: the server ignored the Range request; starting again", target.path)
-            have = 0
-        elif response.status not in (200, 206):
-            raise OtaError(f"download of {url}: HTTP {response.status}")
+        if response.status != (206 if have else 200):
+            raise Transient(f"download of {url}: HTTP {response.status}")
         if have:
             log.info("resuming %s at %d of %d bytes", target.path, have, target.length)
-        started, sent, last_log = time.monotonic(), 0, 0.0
-        with open(part, "r+b" if have else "wb") as f:
-            f.seek(have)
-            f.truncate()
-            try:
-                # read1: whatever arrived, so bytes before a break are kept for the resume
-                while chunk := response.read1(CHUNK):
-                    if have + len(chunk) > target.length:
-                        raise OtaError(
-                            f"download of {target.path}: longer than the signed "
-                            f"{target.length} bytes"
-                        )
-                    f.write(chunk)
-                    have += len(chunk)
-                    sent += len(chunk)
-                    if progress is not None:
-                        progress(have, target.length)
-                    if time.monotonic() - last_log > 5:
-                        last_log = time.monotonic()
-                        log.info("downloading %s: %d of %d bytes", target.path, have, target.length)
-                    _pace(started, sent, max_bandwidth)
-            except (urllib3.exceptions.HTTPError, OSError) as exc:
-                raise OtaError(
-                    f"download of {target.path} interrupted at {have} of {target.length} "
-                    f"bytes ({exc}); the next attempt resumes there"
-                ) from None
-            finally:
-                f.flush()
-                os.fsync(f.fileno())
+        have = _copy(response, target, part, have, limits, progress)
     finally:
         response.release_conn()
     if have < target.length:
-        raise OtaError(
+        raise Transient(
             f"download of {target.path} interrupted at {have} of {target.length} bytes; "
             "the next attempt resumes there"
         )
+
+
+def _copy(
+    response: urllib3.BaseHTTPResponse,
+    target: TargetFile,
+    part: Path,
+    have: int,
+    limits: Limits,
+    progress: Progress | None,
+) -> int:
+    started, sent, last_log = time.monotonic(), 0, 0.0
+    window_start, window_bytes = started, 0
+    with open(part, "r+b" if have else "wb") as f:
+        f.seek(have)
+        f.truncate()
+        try:
+            # read1: whatever arrived, so bytes before a break are kept for the resume
+            while chunk := response.read1(CHUNK):
+                if have + len(chunk) > target.length:
+                    raise Transient(
+                        f"download of {target.path}: longer than the signed "
+                        f"{target.length} bytes"
+                    )
+                f.write(chunk)
+                have += len(chunk)
+                sent += len(chunk)
+                window_bytes += len(chunk)
+                if progress is not None:
+                    progress(have, target.length)
+                now = time.monotonic()
+                if now - last_log > 5:
+                    last_log = now
+                    log.info("downloading %s: %d of %d bytes", target.path, have, target.length)
+                if limits.deadline and time.time() > limits.deadline and have < target.length:
+                    raise Dropped(
+                        f"download of {target.path} not done by the job's deadline "
+                        f"({have} of {target.length} bytes): dropped"
+                    )
+                if now - window_start >= limits.window_s:
+                    rate = window_bytes / (now - window_start)
+                    if limits.min_rate and rate < limits.min_rate:
+                        raise Transient(
+                            f"download of {target.path}: {rate:.0f} bytes/s, below the "
+                            f"minimum of {limits.min_rate} (at {have} of {target.length} "
+                            "bytes; the next attempt resumes there)"
+                        )
+                    window_start, window_bytes = now, 0
+                _pace(started, sent, limits.max_bandwidth)
+        except (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError) as exc:
+            # (a local write error, such as a full disk, goes on as OSError: the agent
+            # handles it)
+            raise Transient(
+                f"download of {target.path} interrupted at {have} of {target.length} "
+                f"bytes ({exc}); the next attempt resumes there"
+            ) from None
+        finally:
+            f.flush()
+            os.fsync(f.fileno())
     return have

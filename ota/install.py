@@ -15,30 +15,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import yaml
 from google.protobuf import json_format, text_format
-from tritonclient.grpc import model_config_pb2
 
-from appliance.config.model_config import parse_model_config
+from appliance.config.model_config import ModelConfig
 from appliance.config.reader import CONFIG_FILES, load_model_config
-from appliance.config.triton_config import pbtxt_to_dict, to_triton_json
+from appliance.config.schema import model_config_pb2
+from appliance.config.triton_config import to_triton_json
 from appliance.core.repository import version_dirs
 from appliance.errors import ApplianceError
 from ota import OtaError
-
-
-def canonical(model: str, config_file: str, data: bytes) -> dict[str, Any]:
-    """A bundle's config in Triton's JSON form, validated as the server would."""
-    try:
-        text = data.decode("utf-8")
-        raw = (
-            pbtxt_to_dict(text, config_file)
-            if config_file.endswith(".pbtxt")
-            else yaml.safe_load(text)
-        )
-        return to_triton_json(parse_model_config(raw, model, f"bundle {config_file}"))
-    except (ApplianceError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise OtaError(f"the bundle's model config is invalid: {exc}") from None
+from ota.state import fsync_dir
 
 
 def with_versions(config: dict[str, Any], versions: list[int]) -> dict[str, Any]:
@@ -47,13 +33,31 @@ def with_versions(config: dict[str, Any], versions: list[int]) -> dict[str, Any]
 
 def on_disk(repository: Path, model: str) -> dict[str, Any] | None:
     """The model's current config in Triton JSON form, or None if the model is absent."""
+    config = read_disk_config(repository, model)
+    return None if config is None else to_triton_json(config)
+
+
+def read_disk_config(repository: Path, model: str) -> ModelConfig | None:
     folder = repository / model
     if not folder.is_dir():
         return None
     try:
-        return to_triton_json(load_model_config(folder))
+        return load_model_config(folder)
     except ApplianceError as exc:
         raise OtaError(f"model '{model}': its config on disk is invalid: {exc}") from None
+
+
+def pinned(repository: Path, model: str) -> tuple[int, ...] | None:
+    """The versions the config on disk names (None: absent, or not pinned by version)."""
+    config = read_disk_config(repository, model)
+    if config is None or config.version_policy.kind != "specific":
+        return None
+    return tuple(sorted(config.version_policy.versions))
+
+
+def version_files(repository: Path, model: str, version: int) -> list[str]:
+    folder = repository / model / str(version)
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
 
 
 def disk_versions(repository: Path, model: str) -> list[int]:
@@ -68,7 +72,7 @@ def write_config(repository: Path, model: str, config: dict[str, Any]) -> None:
     """Replace the model's config file (atomically) with ``config`` as config.pbtxt."""
     folder = repository / model
     folder.mkdir(parents=True, exist_ok=True)
-    message = json_format.Parse(json.dumps(config), model_config_pb2.ModelConfig())
+    message = json_format.Parse(json.dumps(config), model_config_pb2().ModelConfig())
     text = text_format.MessageToString(message)
     tmp = folder / ".config.pbtxt.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -79,6 +83,7 @@ def write_config(repository: Path, model: str, config: dict[str, Any]) -> None:
         if name != "config.pbtxt":
             (folder / name).unlink(missing_ok=True)
     os.replace(tmp, folder / "config.pbtxt")
+    fsync_dir(folder)
 
 
 def place(staging: Path, repository: Path, model: str, version: int) -> None:
@@ -88,6 +93,7 @@ def place(staging: Path, repository: Path, model: str, version: int) -> None:
     if dest.exists():
         shutil.rmtree(dest)
     os.replace(staging, dest)
+    fsync_dir(dest.parent)
 
 
 def remove_version(repository: Path, model: str, version: int) -> None:
@@ -111,6 +117,7 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -90,6 +90,7 @@ class Manifest:
             "platforms": list(self.platforms),
             "devices": list(self.devices),
             "memory_bytes": self.memory_bytes,
+            "unpacked_bytes": self.payload_bytes(),
         }
 
     def payload_bytes(self) -> int:

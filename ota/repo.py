@@ -34,7 +34,7 @@ from tuf.api.metadata import (
 )
 from tuf.api.serialization.json import JSONSerializer
 
-from ota import ROLES, OtaError, bundle, keys
+from ota import ROLES, OtaError, bundle, clock, keys, release
 from ota.rollout import Rollout
 
 _SERIALIZER = JSONSerializer(compact=False)
@@ -49,7 +49,7 @@ class Expiry:
     root: timedelta = timedelta(days=365)
     targets: timedelta = timedelta(days=90)
     snapshot: timedelta = timedelta(days=30)
-    timestamp: timedelta = timedelta(days=1)
+    timestamp: timedelta = clock.TIMESTAMP_LIFETIME
 
 
 def _now() -> datetime:
@@ -129,8 +129,8 @@ def _sign_chain(
 
 def refresh(
     repo: Path, keys_dir: Path, expiry: Expiry | None = None, snapshot_version: int = 0
-) -> None:
-    """Re-sign the timestamp (a new version with a new expiry), written last."""
+) -> Timestamp:
+    """Re-sign the timestamp (a new version with a new expiry), written last; returns it."""
     expiry = expiry or Expiry()
     meta_dir = repo / "metadata"
     if not snapshot_version:
@@ -146,6 +146,7 @@ def refresh(
     timestamp.signatures.clear()
     timestamp.sign(keys.signer(keys_dir, "timestamp"))
     _save(meta_dir, timestamp, versioned=False)
+    return timestamp.signed
 
 
 def target_path(model: str, version: int) -> str:
@@ -167,11 +168,17 @@ def publish(
     number names one set of bytes forever.
     """
     expiry = expiry or Expiry()
-    manifest = bundle.inspect(bundle_file)
+    manifest, config = bundle.read(bundle_file)
+    release.check_bundle(manifest, config)  # what a device would refuse, refused here
     path = target_path(manifest.name, manifest.version)
     meta_dir = repo / "metadata"
     targets: Metadata[Targets] = _load(meta_dir, "targets")
-    digest = hashlib.sha256(bundle_file.read_bytes()).hexdigest()
+    for other in targets.signed.targets.values():
+        info = other.custom.get("appliance", {}) if isinstance(other.custom, dict) else {}
+        if info.get("name") == manifest.name and info.get("version") != manifest.version:
+            where = f"is published (version {info.get('version')})"
+            release.check_backend(manifest.name, manifest.backend, str(info.get("backend")), where)
+    digest = _sha256(bundle_file)
     known = targets.signed.targets.get(path)
     if known is not None and known.hashes.get("sha256") != digest:
         raise OtaError(
@@ -192,6 +199,26 @@ def publish(
     targets.signed.targets[path] = target
     _sign_chain(repo, keys_dir, targets, expiry, bump=True)
     return target
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def remove(
+    repo: Path, keys_dir: Path, model: str, version: int, expiry: Expiry | None = None
+) -> None:
+    """Withdraw ``model`` version ``version`` from the signed targets and re-sign; the
+    bundle file stays (devices that have it verify against the metadata, not the file)."""
+    targets: Metadata[Targets] = _load(repo / "metadata", "targets")
+    path = target_path(model, version)
+    if targets.signed.targets.pop(path, None) is None:
+        raise OtaError(f"model '{model}' version {version} is not published in {repo}")
+    _sign_chain(repo, keys_dir, targets, expiry or Expiry(), bump=True)
 
 
 def set_rollout(

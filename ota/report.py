@@ -1,9 +1,12 @@
 """Device reports over MQTT: retained JSON on ``<prefix>/<device_id>/ota``.
 
-Retained, so a fleet watcher that subscribes later still sees every device's last
-state; QoS 1. The broker comes from the server's own ``mqtt:`` section. A broker
-that is down never holds up an update: reports are best effort, and the next
-state change publishes the whole state again.
+A report is the device's whole OTA state, not an event: the job under way (or
+none), each model's committed version and the outcome of the last update of each
+model. Retained, so a fleet watcher that subscribes later sees exactly what one
+that ran all along has (:mod:`ota.watch`); QoS 1; signed with the device's key
+(:mod:`ota.devicekey`). The broker comes from the server's own ``mqtt:``
+section. A broker that is down never holds up an update: reports are best
+effort, and the next state change publishes the whole state again.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import time
 from typing import Any
 
 import paho.mqtt.client as mqtt
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from paho.mqtt.enums import CallbackAPIVersion
 
 from appliance.config.server_config import MqttConfig
+from ota import devicekey
 from ota.state import AgentState
 
 log = logging.getLogger(__name__)
@@ -27,17 +32,28 @@ def topic(prefix: str, device_id: str) -> str:
     return f"{prefix}/{device_id}/ota"
 
 
+RESULTS = ("updated", "rolled_back", "refused", "withdrawn", "error")
+
+
 def payload(device_id: str, state: AgentState, result: str = "") -> dict[str, Any]:
-    """The report: the update under way (or the last one) and each model's version."""
+    """The report. ``model``/``version``: the job under way, else the last finished one;
+    ``result``: "" while a job is under way, else that job's outcome (``event`` says
+    "error" when this report is about a failed check, not a job); ``results``: the
+    last outcome of each model."""
     job = state.job
-    last = state.history[-1] if state.history else {}
+    last: dict[str, dict[str, Any]] = {}
+    for h in state.history:
+        last[str(h.get("model", ""))] = {"version": h.get("version", 0), "result": h.get("result")}
+    latest = state.history[-1] if state.history else {}
     return {
         "device_id": device_id,
         "state": state.phase,
-        "result": result,
-        "model": job.model if job else last.get("model", ""),
-        "version": job.version if job else last.get("version", 0),
+        "model": job.model if job else latest.get("model", ""),
+        "version": job.version if job else latest.get("version", 0),
+        "result": "" if job else str(latest.get("result", "")),
+        "event": result,
         "current": {m: s.current for m, s in state.models.items()},
+        "results": last,
         "error": state.last_error,
         "time": time.time(),
     }
@@ -46,8 +62,11 @@ def payload(device_id: str, state: AgentState, result: str = "") -> dict[str, An
 class Reporter:
     """Publishes the agent's report; :meth:`close` waits for the last one (bounded)."""
 
-    def __init__(self, config: MqttConfig, device_id: str) -> None:
+    def __init__(
+        self, config: MqttConfig, device_id: str, key: Ed25519PrivateKey | None = None
+    ) -> None:
         self.topic = topic(config.topic_prefix, device_id)
+        self._key = key
         self._client = mqtt.Client(
             CallbackAPIVersion.VERSION2, client_id=f"{device_id}-ota", protocol=mqtt.MQTTv5
         )
@@ -73,6 +92,8 @@ class Reporter:
         if self._first:
             self._first = False
             self._connected.wait(wait_s)
+        if self._key is not None:
+            report = devicekey.sign(report, self._key)
         info = self._client.publish(self.topic, json.dumps(report), qos=1, retain=True)
         if not self._connected.is_set():
             return

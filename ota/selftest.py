@@ -41,29 +41,39 @@ def run(api: ServerApi, model: str, version: int, vectors: tuple[dict[str, Any],
     """Run every vector against ``model`` version ``version``; returns how many ran.
     OtaError naming the first vector and output that differs."""
     for i, vector in enumerate(vectors):
-        inputs = vector.get("inputs")
-        outputs = vector.get("outputs")
-        tolerance = vector.get("tolerance", 1e-5)
-        if not isinstance(inputs, dict) or not isinstance(outputs, dict) or not outputs:
-            raise OtaError(f"self-test vector {i}: expected 'inputs' and 'outputs' objects")
-        if not isinstance(tolerance, (int, float)):
-            raise OtaError(f"self-test vector {i}: tolerance must be a number")
-        body = {
-            "inputs": [_tensor(n, t) for n, t in inputs.items()],
-            "outputs": [{"name": n} for n in outputs],
-        }
-        result = api.infer(model, version, body)
-        got = {o["name"]: o for o in result.get("outputs", [])}
-        for name, expected in outputs.items():
-            want = _tensor(name, expected)
-            out = got.get(name)
-            if out is None:
-                raise OtaError(f"self-test vector {i}: the model gave no output {name!r}")
-            if list(out.get("shape", [])) != want["shape"] or not _close(
-                list(out.get("data", [])), want["data"], float(tolerance)
-            ):
-                raise OtaError(
-                    f"self-test vector {i}: output {name!r} differs from the expected "
-                    f"values (tolerance {tolerance})"
-                )
+        check(api, model, version, i, vector)
     return len(vectors)
+
+
+def check(
+    api: ServerApi, model: str, version: int, i: int, vector: Any, timeout_s: float = 0.0
+) -> None:
+    """Vector ``i`` against the version (its answer within ``timeout_s``, 0: the
+    server API's own timeout); OtaError when the outputs differ."""
+    if not isinstance(vector, dict):
+        raise OtaError(f"self-test vector {i}: expected an object")
+    inputs = vector.get("inputs")
+    outputs = vector.get("outputs")
+    tolerance = vector.get("tolerance", 1e-5)
+    if not isinstance(inputs, dict) or not isinstance(outputs, dict) or not outputs:
+        raise OtaError(f"self-test vector {i}: expected 'inputs' and 'outputs' objects")
+    if not isinstance(tolerance, (int, float)):
+        raise OtaError(f"self-test vector {i}: tolerance must be a number")
+    body = {
+        "inputs": [_tensor(n, t) for n, t in inputs.items()],
+        "outputs": [{"name": n} for n in outputs],
+    }
+    result = api.infer(model, version, body, timeout_s)
+    got = {o["name"]: o for o in result.get("outputs", []) if isinstance(o, dict)}
+    for name, expected in outputs.items():
+        want = _tensor(name, expected)
+        out = got.get(name)
+        if out is None:
+            raise OtaError(f"self-test vector {i}: the model gave no output {name!r}")
+        if list(out.get("shape", [])) != want["shape"] or not _close(
+            list(out.get("data", [])), want["data"], float(tolerance)
+        ):
+            raise OtaError(
+                f"self-test vector {i}: output {name!r} differs from the expected "
+                f"values (tolerance {tolerance})"
+            )

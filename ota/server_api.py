@@ -25,11 +25,20 @@ class ServerGone(OtaError):
 @dataclass(frozen=True, slots=True)
 class VersionStats:
     success: int
-    fail: int
+    fail: int  # every failed request, the caller's faults included (Triton's count)
     success_ns: int
+    client_errors: int = 0  # the part of ``fail`` that was the caller's fault (4xx)
 
     def mean_ms(self) -> float:
         return self.success_ns / self.success / 1e6 if self.success else 0.0
+
+    @property
+    def model_failures(self) -> int:
+        """Failures of the model itself: execution errors, timeouts, overload."""
+        return max(0, self.fail - self.client_errors)
+
+    def counts(self) -> list[int]:
+        return [self.success, self.fail, self.success_ns, self.client_errors]
 
     def since(self, before: VersionStats | None) -> VersionStats:
         """What was counted after ``before`` (all of it when ``before`` is None or came
@@ -40,6 +49,7 @@ class VersionStats:
             self.success - before.success,
             self.fail - before.fail,
             self.success_ns - before.success_ns,
+            max(0, self.client_errors - before.client_errors),
         )
 
 
@@ -52,7 +62,7 @@ class ServerApi:
         self._http = urllib3.PoolManager(maxsize=2)
         self._timeout = timeout_s
 
-    def _call(self, method: str, path: str, body: Any = None) -> Any:
+    def _call(self, method: str, path: str, body: Any = None, timeout_s: float = 0.0) -> Any:
         data = json.dumps(body).encode() if body is not None else None
         try:
             r = self._http.request(
@@ -60,7 +70,7 @@ class ServerApi:
                 self.base + path,
                 body=data,
                 headers=self._headers,
-                timeout=self._timeout,
+                timeout=timeout_s or self._timeout,
                 retries=False,
             )
         except urllib3.exceptions.HTTPError as exc:
@@ -96,8 +106,17 @@ class ServerApi:
         self._call("POST", f"/v2/repository/models/{model}/unload", {})
 
     def ready_versions(self, model: str) -> list[int]:
-        rows = self._call("POST", "/v2/repository/index", {"ready": True}) or []
-        return sorted(int(r["version"]) for r in rows if r.get("name") == model and "version" in r)
+        return sorted(v for v, state in self.version_states(model).items() if state == "READY")
+
+    def version_states(self, model: str) -> dict[int, str]:
+        """Each version of ``model`` the server knows, with its state (READY, LOADING,
+        UNLOADING, UNAVAILABLE)."""
+        rows = self._call("POST", "/v2/repository/index", {}) or []
+        return {
+            int(r["version"]): str(r.get("state", ""))
+            for r in rows
+            if r.get("name") == model and str(r.get("version", "")).isdigit()
+        }
 
     def stats(self, model: str) -> dict[int, VersionStats]:
         doc = self._call("GET", f"/v2/models/{model}/stats")
@@ -105,13 +124,18 @@ class ServerApi:
         for row in doc.get("model_stats", []):
             s = row["inference_stats"]
             out[int(row["version"])] = VersionStats(
-                int(s["success"]["count"]), int(s["fail"]["count"]), int(s["success"]["ns"])
+                int(s["success"]["count"]),
+                int(s["fail"]["count"]),
+                int(s["success"]["ns"]),
+                int(row.get("client_error_count", 0)),
             )
         return out
 
-    def infer(self, model: str, version: int, body: dict[str, Any]) -> dict[str, Any]:
+    def infer(
+        self, model: str, version: int, body: dict[str, Any], timeout_s: float = 0.0
+    ) -> dict[str, Any]:
         result: dict[str, Any] = self._call(
-            "POST", f"/v2/models/{model}/versions/{version}/infer", body
+            "POST", f"/v2/models/{model}/versions/{version}/infer", body, timeout_s
         )
         return result
 

@@ -1,12 +1,20 @@
 """``appliance fleet watch``: follow the devices' OTA reports, halt a failing rollout.
 
 Subscribes to the retained ``<prefix>/+/ota`` reports and keeps each device's
-latest one. Per model version it counts devices pending (under way), updated,
-failed (refused or an error) and rolled back, plus devices silent for longer
-than the report timeout after they started (counted as failed). Once at least
+latest one. A report is the device's state (:mod:`ota.report`), so a watcher that
+starts late reads the retained reports into the same counts as one that ran all
+along. Per model version it counts devices pending (an update under way),
+updated, failed (refused or an error) and rolled back, plus devices silent for
+longer than the report timeout mid-update (counted as failed; the report's own
+time says how long, not when the watcher happened to receive it). Once at least
 ``min_reports`` devices reported on a version and the failed share exceeds the
 threshold, the rollout is halted by re-signing the targets with ``halted: true``
 (as hawkBit and AWS IoT Jobs stop a rollout on an error threshold).
+
+Reports are input from outside: one that is not a JSON object of the expected
+shape is skipped and counted, never a crash. With ``--device-keys`` only reports
+signed by the key registered for the device the topic names count
+(:mod:`ota.devicekey`); others are counted as unauthenticated.
 """
 
 from __future__ import annotations
@@ -22,11 +30,39 @@ from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from paho.mqtt.enums import CallbackAPIVersion
 
-from ota import OtaError, repo
+from ota import OtaError, devicekey, repo
+from ota.rollout import check_name
 
 FAILED = {"rolled_back", "refused", "error"}
+UNDER_WAY = ("check", "download", "verify", "stage", "load", "self_test", "switch", "probation",
+             "commit", "rollback")  # fmt: skip
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def valid(report: Any) -> bool:
+    """Whether ``report`` has the shape the counts rely on."""
+    if not isinstance(report, dict):
+        return False
+    model, version = report.get("model", ""), report.get("version", 0)
+    result, state = report.get("result", ""), report.get("state", "")
+    if not (isinstance(model, str) and _int(version) and isinstance(state, str)):
+        return False
+    if not isinstance(result, str) or not isinstance(report.get("time", 0), (int, float)):
+        return False
+    results = report.get("results", {})
+    if not isinstance(results, dict):
+        return False
+    return all(
+        isinstance(m, str) and isinstance(r, dict) and _int(r.get("version"))
+        and isinstance(r.get("result"), str)
+        for m, r in results.items()
+    )  # fmt: skip
 
 
 @dataclass
@@ -34,30 +70,45 @@ class Tally:
     """Devices' latest reports; pure bookkeeping (no I/O)."""
 
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)
-    seen: dict[str, float] = field(default_factory=dict)
+    seen: dict[str, float] = field(default_factory=dict)  # when each device last reported
+    malformed: int = 0
+    unauthenticated: int = 0
 
     def add(self, device: str, report: dict[str, Any], now: float) -> None:
+        t = report.get("time")
+        sent = float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else now
         self.reports[device] = report
-        self.seen[device] = now
+        self.seen[device] = min(sent, now)  # a device clock ahead: when it arrived
+
+    def _outcomes(self, r: dict[str, Any]) -> dict[tuple[str, int], str]:
+        """(model, version) -> result this report states; "" for a job under way."""
+        out: dict[tuple[str, int], str] = {}
+        for model, last in (r.get("results") or {}).items():
+            out[(model, int(last["version"]))] = str(last["result"])
+        key = (str(r.get("model", "")), int(r.get("version", 0) or 0))
+        if key[0]:
+            under_way = r.get("state") in UNDER_WAY and not r.get("result")
+            if "results" not in r or under_way:  # an older agent's report, or a job
+                out[key] = "" if under_way else str(r.get("result") or "")
+        return out
 
     def counts(self, timeout_s: float, now: float) -> dict[tuple[str, int], Counter[str]]:
         out: dict[tuple[str, int], Counter[str]] = {}
         for device, r in self.reports.items():
-            key = (str(r.get("model", "")), int(r.get("version", 0) or 0))
-            if not key[0]:
-                continue
-            result = str(r.get("result") or "")
-            if result == "updated":
-                kind = "updated"
-            elif result == "rolled_back":
-                kind = "rolled_back"
-            elif result in FAILED:
-                kind = "failed"
-            elif now - self.seen[device] > timeout_s:
-                kind = "failed"  # silent too long mid-update
-            else:
-                kind = "pending"
-            out.setdefault(key, Counter())[kind] += 1
+            for key, result in self._outcomes(r).items():
+                if result == "updated":
+                    kind = "updated"
+                elif result == "rolled_back":
+                    kind = "rolled_back"
+                elif result in FAILED:
+                    kind = "failed"
+                elif result:  # withdrawn: the fleet's own doing, not the device's
+                    continue
+                elif now - self.seen[device] > timeout_s:
+                    kind = "failed"  # silent too long mid-update
+                else:
+                    kind = "pending"
+                out.setdefault(key, Counter())[kind] += 1
         return out
 
 
@@ -67,14 +118,74 @@ def failing(counts: Counter[str], rate: float, min_reports: int) -> bool:
     return total >= min_reports and bad / total > rate
 
 
+class Keys:
+    """The fleet's registered device keys: ``<dir>/<device_id>.pub``."""
+
+    def __init__(self, folder: Path) -> None:
+        if not folder.is_dir():
+            raise OtaError(f"--device-keys: {folder} is not a folder")
+        self.folder = folder
+        self._cache: dict[str, Ed25519PublicKey | None] = {}
+
+    def get(self, device: str) -> Ed25519PublicKey | None:
+        if device not in self._cache:
+            try:
+                text = (self.folder / f"{check_name(device, 'device id')}.pub").read_text()
+                self._cache[device] = devicekey.public_key(text)
+            except (OSError, OtaError):
+                self._cache[device] = None
+        return self._cache[device]
+
+
+def accept(tally: Tally, keys: Keys | None, topic: str, payload: bytes) -> None:
+    """One received report into ``tally`` (or into its malformed / unauthenticated
+    counts)."""
+    parts = topic.split("/")
+    device = parts[-2] if len(parts) >= 2 else ""
+    try:
+        report = json.loads(payload)
+    except (ValueError, RecursionError):
+        report = None
+    if not device or not valid(report):
+        tally.malformed += 1
+        return
+    if keys is not None:
+        key = keys.get(device)
+        earlier = tally.reports.get(device, {}).get("time", float("-inf"))
+        if key is None or not devicekey.verify(report, key) or report.get("time", 0) < earlier:
+            tally.unauthenticated += 1
+            return
+    tally.add(device, report, time.time())
+
+
+def _line(model: str, version: int, c: Counter[str], min_reports: int) -> str:
+    total = sum(c.values())
+    line = (
+        f"{model} v{version}: pending {c['pending']} updated {c['updated']} "
+        f"failed {c['failed']} rolled back {c['rolled_back']}"
+    )
+    if total < min_reports:
+        line += f" (judged once {min_reports} devices reported: --min-reports; {total} so far)"
+    return line
+
+
 def main(args: argparse.Namespace) -> int:
     host, _, port = args.mqtt.rpartition(":")
     if not host or not port.isdigit():
         raise OtaError(f"--mqtt: expected HOST:PORT, got {args.mqtt!r}")
     if (args.repo is None) != (args.keys is None):
         raise OtaError("--repo and --keys go together (both are needed to halt a rollout)")
+    keys = Keys(Path(args.device_keys)) if args.device_keys else None
+    print(
+        f"watching {args.prefix}/+/ota: a version is halted once at least {args.min_reports} "
+        f"devices reported on it (--min-reports) and more than {args.halt_at_failure_rate:g} "
+        f"of them failed; reports {'must be signed' if keys else 'are not authenticated'}",
+        flush=True,
+    )
     inbox: queue.Queue[tuple[str, bytes]] = queue.Queue(maxsize=100_000)
     client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+    if args.username:
+        client.username_pw_set(args.username, args.password)
     client.on_connect = lambda c, *_: c.subscribe(f"{args.prefix}/+/ota", qos=1)
 
     def on_message(c: Any, u: Any, msg: Any) -> None:
@@ -85,29 +196,25 @@ def main(args: argparse.Namespace) -> int:
     client.on_message = on_message
     client.connect(host, int(port))
     client.loop_start()
-    tally, halted, last_print = Tally(), set(), 0.0
+    tally, halted, last_print, last_skipped = Tally(), set(), 0.0, (0, 0)
     end = time.monotonic() + args.duration_s if args.duration_s else None
     try:
         while end is None or time.monotonic() < end:
             try:
-                topic, payload = inbox.get(timeout=0.5)
-                report = json.loads(payload)
-                if isinstance(report, dict):
-                    tally.add(topic.split("/")[-2], report, time.time())
-                continue_draining = not inbox.empty()
-            except (queue.Empty, ValueError):
-                continue_draining = False
-            if continue_draining:
-                continue
+                accept(tally, keys, *inbox.get(timeout=0.5))
+                if not inbox.empty():
+                    continue
+            except queue.Empty:
+                pass
             counts = tally.counts(args.report_timeout_s, time.time())
-            if time.monotonic() - last_print > 2:
-                last_print = time.monotonic()
+            skipped = (tally.malformed, tally.unauthenticated)
+            if time.monotonic() - last_print > 2 or skipped != last_skipped:
+                last_print, last_skipped = time.monotonic(), skipped
                 for (model, version), c in sorted(counts.items()):
-                    line = (
-                        f"{model} v{version}: pending {c['pending']} updated {c['updated']} "
-                        f"failed {c['failed']} rolled back {c['rolled_back']}"
-                    )
-                    print(line, flush=True)
+                    print(_line(model, version, c, args.min_reports), flush=True)
+                if any(skipped):
+                    print(f"skipped: {skipped[0]} malformed report(s), {skipped[1]} "
+                          "unauthenticated", flush=True)  # fmt: skip
             for (model, version), c in counts.items():
                 if args.model and model != args.model:
                     continue
@@ -115,6 +222,7 @@ def main(args: argparse.Namespace) -> int:
                 if key in halted or not failing(c, args.halt_at_failure_rate, args.min_reports):
                     continue
                 halted.add(key)
+                print(_line(model, version, c, args.min_reports), flush=True)
                 print(f"{model} v{version}: failure rate above {args.halt_at_failure_rate:g}; "
                       "halting the rollout", flush=True)  # fmt: skip
                 if args.repo is not None:

@@ -20,10 +20,11 @@ export PYTHONPYCACHEPREFIX="$scratch/pycache"
 # the MQTT tests run a real broker: Debian's mosquitto (installed to /usr/sbin, which a
 # non-login PATH may lack; tests/mosquitto.py looks there too); tests/test_no_egress.py
 # traces the server with strace in a sealed network namespace (unshare and mount come
-# with util-linux)
+# with util-linux); the OTA clock tests run the agent under Debian's libfaketime
 missing=()
 if ! command -v mosquitto >/dev/null && [ ! -x /usr/sbin/mosquitto ]; then missing+=(mosquitto); fi
 if ! command -v strace >/dev/null; then missing+=(strace); fi
+if ! compgen -G "/usr/lib/*/faketime/libfaketime.so.1" >/dev/null; then missing+=(faketime); fi
 if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null

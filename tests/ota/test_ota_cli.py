@@ -7,25 +7,28 @@ Also the boot-loop case: a bundle whose model kills the server while it loads.
 
 from __future__ import annotations
 
-import contextlib
-import io
+import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import urllib3
-import yaml
 
-from appliance.cli import main
 from devtools import modelgen
-from tests.mosquitto import free_port, wait_until
-from tests.ota_helpers import StaticServer, vectors
+from tests.ota_device import ROOT, Device, appliance, cli
+from tests.ota_helpers import (
+    PY_SIMPLE_CONFIG,
+    Fleet,
+    LocalDevice,
+    StaticServer,
+    vectors,
+    write_python_simple,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
 KILLER = """
 import os
 
@@ -37,109 +40,6 @@ class TritonPythonModel:
     def execute(self, requests):
         return []
 """
-KILLER_CONFIG = """
-backend: python
-max_batch_size: 8
-input:
-  - {name: INPUT0, data_type: TYPE_INT32, dims: [16]}
-  - {name: INPUT1, data_type: TYPE_INT32, dims: [16]}
-output:
-  - {name: OUTPUT0, data_type: TYPE_INT32, dims: [16]}
-  - {name: OUTPUT1, data_type: TYPE_INT32, dims: [16]}
-"""
-
-
-def cli(*args: str) -> str:
-    """A fleet-side command, in this process (what a fleet script runs); its stdout."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main(list(args)) == 0
-    return out.getvalue()
-
-
-def appliance(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """A command as its own process (the device's agent)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, "-m", "appliance", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        cwd=ROOT,
-    )
-    if check:
-        assert result.returncode == 0, result.stderr
-    return result
-
-
-class Device:
-    def __init__(self, tmp: Path, source: str, root_json: Path) -> None:
-        self.models = tmp / "models"
-        self.models.mkdir()
-        self.port = free_port()
-        self.config = tmp / "appliance.yaml"
-        self.config.write_text(
-            yaml.safe_dump(
-                {
-                    "model_repository": str(self.models),
-                    "http_port": self.port,
-                    "grpc_port": -1,
-                    "metrics_port": -1,
-                    "model_control_mode": "explicit",
-                    "admin_token": "s3cret",
-                    "require_admin_token": True,
-                    "ota": {
-                        "source": source,
-                        "trusted_root": str(root_json),
-                        "state_dir": str(tmp / "state"),
-                        "device_id": "cam-gate-3",
-                        "groups": ["gate"],
-                        "probation_s": 0.3,
-                        "probation_poll_s": 0.1,
-                        "max_latency_ratio": 0,
-                    },
-                }
-            )
-        )
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "appliance", "serve", "--config", str(self.config)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-
-        def ready() -> bool:
-            try:
-                return urllib3.request("GET", f"{self.url}/v2/health/ready").status == 200
-            except urllib3.exceptions.HTTPError:
-                return False
-
-        wait_until(ready, 60, "the appliance to be ready")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(30)
-
-    def version(self) -> str:
-        body = {
-            "inputs": [
-                {"name": n, "datatype": "INT32", "shape": [1, 16], "data": [1] * 16}
-                for n in ("INPUT0", "INPUT1")
-            ]
-        }
-        r = urllib3.request("POST", f"{self.url}/v2/models/simple/infer", json=body)
-        assert r.status == 200, r.data
-        return str(json.loads(r.data)["model_version"])
 
 
 @pytest.fixture
@@ -172,9 +72,8 @@ def test_commands_end_to_end_and_boot_loop_protection(
 ) -> None:
     fleet, _, device = setup
     src = fleet / "src"
-    model_dir = modelgen.write_model(
-        src, "simple", modelgen.simple_add_sub(), modelgen.SIMPLE_CONFIG, 1
-    )
+    # a Python model: version 2 is one too (a model keeps its backend across versions)
+    model_dir = write_python_simple(src / "v1", 1)
     _publish(fleet, model_dir, 1, "--group", "gate", "--percent", "0")
     device.start()
     agent = ("ota", "agent", "--once", "--config", str(device.config))
@@ -186,14 +85,11 @@ def test_commands_end_to_end_and_boot_loop_protection(
     assert device.version() == "1"
 
     # version 2 kills the server while it loads
-    killer = src / "killer"
+    killer = src / "v2" / "simple"
     (killer / "2").mkdir(parents=True)
     (killer / "2" / "model.py").write_text(KILLER)
-    (killer / "config.yaml").write_text(KILLER_CONFIG)
-    os.rename(killer, src / "simple2")
-    (src / "simple").rename(src / "simple1")
-    (src / "simple2").rename(src / "simple")
-    _publish(fleet, src / "simple", 2)
+    (killer / "config.yaml").write_text(PY_SIMPLE_CONFIG)
+    _publish(fleet, killer, 2)
     result = appliance(*agent, check=False)
     assert result.returncode == 1
     assert device.process is not None and device.process.wait(30) == 3  # the server died
@@ -205,3 +101,82 @@ def test_commands_end_to_end_and_boot_loop_protection(
     assert device.version() == "1"
     assert appliance(*agent).returncode == 0  # version 2 is not tried again
     assert device.process.poll() is None and device.version() == "1"
+
+
+# fleet commands, one after another, in a process that cannot import grpcio (as with
+# the `ota` extra alone); each one's output after a marker line
+NO_GRPC = """
+import json, sys
+sys.modules["grpc"] = None
+from appliance.cli import main
+for step in json.loads(sys.argv[1]):
+    print("=== step", flush=True)
+    if main(step) != 0:
+        sys.exit(f"failed: {step}")
+"""
+
+
+def test_the_fleet_tools_work_with_the_ota_extra_alone(tmp_path: Path) -> None:
+    """No grpcio: every fleet and bundle command still works (the model config schema
+    comes without the gRPC stack), with the example self-test vectors, and `fleet
+    refresh` says what it signed."""
+    keys, repo = tmp_path / "keys", tmp_path / "repo"
+    model = modelgen.write_model(
+        tmp_path / "src", "simple", modelgen.simple_add_sub(), modelgen.SIMPLE_CONFIG, 1
+    )
+    out = tmp_path / "simple-1.bundle"
+    vectors_file = ROOT / "configs" / "ota" / "simple-selftest.json"
+    steps = [
+        ["fleet", "keys", str(keys)],
+        ["fleet", "init", str(repo), "--keys", str(keys)],
+        ["bundle", "build", str(model), "--version", "1", "-o", str(out),
+         "--self-test", str(vectors_file)],
+        ["bundle", "inspect", str(out)],
+        ["fleet", "publish", str(repo), str(out), "--keys", str(keys)],
+        ["fleet", "rollout", str(repo), "simple", "--percent", "50", "--keys", str(keys)],
+        ["fleet", "refresh", str(repo), "--keys", str(keys)],
+    ]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", NO_GRPC, json.dumps(steps)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    outputs = result.stdout.split("=== step\n")[1:]
+    assert len(outputs) == len(steps)
+    assert json.loads(outputs[3])["self_test"] == json.loads(vectors_file.read_text())
+    assert "timestamp version 4 signed; it expires" in outputs[-1]
+
+
+def test_the_example_self_test_vectors_pass_on_the_demo_model(
+    fleet: Fleet, device: LocalDevice
+) -> None:
+    folder = modelgen.write_model(
+        fleet.src, "simple", modelgen.simple_add_sub(), modelgen.SIMPLE_CONFIG, 1
+    )
+    vectors_file = ROOT / "configs" / "ota" / "simple-selftest.json"
+    out = fleet.root / "simple-1.bundle"
+    cli("bundle", "build", str(folder), "--version", "1", "-o", str(out),
+        "--self-test", str(vectors_file))  # fmt: skip
+    cli("fleet", "publish", str(fleet.repo), str(out), "--keys", str(fleet.keys))
+    agent = device()
+    assert agent.run_once(), agent.state.last_error
+    assert device.serving() == "1"
+
+
+def test_an_unreachable_repository_says_why(fleet: Fleet, device: LocalDevice) -> None:
+    """A metadata server that accepts and never answers: the reason names the timeout
+    (ngclient's SlowRetrievalError has no message of its own)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        source = f"http://127.0.0.1:{silent.getsockname()[1]}/"
+        agent = device(metadata_timeout_s=0.5)
+        agent.cfg = agent.ctx.cfg = dataclasses.replace(agent.cfg, source=source)
+        assert not agent.run_once()
+    reason = agent.state.last_error
+    assert reason.startswith("cannot reach the update repository: SlowRetrievalError: ")
+    assert "timed out" in reason, reason

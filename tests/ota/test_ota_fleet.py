@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import tarfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,16 +15,8 @@ from ota import OtaError, bundle, check, probation, repo
 from ota.agent import Agent
 from ota.config import OtaConfig
 from ota.rollout import Rollout, bucket
-from ota.server_api import VersionStats
 from ota.state import AgentState
-from tests.ota_helpers import Fleet, start_fleet
-
-
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    f = start_fleet(tmp_path / "fleet")
-    yield f
-    f.server.stop()
+from tests.ota_helpers import Fleet
 
 
 def test_bundle_is_reproducible_and_inspectable(fleet: Fleet) -> None:
@@ -136,9 +128,19 @@ def test_probation_verdicts(tmp_path: Path) -> None:
         source="http://x/", trusted_root=tmp_path, state_dir=tmp_path, server="http://x",
         model_repository=tmp_path, device_id="d", max_error_rate=0.1, max_latency_ratio=2.0,
     )  # fmt: skip
-    ms = 1_000_000
-    assert probation.judge(VersionStats(0, 0, 0), 5.0, cfg) == ""
-    assert probation.judge(VersionStats(95, 5, 95 * 5 * ms), 5.0, cfg) == ""
-    assert "error rate 2/10" in probation.judge(VersionStats(8, 2, 8 * ms), 5.0, cfg)
-    assert "over 2x" in probation.judge(VersionStats(20, 0, 20 * 11 * ms), 5.0, cfg)
-    assert probation.judge(VersionStats(5, 0, 5 * 50 * ms), 5.0, cfg) == ""  # too few yet
+    Counts = probation.Counts
+    assert probation.judge(Counts(), 5.0, cfg) == ""
+    assert probation.judge(Counts(95, 5, mean_ms=5.0), 5.0, cfg) == ""
+    assert "error rate 2/10" in probation.judge(Counts(8, 2, mean_ms=1.0), 5.0, cfg)
+    assert "over 2x" in probation.judge(Counts(20, 0, mean_ms=11.0), 5.0, cfg)
+    assert probation.judge(Counts(5, 0, mean_ms=50.0), 5.0, cfg) == ""  # too few yet
+    # the caller's faults are not the model's: 30 refused requests, 0 failures
+    assert probation.judge(Counts(10, 0, client_errors=30), 5.0, cfg) == ""
+    # a probe unanswered with nothing else answered: a rate of 1
+    assert "error rate 1/0" in probation.judge(Counts(0, 0, probes=1, probe_failures=1), 0, cfg)
+    # at the end, too few answered requests fail it
+    need5 = dataclasses.replace(cfg, probation_min_requests=5)
+    assert probation.judge(Counts(4, 0), 0, need5) == ""  # not over yet
+    assert "only 4 request(s) answered" in probation.judge(Counts(4, 0), 0, need5, final=True)
+    assert probation.judge(Counts(3, 2, client_errors=9), 0, need5, final=False).startswith("error")
+    assert probation.judge(Counts(5, 0, client_errors=9), 0, need5, final=True) == ""

@@ -42,6 +42,9 @@ def _update(fleet: Fleet, tmp_path: Path, run_appliance: Any, caplog: Any) -> No
         r.getMessage().split(":")[0] for r in caplog.records if "loaded model" in r.getMessage()
     ]
     assert builds == ["loaded model 'simple' version 2"]
-    # the copy serving is the one self-tested: its one vector is in its statistics
+    # the copy serving is the one self-tested: its one vector is in its statistics,
+    # with the probes probation sent
+    probes = agent.state.history[-1]["probation"]["probes"]
     stats = urllib3.request("GET", f"{url}/v2/models/simple/stats").json()["model_stats"]
-    assert [(s["version"], s["inference_stats"]["success"]["count"]) for s in stats] == [("2", 1)]
+    counted = [(s["version"], s["inference_stats"]["success"]["count"]) for s in stats]
+    assert probes >= 1 and counted == [("2", 1 + probes)]

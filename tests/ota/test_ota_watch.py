@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
-from collections.abc import Iterator
+import shutil
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,33 +15,14 @@ import pytest
 
 from appliance.cli import main
 from appliance.config.server_config import MqttConfig
-from ota import repo
+from ota import devicekey, repo, report
 from ota.agent import Agent
 from ota.report import Reporter
+from ota.state import AgentState
 from tests.mosquitto import Broker, Client, find_mosquitto
-from tests.ota_helpers import Fleet, start_fleet
+from tests.ota_helpers import Fleet, LocalDevice, retained_report
 
-
-@pytest.fixture
-def broker(tmp_path: Path) -> Iterator[Broker]:
-    binary = find_mosquitto()
-    if binary is None:
-        reason = "mosquitto not found: install Debian's 'mosquitto' (scripts/test.sh does)"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    (tmp_path / "mosquitto").mkdir()
-    b = Broker(binary, tmp_path / "mosquitto")
-    b.start()
-    yield b
-    b.stop()
-
-
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    f = start_fleet(tmp_path / "fleet")
-    yield f
-    f.server.stop()
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_watch_halts_a_rollout_whose_devices_fail(
@@ -59,13 +41,7 @@ def test_watch_halts_a_rollout_whose_devices_fail(
         assert not agent.run_once()
     finally:
         agent.close()
-    watcher = Client(broker.port)
-    try:
-        watcher.subscribe("fleet/+/ota")
-        (report,) = watcher.collect(1, topic="fleet/cam-1/ota")
-    finally:
-        watcher.close()
-    doc = json.loads(report.payload)
+    doc = retained_report(broker.port, "cam-1")
     assert (doc["model"], doc["version"], doc["result"]) == ("simple", 2, "rolled_back")
     assert "self-test failed" in doc["error"]
 
@@ -91,3 +67,154 @@ def test_watch_halts_a_rollout_whose_devices_fail(
     assert v2["rollout"]["halted"] is True
     (v1,) = [r for r in repo.listing(fleet.repo) if r["version"] == 1]
     assert v1["rollout"]["halted"] is False
+
+
+def watch(broker: Broker, *extra: str, prefix: str = "fleet", duration: float = 4.0) -> str:
+    """``appliance fleet watch`` in this process for ``duration`` s (or until it halts,
+    with --exit-on-halt); what it printed."""
+    out = io.StringIO()
+    args = ["fleet", "watch", "--mqtt", f"127.0.0.1:{broker.port}", "--prefix", prefix,
+            "--duration-s", str(duration), *extra]  # fmt: skip
+    with contextlib.redirect_stdout(out):
+        assert main(args) == 0
+    return out.getvalue()
+
+
+def retain(client: Client, topic: str, payload: bytes) -> None:
+    client.client.publish(topic, payload, qos=1, retain=True).wait_for_publish(5)
+
+
+def as_devices(mqtt: MqttConfig, state: AgentState, devices: list[str]) -> None:
+    """Retained reports of more devices in the very state of a real agent."""
+    for d in devices:
+        r = Reporter(mqtt, d)
+        r.publish(report.payload(d, state))
+        r.close()
+
+
+def test_a_late_watcher_reads_retained_reports_as_state(
+    fleet: Fleet, broker: Broker, device: LocalDevice
+) -> None:
+    """Devices that updated and then checked again (nothing new) show as updated, and
+    devices that rolled back show as rolled back, to a watcher that starts only now."""
+    mqtt = MqttConfig(host="127.0.0.1", port=broker.port, topic_prefix="fleet")
+    agent = device(mqtt=mqtt)
+    try:
+        fleet.publish(1)
+        assert agent.run_once()
+        assert agent.run_once()  # a later check: nothing to do
+        as_devices(mqtt, agent.state, [f"cam-{i}" for i in range(2, 6)])
+        assert "simple v1: pending 0 updated 5 failed 0" in watch(broker, duration=3)
+
+        fleet.publish(2, delta=1)  # fails its self-test
+        assert not agent.run_once()
+        assert agent.run_once()  # and the next check
+        as_devices(mqtt, agent.state, [f"cam-{i}" for i in range(2, 6)])
+    finally:
+        agent.close()
+    late = watch(broker, "--halt-at-failure-rate", "0.5", "--repo", str(fleet.repo),
+                 "--keys", str(fleet.keys), "--exit-on-halt", duration=30)  # fmt: skip
+    assert "simple v2: pending 0 updated 0 failed 0 rolled back 5" in late
+    assert "simple v2: rollout halted" in late
+
+
+def test_malformed_reports_are_skipped_and_counted(broker: Broker) -> None:
+    client = Client(broker.port)
+    try:
+        for i, payload in enumerate([
+            b'{"model": "simple", "version": "3", "state": "idle", "result": "updated"}',
+            b'{"model": "simple", "version": [1], "state": "idle", "result": "updated"}',
+            b'{"model": "simple", "version": 1, "results": {"simple": {"version": "x"}}}',
+            b"[1, 2]",
+            b"not json",
+        ]):  # fmt: skip
+            retain(client, f"fleet/bad-{i}/ota", payload)
+        good = {"model": "simple", "version": 1, "state": "idle", "result": "updated"}
+        retain(client, "fleet/good/ota", json.dumps(good).encode())
+    finally:
+        client.close()
+    out = watch(broker, duration=3)
+    assert "skipped: 5 malformed report(s)" in out
+    assert "simple v1: pending 0 updated 1" in out
+
+
+def test_the_watcher_says_what_it_waits_for(broker: Broker, fleet: Fleet) -> None:
+    mqtt = MqttConfig(host="127.0.0.1", port=broker.port, topic_prefix="fleet")
+    for d in ("cam-1", "cam-2"):
+        r = Reporter(mqtt, d)
+        r.publish({"model": "simple", "version": 2, "state": "idle", "result": "rolled_back"})
+        r.close()
+    out = watch(broker, "--repo", str(fleet.repo), "--keys", str(fleet.keys), duration=3)
+    assert "at least 5 devices reported on it (--min-reports)" in out.splitlines()[0]
+    assert "judged once 5 devices reported: --min-reports; 2 so far" in out
+    assert "halting" not in out
+
+
+def test_the_broker_acl_lets_a_device_report_only_as_itself(tmp_path: Path) -> None:
+    """configs/mosquitto/ota-acl.conf on a real mosquitto: cam-1 (logged in as cam-1)
+    cannot publish cam-2's report; the watcher, logged in as fleet-watch, reads cam-1's."""
+    binary = find_mosquitto()
+    if binary is None:
+        pytest.skip("mosquitto not found")
+    passwd = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
+    work = tmp_path / "mq"
+    work.mkdir()
+    for i, (user, password) in enumerate([("cam-1", "pw1"), ("fleet-watch", "pw2")]):
+        flags = ["-b", "-c"] if i == 0 else ["-b"]
+        subprocess.run([passwd, *flags, str(work / "passwd"), user, password], check=True)
+    acl = work / "acl"
+    acl.write_text((ROOT / "configs" / "mosquitto" / "ota-acl.conf").read_text())
+    lines = ["allow_anonymous false", f"password_file {work / 'passwd'}", f"acl_file {acl}"]
+    broker = Broker(binary, work, extra=lines)
+    broker.start()
+    try:
+        cam1 = MqttConfig(host="127.0.0.1", port=broker.port, username="cam-1", password="pw1")
+        for device, result in (("cam-1", "updated"), ("cam-2", "rolled_back")):
+            r = Reporter(cam1, device)  # logged in as cam-1 either way
+            r.publish({"model": "simple", "version": 3, "state": "idle", "result": result})
+            r.close()
+        anonymous = MqttConfig(host="127.0.0.1", port=broker.port)
+        r = Reporter(anonymous, "cam-3")
+        r.publish({"model": "simple", "version": 3, "state": "idle", "result": "rolled_back"})
+        r.close()
+        out = watch(broker, "--username", "fleet-watch", "--password", "pw2",
+                    prefix="appliance", duration=3)  # fmt: skip
+    finally:
+        broker.stop()
+    assert "simple v3: pending 0 updated 1 failed 0 rolled back 0" in out
+
+
+def test_signed_reports_keep_fake_ones_from_halting_a_good_release(
+    fleet: Fleet, broker: Broker, device: LocalDevice, tmp_path: Path
+) -> None:
+    mqtt = MqttConfig(host="127.0.0.1", port=broker.port, topic_prefix="fleet")
+    agent = device(mqtt=mqtt)
+    try:
+        fleet.publish(1)
+        assert agent.run_once()
+    finally:
+        agent.close()
+    keys = tmp_path / "device-keys"
+    keys.mkdir()
+    key = devicekey.load(agent.cfg.state_dir, create=False)
+    assert key is not None
+    (keys / "cam-1.pub").write_text(devicekey.public_text(key) + "\n")
+    forger = devicekey.load(tmp_path / "forger")  # a key the fleet does not know
+    assert forger is not None
+    (keys / "cam-2.pub").write_text(devicekey.public_text(devicekey.load(tmp_path / "c2")) + "\n")
+    client = Client(broker.port)
+    try:
+        for i in range(2, 7):  # five fake failures: unsigned, or signed by the wrong key
+            fake = {"model": "simple", "version": 1, "state": "idle", "result": "rolled_back",
+                    "time": time.time()}  # fmt: skip
+            body = devicekey.sign(fake, forger) if i % 2 else fake
+            retain(client, f"fleet/cam-{i}/ota", json.dumps(body).encode())
+    finally:
+        client.close()
+    out = watch(broker, "--device-keys", str(keys), "--min-reports", "1",
+                "--halt-at-failure-rate", "0.5", "--repo", str(fleet.repo),
+                "--keys", str(fleet.keys), duration=3)  # fmt: skip
+    assert "simple v1: pending 0 updated 1 failed 0 rolled back 0" in out
+    assert "5 unauthenticated" in out and "halting" not in out
+    unsigned = watch(broker, "--min-reports", "1", duration=3)
+    assert "rolled back 5" in unsigned  # without keys they would have counted

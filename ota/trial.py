@@ -1,0 +1,145 @@
+"""Trying the candidate on the running server: the load, self-test, switch and
+probation steps.
+
+- load: a repository load with a config override naming the committed and the new
+  version, ``default_version`` the committed one: the new version is addressable
+  by version while unversioned traffic stays where it was. A load interrupted
+  ``max_load_attempts`` times (server crash, power cut) marks the version bad.
+- self_test: the bundle's vectors against the new version, by version.
+- switch: a load naming only the new version: the server keeps (promotes) the copy
+  it tested, and the old version drains.
+- probation: the new version's statistics counted after its self-test (kept in the
+  job: the promoted copy's counters hold the self-test's requests) and the agent's
+  own probes, judged by :mod:`ota.probation`.
+
+Each step first checks that the server still holds what the previous steps left
+there. A server that restarted meanwhile (a power cut, or a crash) loaded the
+committed config from disk and holds only the committed version: the step then
+goes back to ``load`` (which counts the attempt), so the candidate is tested again
+from the start and never committed on a server that no longer runs it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ota import OtaError, Rollback, bundle, install, probation, selftest
+from ota.context import Context, log
+from ota.server_api import ServerGone, VersionStats
+from ota.state import Job
+
+
+def _candidate_lost(ctx: Context, job: Job) -> bool:
+    """Whether the server no longer has the new version loaded (it restarted)."""
+    if job.version in ctx.api.ready_versions(job.model):
+        return False
+    log.warning(
+        "ota: %s version %d is no longer loaded (the server restarted?): loading it again",
+        job.model, job.version,
+    )  # fmt: skip
+    return True
+
+
+def load_step(ctx: Context, job: Job) -> str:
+    job.load_attempts += 1
+    ctx.save()
+    if job.load_attempts > ctx.cfg.max_load_attempts:
+        raise Rollback(
+            f"loading version {job.version} was interrupted {job.load_attempts - 1} "
+            f"time(s) (server crash or power loss): not loading it again"
+        )
+    config = ctx.candidate_config(job)
+    versions = [job.previous, job.version] if job.previous else [job.version]
+    try:
+        ctx.api.load(job.model, install.with_versions(config, versions), job.previous)
+    except ServerGone:
+        raise
+    except OtaError as exc:
+        raise Rollback(f"the server refused to load version {job.version}: {exc}") from None
+    return "self_test"
+
+
+def _vectors(ctx: Context, job: Job) -> tuple[dict[str, Any], ...]:
+    return bundle.first_manifest(ctx.bundle_path(job)).self_test
+
+
+def self_test_step(ctx: Context, job: Job) -> str:
+    if _candidate_lost(ctx, job):
+        return "load"
+    try:
+        count = selftest.run(ctx.api, job.model, job.version, _vectors(ctx, job))
+    except ServerGone:
+        raise
+    except OtaError as exc:
+        raise Rollback(f"self-test failed: {exc}") from None
+    log.info("ota: %s version %d passed %d self-test vector(s)", job.model, job.version, count)
+    stats = ctx.api.stats(job.model)
+    before = stats.get(job.previous)
+    job.old_latency_us = int(before.mean_ms() * 1000) if before else 0
+    tested = stats.get(job.version)
+    job.tested_counts = tested.counts() if tested else []
+    return "switch"
+
+
+def switch_step(ctx: Context, job: Job) -> str:
+    if _candidate_lost(ctx, job):
+        return "load"
+    config = ctx.candidate_config(job)
+    try:
+        ctx.api.load(job.model, install.with_versions(config, [job.version]))
+    except ServerGone:
+        raise
+    except OtaError as exc:
+        raise Rollback(f"the switch to version {job.version} failed: {exc}") from None
+    return "probation"
+
+
+def _probe(ctx: Context, job: Job, vectors: tuple[dict[str, Any], ...], n: int) -> bool:
+    """One probe (vector ``n`` modulo their count); False when it went unanswered in
+    time or answered wrong. ServerGone when the server itself is gone."""
+    try:
+        selftest.check(
+            ctx.api, job.model, job.version, n, vectors[n % len(vectors)], ctx.cfg.probe_timeout_s
+        )
+    except ServerGone:
+        if not ctx.api.live():
+            raise
+        log.warning("ota: probation probe %d unanswered within %gs", n, ctx.cfg.probe_timeout_s)
+        return False
+    except OtaError as exc:
+        log.warning("ota: probation probe %d failed: %s", n, exc)
+        return False
+    return True
+
+
+def probation_step(ctx: Context, job: Job) -> str:
+    if _candidate_lost(ctx, job):
+        return "load"
+    cfg = ctx.cfg
+    vectors = _vectors(ctx, job)
+    counts = probation.Counts()
+    # the switch promoted the tested copy: its counters hold the self-test's requests
+    tested = VersionStats(*job.tested_counts) if len(job.tested_counts) == 4 else None
+    deadline = time.monotonic() + cfg.probation_s
+    while True:
+        if vectors:
+            counts.probe_failures += not _probe(ctx, job, vectors, counts.probes)
+            counts.probes += 1
+        now = ctx.api.stats(job.model).get(job.version)
+        if now is None:
+            raise Rollback(f"version {job.version} is no longer loaded during probation")
+        stats = now.since(tested)
+        counts.success, counts.model_failures = stats.success, stats.model_failures
+        counts.client_errors, counts.mean_ms = stats.client_errors, stats.mean_ms()
+        job.probation = counts.to_json()
+        final = time.monotonic() >= deadline
+        verdict = probation.judge(counts, job.old_latency_us / 1000, cfg, final)
+        if verdict:
+            raise Rollback(f"probation: {verdict}")
+        if final:
+            log.info("ota: %s version %d passed probation: %s", job.model, job.version,
+                     counts.summary())  # fmt: skip
+            return "commit"
+        ctx.alive_at = time.monotonic()
+        time.sleep(min(cfg.probation_poll_s, max(0.0, deadline - time.monotonic())))

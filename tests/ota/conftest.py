@@ -1,0 +1,96 @@
+"""Fixtures of the OTA tests: a fleet (a signed TUF repository on a loopback HTTP
+server), a device (a real server in this process and agents over one state folder),
+a real mosquitto, and small real file systems (tmpfs) for the disk-full cases."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.mosquitto import Broker, find_mosquitto
+from tests.ota_device import Device
+from tests.ota_helpers import Fleet, LocalDevice, start_fleet
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    f = start_fleet(tmp_path / "fleet")
+    yield f
+    f.server.stop()
+
+
+@pytest.fixture
+def device_on(
+    fleet: Fleet, run_appliance: Callable[..., Any]
+) -> Callable[[Path, Path], LocalDevice]:
+    def make(models: Path, state: Path) -> LocalDevice:
+        models.mkdir(parents=True, exist_ok=True)
+        running = run_appliance(models, model_control_mode="explicit")
+        return LocalDevice(fleet, models, state, f"http://{running.url}")
+
+    return make
+
+
+@pytest.fixture
+def device(tmp_path: Path, device_on: Callable[[Path, Path], LocalDevice]) -> LocalDevice:
+    return device_on(tmp_path / "models", tmp_path / "state")
+
+
+@pytest.fixture
+def real_device(tmp_path: Path) -> Iterator[tuple[Fleet, Device]]:
+    """A fleet and a device whose server is its own process (``appliance serve``),
+    not started yet."""
+    fleet = start_fleet(tmp_path / "fleet")
+    device = Device(tmp_path, fleet.server.url, fleet.repo / "metadata" / "1.root.json")
+    try:
+        yield fleet, device
+    finally:
+        device.stop()
+        fleet.server.stop()
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[Broker]:
+    binary = find_mosquitto()
+    if binary is None:
+        reason = "mosquitto not found: install Debian's 'mosquitto' (scripts/test.sh does)"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    (tmp_path / "mosquitto").mkdir()
+    b = Broker(binary, tmp_path / "mosquitto")
+    b.start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """``tmpfs(name, size="4m", inodes=None)``: a real, small file system mounted at
+    ``tmp_path/name`` (unmounted at the end). Needs root (mount); skipped without."""
+    mounted: list[Path] = []
+
+    def mount(name: str, size: str = "4m", inodes: int | None = None) -> Path:
+        where = tmp_path / name
+        where.mkdir()
+        options = f"size={size}" + (f",nr_inodes={inodes}" if inodes else "")
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
+            capture_output=True,
+            text=True,
+        )
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in reversed(mounted):
+        with contextlib.suppress(subprocess.SubprocessError):
+            subprocess.run(["umount", "-l", str(where)], check=True, capture_output=True)
