@@ -41,6 +41,7 @@ from ota import (
     clock,
     commit,
     download,
+    faults,
     fetching,
     install,
     space,
@@ -208,6 +209,7 @@ class Agent:
             if phase not in self.steps:  # "check" or "idle" with a job: it never started
                 phase = "download"
             try:
+                faults.point(f"step:{phase}")
                 nxt = self.steps[phase](self.ctx, job)
                 if nxt == "idle":
                     return self.ctx.state.last_error == ""
@@ -308,11 +310,10 @@ class Agent:
         while not stop.is_set():
             try:
                 self.run_once()
-            except OtaError as exc:
-                log.error("ota: %s", exc)
-            except Exception as exc:  # unattended for months: log it, carry on
-                log.error("ota: unexpected %s: %s", type(exc).__name__, exc)
-                log.debug("ota: unexpected error", exc_info=exc)
+            except Exception as exc:  # another agent's lock; or anything, unattended for months
+                log.error("ota: %s", exc if isinstance(exc, OtaError) else repr(exc))
+                log.debug("ota: cycle failed", exc_info=exc)
+                self.ctx.state.next_check = time.time() + self.cfg.check_interval_s  # no busy loop
             state = self.ctx.state
             while not stop.wait(min(_IDLE_BEAT_S, max(0.0, state.next_check - time.time()))):
                 self.ctx.alive_at = time.monotonic()  # idle, and alive

@@ -176,7 +176,6 @@ def rebuild(cfg: OtaConfig) -> AgentState:
     and the history are lost."""
     state = AgentState()
     repo = cfg.model_repository
-    shutil.rmtree(repo / ".ota-staging", ignore_errors=True)
     for folder in sorted(repo.iterdir()) if repo.is_dir() else []:
         if not folder.is_dir() or folder.name.startswith("."):
             continue

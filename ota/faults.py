@@ -1,7 +1,8 @@
 """Named crash points, for the crash-consistency tests.
 
 The agent calls :func:`point` at each phase boundary (``phase:<name>``, right after
-the new phase is saved) and inside the commit (``commit:decided``,
+the new phase is saved), each time a step starts to run (``step:<name>``: also when a
+restarted agent resumes it) and inside the commit (``commit:decided``,
 ``commit:config``, ``commit:cleaned``). When the environment variable
 ``APPLIANCE_OTA_KILL_AT`` names the point, the process sends itself SIGKILL there:
 nothing after it runs (no ``finally``, no buffered write), exactly as a power cut

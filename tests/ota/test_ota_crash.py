@@ -159,3 +159,23 @@ def test_two_agents_never_work_at_once(real_device: tuple[Fleet, Device]) -> Non
     stderr, code = results
     assert code == "2" and "another update agent" in stderr and "Traceback" not in stderr
     agree(device.truth(), 1)
+
+
+def test_a_phase_the_agent_keeps_dying_in_gives_the_version_up(
+    real_device: tuple[Fleet, Device],
+) -> None:
+    """As when the OOM killer takes the agent each time it verifies a hostile bundle:
+    after three deaths in one phase the version is refused as bad, not retried forever."""
+    fleet, device = real_device
+    fleet.publish(1)
+    device.start()
+    assert device.agent().returncode == 0
+    fleet.publish(2)
+    for _ in range(3):
+        killed = device.agent(kill_at="step:verify")
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+    run = device.agent()
+    assert run.returncode == 1 and "interrupted 3 times during verify" in run.stderr
+    state = StateFile(device.state_dir).load()
+    assert state is not None and state.models["simple"].bad == [2]
+    agree(device.truth(), 1)
