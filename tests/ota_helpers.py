@@ -234,7 +234,7 @@ class Fleet:
         }
         options.update(kw)
         return OtaConfig(
-            source=self.server.url,
+            source=options.pop("source", self.server.url),
             trusted_root=self.repo / "metadata" / "1.root.json",
             state_dir=state,
             server=server_url,

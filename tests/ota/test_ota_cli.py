@@ -7,7 +7,6 @@ Also the boot-loop case: a bundle whose model kills the server while it loads.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import socket
@@ -174,8 +173,7 @@ def test_an_unreachable_repository_says_why(fleet: Fleet, device: LocalDevice) -
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)
         source = f"http://127.0.0.1:{silent.getsockname()[1]}/"
-        agent = device(metadata_timeout_s=0.5)
-        agent.cfg = agent.ctx.cfg = dataclasses.replace(agent.cfg, source=source)
+        agent = device(metadata_timeout_s=0.5, source=source)
         assert not agent.run_once()
     reason = agent.state.last_error
     assert reason.startswith("cannot reach the update repository: SlowRetrievalError: ")
