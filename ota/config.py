@@ -51,6 +51,7 @@ class OtaConfig:
     memory_limit: int | None = None
     mqtt: MqttConfig | None = None
     request_timeout_s: float = 300.0
+    metrics_url: str = ""  # the server's metrics page ("": off): probation's 4xx split
     metadata_timeout_s: float = 30.0  # a metadata fetch silent this long fails (socket timeout)
 
 
@@ -94,6 +95,7 @@ def load(path: Path) -> OtaConfig:
 
     host = "127.0.0.1" if server.host in ("0.0.0.0", "::", "") else server.host
     default_server = f"http://{host}:{server.http_port}"
+    metrics = f"http://{host}:{server.metrics_port}/metrics" if server.metrics_port > 0 else ""
     device_id = f.text("device_id", socket.gethostname().split(".")[0])
     try:
         check_name(device_id, "device_id")
@@ -146,5 +148,6 @@ def load(path: Path) -> OtaConfig:
         memory_limit=server.memory_limit,
         mqtt=server.mqtt,
         request_timeout_s=_number(f, "request_timeout_s", 300.0, 1.0),
+        metrics_url=metrics,
         metadata_timeout_s=_number(f, "metadata_timeout_s", 30.0, 0.1),
     )

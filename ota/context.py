@@ -34,7 +34,9 @@ class Context:
         self.cfg = config
         self.store = StateFile(config.state_dir)
         self.state = AgentState()
-        self.api = ServerApi(config.server, config.admin_token, config.request_timeout_s)
+        self.api = ServerApi(
+            config.server, config.admin_token, config.request_timeout_s, config.metrics_url
+        )
         self.http = urllib3.PoolManager(maxsize=2)
         self.hook = hook
         self.reporter: Reporter | None = None

@@ -35,6 +35,7 @@ class Counts:
     client_errors: int = 0  # refused as the caller's fault (4xx): not held against it
     probes: int = 0
     probe_failures: int = 0  # probes unanswered within probe_timeout_s, or answered wrong
+    split: int = 1  # 0: the server's metrics page is off, so every failure is counted
     mean_ms: float = 0.0  # mean latency of the successful requests
 
     @property
@@ -51,11 +52,15 @@ class Counts:
         return {k: int(v) for k, v in doc.items()}
 
     def summary(self) -> str:
+        clients = (
+            f"{self.client_errors} refused as the client's fault (not counted)"
+            if self.split
+            else "the caller's faults not told apart (the server's metrics page is off)"
+        )
         return (
             f"{self.answered} answered, {self.failures} failed "
             f"({self.model_failures} by the model, {self.probe_failures} of "
-            f"{self.probes} probes), {self.client_errors} refused as the client's fault "
-            "(not counted)"
+            f"{self.probes} probes), {clients}"
         )
 
 

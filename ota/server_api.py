@@ -1,7 +1,8 @@
 """The local appliance, as the agent sees it: its public HTTP API, nothing else.
 
 Load and unload go through Triton's repository extension with the admin token;
-statistics through the statistics extension; self-test vectors through ordinary
+statistics through the statistics extension (and, for the failures that were the
+caller's fault, the metrics page); self-test vectors through ordinary
 KServe v2 inference addressed by version. :class:`ServerGone` means the server
 stopped answering (crashed or restarting), which the agent treats differently
 from a refusal.
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import urllib3
+from prometheus_client.parser import text_string_to_metric_families
 
 from ota import OtaError
 
@@ -53,9 +55,15 @@ class VersionStats:
         )
 
 
+CLIENT_ERRORS = "appliance_inference_request_client_error"
+
+
 class ServerApi:
-    def __init__(self, base_url: str, admin_token: str = "", timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, base_url: str, admin_token: str = "", timeout_s: float = 300.0, metrics_url: str = ""
+    ) -> None:
         self.base = base_url.rstrip("/")
+        self.metrics_url = metrics_url
         self._headers = {"Content-Type": "application/json"}
         if admin_token:
             self._headers["Authorization"] = f"Bearer {admin_token}"
@@ -127,8 +135,30 @@ class ServerApi:
                 int(s["success"]["count"]),
                 int(s["fail"]["count"]),
                 int(s["success"]["ns"]),
-                int(row.get("client_error_count", 0)),
             )
+        return out
+
+    def client_errors(self, model: str) -> dict[int, int] | None:
+        """Per version, the failures that were the caller's fault, from the server's
+        metrics page (the statistics have Triton's schema exactly); None when the page is
+        off or does not answer."""
+        if not self.metrics_url:
+            return None
+        try:
+            r = self._http.request("GET", self.metrics_url, timeout=self._timeout, retries=False)
+        except urllib3.exceptions.HTTPError:
+            return None
+        if r.status != 200:
+            return None
+        out: dict[int, int] = {}
+        try:
+            for family in text_string_to_metric_families(r.data.decode("utf-8", "replace")):
+                for sample in family.samples:
+                    labels = sample.labels
+                    if sample.name == CLIENT_ERRORS and labels.get("model") == model:
+                        out[int(labels.get("version", "0"))] = int(sample.value)
+        except ValueError:  # not a metrics page
+            return None
         return out
 
     def infer(

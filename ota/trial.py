@@ -21,6 +21,7 @@ from the start and never committed on a server that no longer runs it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -74,12 +75,20 @@ def self_test_step(ctx: Context, job: Job) -> str:
     except OtaError as exc:
         raise Rollback(f"self-test failed: {exc}") from None
     log.info("ota: %s version %d passed %d self-test vector(s)", job.model, job.version, count)
-    stats = ctx.api.stats(job.model)
+    stats = _stats(ctx, job.model)
     before = stats.get(job.previous)
     job.old_latency_us = int(before.mean_ms() * 1000) if before else 0
     tested = stats.get(job.version)
     job.tested_counts = tested.counts() if tested else []
     return "switch"
+
+
+def _stats(ctx: Context, model: str) -> dict[int, VersionStats]:
+    """Each version's statistics, with the caller's faults from the metrics page (all
+    failures count as the model's when the page is off)."""
+    stats = ctx.api.stats(model)
+    clients = ctx.api.client_errors(model) or {}
+    return {v: dataclasses.replace(s, client_errors=clients.get(v, 0)) for v, s in stats.items()}
 
 
 def switch_step(ctx: Context, job: Job) -> str:
@@ -126,12 +135,13 @@ def probation_step(ctx: Context, job: Job) -> str:
         if vectors:
             counts.probe_failures += not _probe(ctx, job, vectors, counts.probes)
             counts.probes += 1
-        now = ctx.api.stats(job.model).get(job.version)
+        now = _stats(ctx, job.model).get(job.version)
         if now is None:
             raise Rollback(f"version {job.version} is no longer loaded during probation")
         stats = now.since(tested)
         counts.success, counts.model_failures = stats.success, stats.model_failures
         counts.client_errors, counts.mean_ms = stats.client_errors, stats.mean_ms()
+        counts.split = int(ctx.cfg.metrics_url != "")
         job.probation = counts.to_json()
         final = time.monotonic() >= deadline
         verdict = probation.judge(counts, job.old_latency_us / 1000, cfg, final)

@@ -248,10 +248,14 @@ class LocalDevice:
     """A real server (explicit model control) and, called, a fresh agent over one state
     folder: a new Agent reads its state from disk only, like a restarted process."""
 
-    def __init__(self, fleet: Fleet, models: Path, state: Path, url: str) -> None:
+    def __init__(
+        self, fleet: Fleet, models: Path, state: Path, url: str, metrics_url: str = ""
+    ) -> None:
         self.fleet, self.models, self.state_dir, self.url = fleet, models, state, url
+        self.metrics_url = metrics_url
 
     def __call__(self, **kw: Any) -> Agent:
+        kw.setdefault("metrics_url", self.metrics_url)
         return Agent(self.fleet.device(self.state_dir, self.models, self.url, **kw))
 
     def serving(self, model: str = "simple") -> str:

@@ -32,7 +32,7 @@ def device_on(
     def make(models: Path, state: Path) -> LocalDevice:
         models.mkdir(parents=True, exist_ok=True)
         running = run_appliance(models, model_control_mode="explicit")
-        return LocalDevice(fleet, models, state, f"http://{running.url}")
+        return LocalDevice(fleet, models, state, f"http://{running.url}", running.metrics_url)
 
     return make
 
