@@ -1,4 +1,4 @@
-"""The event-loop detector of the ``run_appliance`` fixture (tests/conftest.py): work
+"""The event-loop detector of the ``run_appliance`` fixture (tests/loop_detector.py): work
 and blocking calls on the loop fail a test; a loop merely late on a loaded machine
 does not (it waited for a CPU, or for the GIL)."""
 
@@ -8,10 +8,10 @@ import asyncio
 import threading
 import time
 
-from conftest import _BlockingDetector
+from loop_detector import BlockingDetector
 
 
-def _run_on_a_watched_loop(detector: _BlockingDetector, callback: object) -> None:
+def _run_on_a_watched_loop(detector: BlockingDetector, callback: object) -> None:
     loop = asyncio.new_event_loop()
     detector.watch(loop)
     try:
@@ -33,7 +33,7 @@ def _sleeping_on_the_loop() -> None:
 
 
 def test_cpu_work_and_a_blocking_wait_on_the_loop_are_caught() -> None:
-    detector = _BlockingDetector(cpu_s=0.2, wait_s=0.2)
+    detector = BlockingDetector(cpu_s=0.2, wait_s=0.2)
     _run_on_a_watched_loop(detector, _busy_on_the_loop)
     assert len(detector.slow) == 1 and "_busy_on_the_loop" in detector.slow[0]
     cpu = float(detector.slow[0].split("of which ")[1].split(" s")[0])
@@ -45,7 +45,7 @@ def test_cpu_work_and_a_blocking_wait_on_the_loop_are_caught() -> None:
 
 
 def test_a_callback_that_only_waited_for_a_cpu_is_not_blocking() -> None:
-    detector = _BlockingDetector()  # the fixture's thresholds
+    detector = BlockingDetector()  # the fixture's thresholds
     assert detector.verdict(wall=3.0, cpu=0.01, waited=2.9) == ""  # load, not the loop
     assert detector.verdict(wall=1.0, cpu=0.6, waited=0.3).startswith("1.00 s, of which 0.60")
     assert "5.49 s blocked" in detector.verdict(wall=6.0, cpu=0.01, waited=0.5)
