@@ -20,11 +20,12 @@ ephemeral key and the recipient's public key, HKDF-SHA256 over the shared secret
 key. A recipient is one device's key or a fleet group's key (whose private half each
 device of the group holds).
 
-Opening (:func:`open_sealed`) decrypts into one buffer in memory and returns the
-plaintext as bytes for the engine (ONNX Runtime and TensorRT load from bytes,
-OpenVINO from a memory buffer); nothing is written to disk, no temporary file, and
-the decrypted buffer is zeroed once the bytes were handed over. Sealing
-(:func:`seal_file`) is the fleet side's, streamed in blocks.
+Opening (:func:`open_sealed`) decrypts in memory and returns the plaintext as bytes
+for the engine (ONNX Runtime and TensorRT load from bytes, OpenVINO from a memory
+buffer); nothing is written to disk, no temporary file. Up to 2 GiB it is one
+AES-GCM call straight into the bytes returned; beyond, block by block into one
+buffer, zeroed once copied. Sealing (:func:`seal_file`) is the fleet side's,
+streamed in blocks.
 
 Private keys are PKCS#8 PEM files that only their owner may read (mode 0600 or
 stricter): a key file other users can read is refused, as ssh refuses one.
@@ -36,6 +37,7 @@ from __future__ import annotations
 import base64
 import ctypes
 import hashlib
+import io
 import json
 import os
 import stat
@@ -57,6 +59,7 @@ CIPHER = "X25519-HKDF-SHA256/AES-256-GCM"
 _TAG = 16
 _BLOCK = 1 << 20  # bytes read or written at a time
 _MAX_HEADER = 16 << 20  # a header naming some 100,000 recipients
+_ONE_SHOT = (1 << 31) - 1  # what one AESGCM call takes
 _WRAP_INFO = b"appliance sealed model v1"
 _PUBLIC_PREFIX = "x25519:"
 
@@ -243,27 +246,39 @@ def open_sealed(path: Path, key: X25519PrivateKey) -> bytes:
         file_size = os.fstat(f.fileno()).st_size
         header = _read_header(f, file_size, where)
         content_key = _unwrap(header.doc, key, where)
-        dec = Cipher(algorithms.AES(content_key), modes.GCM(header.nonce)).decryptor()
-        dec.authenticate_additional_data(header.raw)
-        out = bytearray(header.size + 15)  # update_into wants a block of slack
-        view, block = memoryview(out), bytearray(_BLOCK)
-        done = 0
-        try:
-            while done < header.size:
-                n = f.readinto(memoryview(block)[: min(_BLOCK, header.size - done)])
-                if not n:
-                    raise invalid(f"{where} ends early")
-                done += dec.update_into(memoryview(block)[:n], view[done:])
-            tag = f.read(_TAG)
+        if header.size + _TAG <= _ONE_SHOT:  # one call, straight into the bytes returned
+            sealed = f.read(header.size + _TAG)
+            if len(sealed) != header.size + _TAG:
+                raise invalid(f"{where} ends early")
             try:
-                dec.finalize_with_tag(tag)
-            except (InvalidTag, ValueError):
+                return AESGCM(content_key).decrypt(header.nonce, sealed, header.raw)
+            except InvalidTag:
                 raise invalid(f"{where} failed authentication: changed or damaged") from None
-            return bytes(view[: header.size])
-        finally:
-            view.release()
-            _zero(out)
-            _zero(block)
+        return _open_streamed(f, header, content_key, where)
+
+
+def _open_streamed(f: io.BufferedReader, header: _Header, content_key: bytes, where: str) -> bytes:
+    """Past what one AES-GCM call takes (2 GiB): block by block into one buffer."""
+    dec = Cipher(algorithms.AES(content_key), modes.GCM(header.nonce)).decryptor()
+    dec.authenticate_additional_data(header.raw)
+    out = bytearray(header.size + 15)  # update_into wants a block of slack
+    view, block = memoryview(out), bytearray(_BLOCK)
+    done = 0
+    try:
+        while done < header.size:
+            n = f.readinto(memoryview(block)[: min(_BLOCK, header.size - done)])
+            if not n:
+                raise invalid(f"{where} ends early")
+            done += dec.update_into(memoryview(block)[:n], view[done:])
+        try:
+            dec.finalize_with_tag(f.read(_TAG))
+        except (InvalidTag, ValueError):
+            raise invalid(f"{where} failed authentication: changed or damaged") from None
+        return bytes(view[: header.size])
+    finally:
+        view.release()
+        _zero(out)
+        _zero(block)
 
 
 def _zero(buffer: bytearray) -> None:

@@ -7,7 +7,12 @@ unversioned requests. Reports the time from publish to the new version serving
 (probation excluded and included), request latency before and during the update,
 failed requests, and the server's peak RSS during the update against before.
 
+Then what the additions of issue 19's section 6 cost and save (benchmarks/ota_costs.py):
+loading a model sealed at rest against plain, the bytes a delta bundle saves for a
+model with one layer retrained, and what shadow traffic costs the live requests.
+
     python benchmarks/bench_ota_update.py --probation 2
+    python benchmarks/bench_ota_update.py --parts sealed,delta,shadow --out report.md
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 sys.path.insert(0, str(REPO_ROOT / "tests"))
 
+import ota_costs  # noqa: E402
 from machine import describe  # noqa: E402
 from mosquitto import free_port  # noqa: E402
 from ota_helpers import start_fleet  # noqa: E402
@@ -51,8 +57,33 @@ def rss(pid: int) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--probation", type=float, default=2.0)
+    p.add_argument("--probation", type=float, default=2.0, help="probation of the update (s)")
+    p.add_argument(
+        "--parts", default="update,sealed,delta,shadow", help="what to measure, comma-separated"
+    )
+    p.add_argument("--loads", type=int, default=5, help="loads per model for 'sealed'")
+    p.add_argument("--requests", type=int, default=1000, help="requests per case for 'shadow'")
+    p.add_argument("--out", type=Path, help="also write the cost tables here (Markdown)")
     args = p.parse_args()
+    parts = set(args.parts.split(","))
+    if "update" in parts:
+        update(args.probation)
+    tables: list[str] = []
+    if "sealed" in parts:
+        tables += ["### Loading a sealed model", "", *ota_costs.sealed_load(
+            ((1024, 1024), (2048, 4096)), args.loads), ""]  # fmt: skip
+    if "delta" in parts:
+        tables += ["### Delta bundles", "", *ota_costs.delta_savings(), ""]
+    if "shadow" in parts:
+        tables += ["### Shadow traffic", "", *ota_costs.shadow_cost(args.requests), ""]
+    if tables:
+        report = "\n".join([f"Machine: {json.dumps(describe('onnxruntime'))}", "", *tables])
+        print(report)
+        if args.out:
+            args.out.write_text(report + "\n")
+
+
+def update(probation: float) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-ota-"))
     fleet = start_fleet(tmp / "fleet")
     models = tmp / "models"
@@ -63,7 +94,7 @@ def main() -> None:
         "model_repository": str(models), "http_port": port, "grpc_port": -1,
         "metrics_port": -1, "model_control_mode": "explicit", "log_level": "warning",
         "ota": {"source": fleet.server.url, "trusted_root": str(fleet.repo / "metadata" /
-                "1.root.json"), "state_dir": str(tmp / "state"), "probation_s": args.probation,
+                "1.root.json"), "state_dir": str(tmp / "state"), "probation_s": probation,
                 "probation_poll_s": 0.2, "max_latency_ratio": 0},
     }))  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
@@ -132,7 +163,7 @@ def main() -> None:
         results["update ok"] = ok
         results["publish -> v2 takes default traffic (s)"] = round(served_v2[0] - t, 2)
         results["publish -> committed, incl. probation (s)"] = round(done - t, 2)
-        results["probation_s"] = args.probation
+        results["probation_s"] = probation
         for k, v in lat.items():
             a = np.array(v) * 1000
             results[f"latency {k} p50/p99 (ms)"] = f"{np.percentile(a, 50):.1f} / " \

@@ -77,8 +77,28 @@ def test_a_sealed_file_opens_with_either_recipient_only(
         sealed.read_model(path, None)
 
 
+@pytest.fixture(params=["one call", "block by block"])
+def opening(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a file is opened: one AES-GCM call, and the blocks past 2 GiB (here
+    past 1 KiB, in 256-byte blocks)."""
+    if request.param == "block by block":
+        monkeypatch.setattr(sealed_crypto, "_ONE_SHOT", 1024)
+        monkeypatch.setattr(sealed_crypto, "_BLOCK", 256)
+    return str(request.param)
+
+
+def test_both_ways_of_opening_give_the_plaintext(
+    tmp_path: Path, keys: dict[str, Any], opening: str
+) -> None:
+    plain = modelgen.mlp(64, 128, 8, seed=5)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "model.onnx").write_bytes(plain)
+    sealed_crypto.seal_folder(tmp_path / "src", tmp_path / "out", [keys["device_pub"]])
+    assert sealed.read_model(tmp_path / "out" / "model.onnx", keys["device"]) == plain
+
+
 def test_a_changed_truncated_or_wrongly_keyed_file_is_refused(
-    tmp_path: Path, keys: dict[str, Any]
+    tmp_path: Path, keys: dict[str, Any], opening: str
 ) -> None:
     plain = modelgen.mlp(64, 128, 8, seed=5)
     (tmp_path / "src").mkdir()
