@@ -113,6 +113,18 @@ class ServerApi:
     def unload(self, model: str) -> None:
         self._call("POST", f"/v2/repository/models/{model}/unload", {})
 
+    def start_shadow(self, model: str, params: dict[str, Any]) -> dict[str, Any]:
+        """Mirror a sample of ``model``'s unversioned traffic to a loaded version
+        (``params``: version, sample_rate, max_in_flight, max_requests); its report."""
+        doc: dict[str, Any] = self._call(
+            "POST", f"/v2/repository/models/{model}/shadow", {"parameters": params}
+        )
+        return doc
+
+    def shadow_report(self, model: str) -> dict[str, Any]:
+        doc: dict[str, Any] = self._call("GET", f"/v2/repository/models/{model}/shadow")
+        return doc
+
     def ready_versions(self, model: str) -> list[int]:
         return sorted(v for v, state in self.version_states(model).items() if state == "READY")
 

@@ -1,0 +1,115 @@
+"""Shadow probation's policy and verdicts (pure), and one run against a real server:
+the candidate's mirrored outputs judged by a bundle's thresholds."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import urllib3
+
+from devtools import modelgen
+from ota import OtaError, shadow
+from ota.server_api import ServerApi
+
+POLICY = {"requests": 10, "sample_rate": 1.0, "outputs": {"output": {"min_top1_agreement": 0.9}}}
+
+
+def _report(
+    rows: int, agree: int, diff: Any = 0.0, compared: int = 10, **kw: Any
+) -> dict[str, Any]:
+    out = {
+        "rows": rows,
+        "top1_agree": agree,
+        "max_abs_diff": diff,
+        "mismatched": kw.pop("mismatched", 0),
+    }
+    return {"compared": compared, "failed": kw.pop("failed", 0), "outputs": {"output": out}}
+
+
+def test_verdicts() -> None:
+    policy = shadow.parse(POLICY)
+    assert policy is not None and policy.outputs["output"].min_top1_agreement == 0.9
+    assert shadow.judge(_report(10, 10), policy, final=True) == ""
+    assert "top-1 agreement 0.800 over 10 row(s) is below 0.9" in shadow.judge(
+        _report(10, 8), policy, True
+    )
+    assert shadow.judge(_report(3, 2, compared=3), policy, final=False) == ""  # may still rise
+    strict = shadow.parse({**POLICY, "outputs": {"output": {"max_abs_diff": 0.01}}})
+    assert strict is not None
+    assert "max abs diff 0.5 is above 0.01" in shadow.judge(_report(3, 3, 0.5, 3), strict, False)
+    assert "max abs diff inf" in shadow.judge(_report(3, 3, "inf", 3), strict, False)
+    assert "failed 1 mirrored" in shadow.judge(_report(3, 3, failed=1), policy, False)
+    assert "differed in shape or datatype 2" in shadow.judge(
+        _report(3, 3, mismatched=2), policy, False
+    )
+    required = shadow.parse({**POLICY, "required": True})
+    assert required is not None
+    assert "only 4 of 10 required" in shadow.judge(_report(4, 4, compared=4), required, True)
+    assert shadow.judge(_report(4, 4, compared=4), policy, True) == ""
+    summary = shadow.summary(_report(10, 9), "")
+    assert summary["outputs"]["output"]["top1_agreement"] == 0.9 and summary["verdict"] == "passed"
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ([], "expected an object"),
+        ({"colour": 1}, "unknown field(s) ['colour']"),
+        ({"requests": 0}, "'requests' must be a number in [1, 100000]"),
+        ({"sample_rate": 2}, "'sample_rate' must be a number in [1e-06, 1]"),
+        ({"required": "yes"}, "'required' must be true or false"),
+        ({"outputs": {"o": {}}}, "outputs.o must set min_top1_agreement and/or max_abs_diff"),
+        (
+            {"outputs": {"o": {"min_top1_agreement": 1.5}}},
+            "'min_top1_agreement' must be a number in [0, 1]",
+        ),
+        ({"outputs": {"../x": {"max_abs_diff": 1}}}, "shadow policy output name"),
+    ],
+)
+def test_a_bad_policy_is_named(raw: Any, expected: str) -> None:
+    with pytest.raises(
+        OtaError,
+        match=expected.replace("[", r"\[")
+        .replace("]", r"\]")
+        .replace("(", r"\(")
+        .replace(")", r"\)"),
+    ):
+        shadow.parse(raw)
+    assert shadow.parse(None) is None
+
+
+def test_a_shadow_run_against_a_real_server(tmp_path: Path, run_appliance: Any) -> None:
+    folder = modelgen.write_model(tmp_path, "m", modelgen.mlp(seed=1), "max_batch_size: 8\n", 1)
+    shutil.copytree(folder / "1", folder / "2")  # the candidate agrees exactly
+    (folder / "3").mkdir()
+    (folder / "3" / "model.onnx").write_bytes(modelgen.mlp(seed=1, retrained=(2, 5)))
+    url = f"http://{run_appliance(tmp_path, model_control_mode='explicit', load_model=['m']).url}"
+    api = ServerApi(url)
+    body = {
+        "inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 256], "data": [0.5] * 256}]
+    }
+
+    def traffic() -> None:  # the device's live requests while the agent waits
+        assert urllib3.request("POST", f"{url}/v2/models/m/infer", json=body).status == 200
+
+    for candidate, rule, refused in (
+        (2, {"max_abs_diff": 0.0}, ""),
+        (3, {"max_abs_diff": 1e-9}, "max abs diff"),
+    ):
+        api.load(
+            "m",
+            {"max_batch_size": 8, "version_policy": {"specific": {"versions": [1, candidate]}}},
+            1,
+        )
+        policy = shadow.parse(
+            {"requests": 5, "sample_rate": 1.0, "timeout_s": 60, "outputs": {"output": rule}}
+        )
+        assert policy is not None
+        verdict, summary = shadow.run(
+            api, "m", candidate, policy, 0.01, traffic, sleep=lambda _: traffic()
+        )
+        assert (verdict == "") == (refused == "") and refused in verdict, verdict
+        assert summary["compared"] >= (5 if not refused else 1)
