@@ -1,8 +1,11 @@
 """The update agent: one persisted state machine per device, one cycle at a time.
 
-idle -> check -> download -> verify -> stage -> load -> self_test -> switch ->
-probation -> commit, or -> rollback from any step after stage (the switch promotes
-the copy the load step built and the self-test tried). The steps live in
+idle -> check -> download -> verify -> waiting -> stage -> load -> self_test ->
+shadow -> switch -> probation -> commit, or -> rollback from any step after stage
+(the switch promotes the copy the load step built and the self-test tried).
+``waiting`` holds a verified download until a maintenance window opens
+(:mod:`ota.window`); ``shadow`` mirrors live traffic to the candidate when its
+bundle asks for it (:mod:`ota.shadow`). The steps live in
 :mod:`ota.fetching`, :mod:`ota.trial` and :mod:`ota.commit`; this module runs a
 cycle and decides what each outcome means:
 
@@ -58,7 +61,8 @@ _IDLE_BEAT_S = 10.0  # while waiting for the next check, the agent says it is al
 MAX_ENTRIES = 3  # times a phase may be entered before the version is given up
 MAX_BACKOFF = 16  # check intervals
 GATED = ("stage", "load", "switch", "commit")
-SERVER_PHASES = ("load", "self_test", "switch", "probation", "commit")
+RESUMABLE = ("download", "waiting", "load")  # phases entered again and again, by design
+SERVER_PHASES = ("load", "self_test", "shadow", "switch", "probation", "commit")
 Step = Callable[[Context, Job], str]
 
 
@@ -71,9 +75,11 @@ class Agent:
         self.steps: dict[str, Step] = {
             "download": fetching.download_step,
             "verify": fetching.verify_step,
+            "waiting": fetching.waiting_step,
             "stage": fetching.stage_step,
             "load": trial.load_step,
             "self_test": trial.self_test_step,
+            "shadow": trial.shadow_step,
             "switch": trial.switch_step,
             "probation": trial.probation_step,
             "commit": commit.commit_step,
@@ -167,7 +173,7 @@ class Agent:
             job.entries[phase] = job.entries.get(phase, 0) + 1
             ctx.save()
             try:
-                if phase not in ("download", "load") and job.entries[phase] > MAX_ENTRIES:
+                if phase not in RESUMABLE and job.entries[phase] > MAX_ENTRIES:
                     raise OtaError(
                         f"the agent was interrupted {job.entries[phase] - 1} times during "
                         f"{phase}: giving this version up"
@@ -182,6 +188,7 @@ class Agent:
         if offer is None:
             return None
         check.fits_budget(self.cfg, self.ctx.api, offer)
+        previous = check.current(self.cfg, self.ctx.state, offer.model)
         return Job(
             model=offer.model,
             version=offer.version,
@@ -190,8 +197,9 @@ class Agent:
             sha256=offer.target.hashes.get("sha256", ""),
             unpacked=offer.unpacked_bytes,
             backend=check.signed_backend(fresh, offer.target.path),
-            previous=check.current(self.cfg, self.ctx.state, offer.model),
+            previous=previous,
             started=time.time(),
+            delta=check.delta_for(fresh, offer, previous),
         )
 
     def _gate(self, job: Job) -> None:
@@ -304,6 +312,9 @@ class Agent:
             interval *= min(2 ** (state.retries - 1), MAX_BACKOFF)
         spread = interval * self.cfg.jitter
         state.next_check = time.time() + max(0.0, interval + random.uniform(-spread, spread))
+        job = state.job
+        if job is not None and state.phase == "waiting" and job.window_opens:
+            state.next_check = min(state.next_check, job.window_opens + 1.0)
         self._try_save()
 
     def run_forever(self, stop: threading.Event) -> None:

@@ -24,6 +24,7 @@ import os
 import platform
 import shutil
 import tarfile
+import tempfile
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -56,6 +57,23 @@ def _member(name: str, size: int) -> tarfile.TarInfo:
     return info
 
 
+def _entries(folder: Path) -> list[tuple[FileEntry, Path]]:
+    """Each regular file below ``folder`` with its manifest entry, sorted by path."""
+    entries: list[tuple[FileEntry, Path]] = []
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for f in sorted(files):
+            path = Path(root) / f
+            if path.is_symlink() or not path.is_file():
+                raise OtaError(f"{path}: only regular files can be bundled (no links)")
+            rel = safe_path(path.relative_to(folder).as_posix())
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            entries.append((FileEntry(rel, digest, path.stat().st_size), path))
+    if not entries:
+        raise OtaError(f"{folder} holds no files")
+    return sorted(entries, key=lambda e: e[0].path)
+
+
 def build(
     model_dir: Path,
     version: int,
@@ -65,8 +83,13 @@ def build(
     devices: tuple[str, ...] = ("cpu",),
     memory_bytes: int = 0,
     self_test: list[dict[str, Any]] | None = None,
+    shadow: dict[str, Any] | None = None,
+    seal_to: tuple[str, ...] = (),
 ) -> Manifest:
-    """Bundle ``model_dir/<version>`` and the model's config into ``out``."""
+    """Bundle ``model_dir/<version>`` and the model's config into ``out``.
+    ``shadow``: a shadow probation policy (:mod:`ota.shadow`); ``seal_to``: public
+    key lines the model files are sealed to (:mod:`ota.sealing`; the bundle is then
+    not reproducible: each build draws a new content key)."""
     name = check_name(model_dir.name, "model name")
     version_dir = model_dir / str(version)
     if not version_dir.is_dir():
@@ -76,41 +99,40 @@ def build(
         raise OtaError(f"{model_dir}: expected exactly one config file ({', '.join(CONFIG_FILES)})")
     config = configs[0]
     config_name = "config.pbtxt" if config.suffix == ".pbtxt" else "config.yaml"
-    entries: list[tuple[FileEntry, Path]] = []
-    for root, dirs, files in os.walk(version_dir):
-        dirs.sort()
-        for f in sorted(files):
-            path = Path(root) / f
-            if path.is_symlink() or not path.is_file():
-                raise OtaError(f"{path}: only regular files can be bundled (no links)")
-            rel = safe_path(path.relative_to(version_dir).as_posix())
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()
-            entries.append((FileEntry(rel, digest, path.stat().st_size), path))
-    if not entries:
-        raise OtaError(f"{version_dir} holds no files")
-    entries.sort(key=lambda e: e[0].path)
     config_data = config.read_bytes()
     parsed = release.read_config(name, config_name, config_data, str(config))
-    manifest = Manifest(
-        name,
-        version,
-        release.backend_of(parsed, [e.path for e, _ in entries]),
-        config_name,
-        tuple(e for e, _ in entries),
-        min_appliance_version,
-        platforms,
-        devices,
-        memory_bytes or sum(e.size for e, _ in entries),
-        tuple(self_test or ()),
-    )
-    parse(manifest.dumps())  # what devices will check, checked here first
-    release.check_bundle(manifest, config_data)
-    tmp = out.with_name(f".{out.name}.tmp")
-    with writer(tmp, manifest.dumps(), config_name, config_data) as add:
-        for entry, path in entries:
-            with open(path, "rb") as content:
-                add(entry, content)
-    os.replace(tmp, out)
+    plain = _entries(version_dir)
+    backend = release.backend_of(parsed, [e.path for e, _ in plain])
+    with tempfile.TemporaryDirectory(prefix="appliance-seal-") as tmp:
+        sealed_to: tuple[str, ...] = ()
+        entries = plain
+        if seal_to:
+            from ota import sealing  # the fleet side of sealing only
+
+            sealed_to = sealing.seal_version(version_dir, Path(tmp), backend, seal_to)
+            entries = _entries(Path(tmp))
+        manifest = Manifest(
+            name,
+            version,
+            backend,
+            config_name,
+            tuple(e for e, _ in entries),
+            min_appliance_version,
+            platforms,
+            devices,
+            memory_bytes or sum(e.size for e, _ in plain),
+            tuple(self_test or ()),
+            shadow,
+            sealed_to,
+        )
+        manifest = parse(manifest.dumps())  # what devices will check, checked here first
+        release.check_bundle(manifest, config_data)
+        tmp_out = out.with_name(f".{out.name}.tmp")
+        with writer(tmp_out, manifest.dumps(), config_name, config_data) as add:
+            for entry, path in entries:
+                with open(path, "rb") as content:
+                    add(entry, content)
+        os.replace(tmp_out, out)
     return manifest
 
 

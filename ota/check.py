@@ -22,7 +22,7 @@ from tuf.api.metadata import Metadata, TargetFile, Targets, Timestamp
 from tuf.ngclient import Updater, Urllib3Fetcher
 
 from appliance.version import __version__
-from ota import OtaError, Transient, bundle, install
+from ota import OtaError, Transient, bundle, delta, install
 from ota.config import OtaConfig
 from ota.manifest import version_tuple
 from ota.rollout import Rollout
@@ -167,6 +167,23 @@ def signed_backend(fresh: Fresh, path: str) -> str:
     info = _info(target) if target is not None else None
     backend = info.get("backend") if info is not None else None
     return backend if isinstance(backend, str) else ""
+
+
+def delta_for(fresh: Fresh, offer: Offer, base: int) -> dict[str, Any]:
+    """The signed delta from version ``base`` to the offered one, as the job keeps it
+    ({}: none published, or its target or the content hashes are missing)."""
+    info = _info(offer.target)
+    row = delta.listed(info).get(base) if base else None
+    content = info.get("content") if info is not None else None
+    target = fresh.targets.signed.targets.get(row["path"]) if row is not None else None
+    if target is None or not isinstance(content, dict):
+        return {}
+    hashes = {k: content.get(k) for k in ("manifest_sha256", "config_sha256")}
+    if not all(isinstance(h, str) for h in hashes.values()):
+        return {}
+    sha256 = target.hashes.get("sha256", "")
+    return {"target": target.path, "length": target.length, "sha256": sha256, "base": base,
+            **hashes}  # fmt: skip
 
 
 def still_wanted(cfg: OtaConfig, state: AgentState, job: Job, fresh: Fresh) -> str:

@@ -22,6 +22,11 @@ HALT_AT = "halt a rollout once the share of its devices that failed exceeds this
 REPORT_TIMEOUT = "seconds a device may stay silent mid-update before it counts as failed"
 PLATFORM = "a CPU architecture the bundle serves on (repeatable; default: any)"
 DEVICE = "a device kind the bundle serves on (repeatable; default: any)"
+SEAL_TO = (
+    "encrypt the model files to this public key line or file of lines (repeatable; "
+    "appliance ota model-key prints a device's)"
+)
+DELTA_FROM = "an older bundle of the model: publish a delta from it too (repeatable)"
 CONFIG = Path("/etc/appliance/appliance.yaml")
 
 
@@ -40,6 +45,7 @@ def register(sub: Any) -> None:
     p.add_argument("--channel", choices=["stable", "beta"], default="stable", help="channel")
     p.add_argument("--percent", type=float, default=100.0, help="share of devices to offer it")
     p.add_argument("--group", action="append", default=[], help="device group (repeatable)")
+    p.add_argument("--delta-from", action="append", type=Path, default=[], help=DELTA_FROM)
     p = fs.add_parser("rollout", help="widen, halt or resume a model's rollout")
     p.add_argument("repo", type=Path, help="folder of the TUF repository")
     p.add_argument("model", help="the model whose rollout changes")
@@ -96,6 +102,8 @@ def register(sub: Any) -> None:
     p.add_argument("--device", action="append", choices=["cpu", "gpu"], help=DEVICE)
     p.add_argument("--memory-bytes", type=int, default=0, help="default: the files' size")
     p.add_argument("--self-test", type=Path, help="JSON list of self-test vectors")
+    p.add_argument("--shadow", type=Path, help="JSON shadow probation policy (docs/ota.md)")
+    p.add_argument("--seal-to", action="append", default=[], metavar="KEY", help=SEAL_TO)
     p = bs.add_parser("inspect", help="show a bundle's manifest after checking every member")
     p.add_argument("file", type=Path, help="the bundle file")
     p.add_argument(
@@ -112,6 +120,8 @@ def register(sub: Any) -> None:
     p.add_argument("--once", action="store_true", help="one cycle, then exit 0 / 1")
     p = os_.add_parser("status", help="the agent's state")
     p.add_argument("--config", type=Path, default=CONFIG, help="the server config (its ota:)")
+    p = os_.add_parser("model-key", help="the key sealed models open with (made if missing)")
+    p.add_argument("key_file", type=Path, help="the private key file (the server's model_key_file)")
 
 
 def _size(text: str) -> int:

@@ -9,11 +9,12 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from appliance.errors import ApplianceError
 from appliance.sdnotify import Notifier
-from ota import OtaError, bundle, devicekey, keys, repo, watch
+from ota import OtaError, bundle, devicekey, keys, repo, sealing, watch
 from ota import config as ota_config
 from ota.agent import Agent
 from ota.rollout import Rollout
@@ -43,8 +44,12 @@ def _fleet(args: argparse.Namespace) -> int:
         print(f"repository in {args.repo}; devices pin {root}")
     elif cmd == "publish":
         rollout = Rollout(args.channel, args.percent, tuple(args.group))
-        target = repo.publish(args.repo, args.keys, args.file, rollout)
+        target = repo.publish(
+            args.repo, args.keys, args.file, rollout, delta_from=tuple(args.delta_from)
+        )
         print(f"published {target.path} ({target.length} bytes) to {rollout.to_json()}")
+        for base, info in sorted(repo.deltas_of(target).items()):
+            print(f"  delta from version {base}: {info['length']} bytes ({info['path']})")
     elif cmd == "rollout":
         halted = True if args.halt else (False if args.resume else None)
         new = repo.set_rollout(args.repo, args.keys, args.model, args.version, args.percent, halted)
@@ -67,11 +72,8 @@ def _bundle(args: argparse.Namespace) -> int:
     if args.bundle_command == "inspect":
         print(bundle.describe(bundle.inspect(args.file, args.max_size)))
         return 0
-    vectors = None
-    if args.self_test:
-        vectors = json.loads(args.self_test.read_text())
-        if not isinstance(vectors, list):
-            raise OtaError(f"{args.self_test}: expected a JSON list of self-test vectors")
+    vectors = _json_file(args.self_test, list, "a JSON list of self-test vectors")
+    policy = _json_file(args.shadow, dict, "a JSON object (a shadow probation policy)")
     manifest = bundle.build(
         args.model_dir,
         args.version,
@@ -81,13 +83,30 @@ def _bundle(args: argparse.Namespace) -> int:
         tuple(args.device or ("cpu",)),
         args.memory_bytes,
         vectors,
+        policy,
+        tuple(args.seal_to),
     )
     print(f"{args.output}: {manifest.name} version {manifest.version}, "
           f"{len(manifest.files)} file(s), {manifest.payload_bytes()} bytes")  # fmt: skip
     return 0
 
 
+def _json_file(path: Path | None, kind: type, what: str) -> Any:
+    if path is None:
+        return None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise OtaError(f"{path}: expected {what}: {exc}") from None
+    if not isinstance(doc, kind):
+        raise OtaError(f"{path}: expected {what}")
+    return doc
+
+
 def _ota(args: argparse.Namespace) -> int:
+    if args.ota_command == "model-key":
+        print(sealing.model_key(args.key_file))
+        return 0
     cfg = ota_config.load(args.config)
     if args.ota_command == "status":
         store = StateFile(cfg.state_dir)

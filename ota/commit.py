@@ -36,7 +36,7 @@ from ota.server_api import ServerGone
 from ota.state import AgentState, Job, ModelState
 
 # the phases in which the job's own step decides what disk and server hold
-TOUCHING = ("stage", "load", "self_test", "switch", "probation", "commit", "rollback")
+TOUCHING = ("stage", "load", "self_test", "shadow", "switch", "probation", "commit", "rollback")
 
 
 def finish(ctx: Context, job: Job, result: str, error: str = "", reason: str = "") -> None:
@@ -48,7 +48,8 @@ def finish(ctx: Context, job: Job, result: str, error: str = "", reason: str = "
         *ctx.state.history[-9:],
         {"model": job.model, "version": job.version, "result": result,
          "error": error or reason, "time": time.time(),
-         **({"probation": job.probation} if job.probation else {})},
+         **{k: v for k, v in (("probation", job.probation), ("shadow", job.shadow),
+                              ("download", job.download)) if v}},
     ]  # fmt: skip
     ctx.state.job, ctx.state.last_error, ctx.state.progress = None, error, {}
     ctx.state.phase = "idle"

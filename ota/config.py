@@ -16,7 +16,7 @@ import yaml
 
 from appliance.config.fields import ConfigError, Fields, parse_size
 from appliance.config.server_config import MqttConfig, load_server_config
-from ota import OtaError
+from ota import OtaError, window
 from ota.rollout import CHANNELS, check_name
 
 
@@ -53,6 +53,12 @@ class OtaConfig:
     request_timeout_s: float = 300.0
     metrics_url: str = ""  # the server's metrics page ("": off): probation's 4xx split
     metadata_timeout_s: float = 30.0  # a metadata fetch silent this long fails (socket timeout)
+    # when an update may be applied (ota.window); downloads happen any time. (): always
+    maintenance_windows: tuple[str, ...] = ()
+    maintenance_timezone: str = "UTC"
+
+    def windows(self) -> window.Windows:
+        return window.parse(self.maintenance_windows, self.maintenance_timezone)
 
 
 def _number(f: Fields, key: str, default: float, minimum: float) -> float:
@@ -68,7 +74,7 @@ KEYS = {
     "probation_min_requests", "probe_timeout_s", "max_latency_ratio", "max_latency_ms",
     "keep_versions", "max_bandwidth", "min_download_rate", "download_rate_window_s",
     "job_deadline_s", "reserve_disk", "max_bundle_size", "max_load_attempts",
-    "request_timeout_s", "metadata_timeout_s",
+    "request_timeout_s", "metadata_timeout_s", "maintenance_windows", "maintenance_timezone",
 }  # fmt: skip
 
 
@@ -111,6 +117,14 @@ def load(path: Path) -> OtaConfig:
     bandwidth = f.data.get("max_bandwidth", 0)
     min_rate = f.data.get("min_download_rate", "1KiB")
     reserve = f.data.get("reserve_disk", "32MiB")
+    windows = f.data.get("maintenance_windows") or []
+    if not isinstance(windows, list) or not all(isinstance(w, str) for w in windows):
+        raise f.fail("maintenance_windows", "expected a list of '[days ]HH:MM-HH:MM' strings")
+    timezone = f.text("maintenance_timezone", "UTC")
+    try:
+        window.parse(windows, timezone)
+    except OtaError as exc:
+        raise f.fail("maintenance_windows", str(exc)) from None
     repository = server.model_repository
     if repository is None:
         raise ConfigError(str(path), "model_repository", "the update agent needs one")
@@ -150,4 +164,6 @@ def load(path: Path) -> OtaConfig:
         request_timeout_s=_number(f, "request_timeout_s", 300.0, 1.0),
         metrics_url=metrics,
         metadata_timeout_s=_number(f, "metadata_timeout_s", 30.0, 0.1),
+        maintenance_windows=tuple(windows),
+        maintenance_timezone=timezone,
     )

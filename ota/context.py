@@ -99,8 +99,15 @@ class Context:
         return self.downloads / f"{job.sha256}.bundle"
 
     def remove_download(self, job: Job) -> None:
+        """The job's files in the downloads folder: the bundle's and its delta's."""
+        for digest in (job.sha256, str(job.delta.get("sha256", ""))):
+            if digest:
+                self.remove_files(digest)
+
+    def remove_files(self, sha256: str) -> None:
+        """A download's files (finished or partial), named by their sha256."""
         for suffix in ("bundle", "part"):
-            (self.downloads / f"{job.sha256}.{suffix}").unlink(missing_ok=True)
+            (self.downloads / f"{sha256}.{suffix}").unlink(missing_ok=True)
 
     def candidate_path(self, job: Job) -> Path:
         """The candidate's config (Triton JSON), kept from stage until the commit wrote

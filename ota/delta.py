@@ -102,6 +102,20 @@ def content_hashes(bundle_path: Path) -> dict[str, str]:
     }
 
 
+def listed(info: Any) -> dict[int, dict[str, Any]]:
+    """The deltas a full target's ``appliance`` metadata names (``deltas``: base
+    version -> ``{"path": <delta target path>, "length": n}``); malformed rows are
+    left out."""
+    raw = info.get("deltas") if isinstance(info, dict) else None
+    if not isinstance(raw, dict):
+        return {}
+    return {
+        int(base): row
+        for base, row in raw.items()
+        if str(base).isdigit() and isinstance(row, dict) and isinstance(row.get("path"), str)
+    }
+
+
 def _params(base_size: int, size: int, level: int) -> zstandard.ZstdCompressionParameters:
     window = min(_MAX_WINDOW_LOG, max(20, math.ceil(math.log2(base_size + size + 1))))
     return zstandard.ZstdCompressionParameters.from_level(

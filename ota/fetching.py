@@ -1,12 +1,18 @@
-"""Getting a bundle onto the device: the download, verify and stage steps.
+"""Getting a bundle onto the device: the download, verify, waiting and stage steps.
 
 - download: resumable and verified against the signed target (:mod:`ota.download`),
   after the disk-space rule (:mod:`ota.space`) said the bundle and its unpacked
-  files fit; a job past ``job_deadline_s`` is dropped.
+  files fit; a job past ``job_deadline_s`` is dropped. When the fleet published a
+  delta from the version this device serves, the delta (a signed target of its
+  own) is downloaded instead and the full bundle rebuilt from it and the installed
+  files (:mod:`ota.delta`, checked against the full target's signed content
+  hashes); any failure there falls back to the full bundle.
 - verify: the manifest and every member (:mod:`ota.bundle`), name and version equal
   to the signed target's, and the release rules of :mod:`ota.release` (the config
   as the server reads it, the backend the manifest, the config and the signed
   target claim, and the backend of what is installed).
+- waiting: a verified bundle waits for a maintenance window (:mod:`ota.window`);
+  each cycle re-checks that the fleet still wants it and reports that it waits.
 - stage: the config on disk pinned to the committed version, then the version
   folder extracted to a hidden staging folder and renamed into place.
 
@@ -16,37 +22,82 @@ Each returns the next phase; refusals are OtaErrors (see :mod:`ota.agent`).
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 from tuf.api.metadata import TargetFile
 
-from ota import OtaError, bundle, download, install, release, space
-from ota.context import Context
+from ota import OtaError, Transient, bundle, delta, download, install, release, space
+from ota.context import Context, log
 from ota.download import Limits
 from ota.manifest import Manifest
 from ota.state import Job
 
 
-def download_step(ctx: Context, job: Job) -> str:
+def _fetch(ctx: Context, job: Job, path: str, length: int, sha256: str) -> Path:
+    """Download the signed target ``path`` into the downloads folder."""
     cfg = ctx.cfg
-    target = TargetFile(job.length, {"sha256": job.sha256}, job.target)
-    if not ctx.bundle_path(job).exists():
-        part = ctx.downloads / f"{job.sha256}.part"
-        have = part.stat().st_size if part.exists() else 0
-        space.require(
-            {ctx.downloads: job.length - have, cfg.model_repository: job.unpacked},
-            cfg.reserve_disk,
-            f"{job.model} version {job.version}",
-        )
-    folder, _, name = job.target.rpartition("/")
-    url = f"{cfg.source}targets/{folder}/{job.sha256}.{name}"
+    folder, _, name = path.rpartition("/")
     limits = Limits(
         max_bandwidth=cfg.max_bandwidth,
         min_rate=cfg.min_download_rate,
         window_s=cfg.download_rate_window_s,
         deadline=job.started + cfg.job_deadline_s,
     )
-    download.fetch(ctx.http, url, target, ctx.downloads, limits, ctx.progress)
+    target = TargetFile(length, {"sha256": sha256}, path)
+    url = f"{cfg.source}targets/{folder}/{sha256}.{name}"
+    return download.fetch(ctx.http, url, target, ctx.downloads, limits, ctx.progress)
+
+
+def _from_delta(ctx: Context, job: Job) -> None:
+    """Rebuild the job's bundle from its delta. When that cannot be done (the base is
+    not what the delta is from, a damaged or mismatched delta), the delta is
+    forgotten and the full bundle is downloaded instead; Transient (the partial
+    delta kept) when its download broke off."""
+    d = job.delta
+    try:
+        base_version, length, sha256 = int(d["base"]), int(d["length"]), str(d["sha256"])
+        path = str(d["target"])
+        expected = {k: str(d[k]) for k in ("manifest_sha256", "config_sha256")}
+        base = ctx.cfg.model_repository / job.model / str(base_version)
+        if base_version != job.previous or not base.is_dir():
+            raise OtaError(f"version {base_version}, which the delta is from, is not installed")
+        delta_file = _fetch(ctx, job, path, length, sha256)
+        try:
+            delta.apply(delta_file, base, ctx.bundle_path(job), expected, ctx.cfg.max_bundle_bytes)
+        finally:
+            ctx.remove_files(sha256)  # used once, whatever came of it
+    except Transient:
+        raise
+    except (OtaError, KeyError, TypeError, ValueError) as exc:
+        log.warning("ota: %s version %d: the delta cannot be used, downloading the full "
+                    "bundle: %s", job.model, job.version, exc)  # fmt: skip
+        job.delta, job.download = {}, {"how": "full", "delta_failed": str(exc)}
+        ctx.save()
+        return
+    job.download = {"how": "delta", "bytes": length, "saved": job.length - length}
+    log.info("ota: %s version %d rebuilt from a %d-byte delta (%d bytes not downloaded)",
+             job.model, job.version, length, job.length - length)  # fmt: skip
+
+
+def download_step(ctx: Context, job: Job) -> str:
+    cfg = ctx.cfg
+    if not ctx.bundle_path(job).exists():
+        part = ctx.downloads / f"{job.sha256}.part"
+        have = part.stat().st_size if part.exists() else 0
+        space.require(
+            {
+                ctx.downloads: job.length - have + int(job.delta.get("length", 0)),
+                cfg.model_repository: job.unpacked,
+            },
+            cfg.reserve_disk,
+            f"{job.model} version {job.version}",
+        )
+        if job.delta:
+            _from_delta(ctx, job)
+    _fetch(ctx, job, job.target, job.length, job.sha256)  # done already after a delta
+    if job.download.get("how") != "delta":
+        job.download["how"], job.download["bytes"] = "full", job.length
     return "verify"
 
 
@@ -80,7 +131,23 @@ def verify_step(ctx: Context, job: Job) -> str:
     except OtaError:
         ctx.remove_download(job)
         raise
-    return "stage"
+    return "waiting"
+
+
+def waiting_step(ctx: Context, job: Job) -> str:
+    """On to stage while a maintenance window is open; else the job waits (reported,
+    so the fleet sees a device waiting, not a silent one)."""
+    now = time.time()
+    windows = ctx.cfg.windows()
+    if windows.is_open(now):
+        job.window_opens = 0.0
+        return "stage"
+    job.window_opens = windows.next_open(now)
+    ctx.save()
+    ctx.report()
+    log.info("ota: %s version %d is ready; it is applied once a maintenance window opens "
+             "(in %.0f s)", job.model, job.version, job.window_opens - now)  # fmt: skip
+    return "idle"
 
 
 def stage_step(ctx: Context, job: Job) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from ota import OtaError
+from ota import OtaError, shadow
 from ota.rollout import check_name
 
 FORMAT = 1
@@ -22,6 +22,7 @@ MAX_MANIFEST_BYTES = 1 << 20
 PLATFORMS = ("x86_64", "aarch64")
 DEVICES = ("cpu", "gpu")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_KEY_ID = re.compile(r"[0-9a-f]{16}")
 _VERSION = re.compile(r"\d+(\.\d+){0,3}")
 
 
@@ -60,6 +61,10 @@ class Manifest:
     devices: tuple[str, ...] = ("cpu",)
     memory_bytes: int = 0  # what loading it needs at least (0: unknown)
     self_test: tuple[dict[str, Any], ...] = field(default=())
+    # shadow probation's policy, as validated by ota.shadow.parse (None: no shadow)
+    shadow: dict[str, Any] | None = None
+    # the key ids the model files are sealed to (backends/sealed_crypto.py; (): plain)
+    sealed_to: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -74,6 +79,8 @@ class Manifest:
             "devices": list(self.devices),
             "memory_bytes": self.memory_bytes,
             "self_test": list(self.self_test),
+            **({"shadow": self.shadow} if self.shadow is not None else {}),
+            **({"sealed_to": list(self.sealed_to)} if self.sealed_to else {}),
         }
 
     def dumps(self) -> bytes:
@@ -91,6 +98,7 @@ class Manifest:
             "devices": list(self.devices),
             "memory_bytes": self.memory_bytes,
             "unpacked_bytes": self.payload_bytes(),
+            **({"sealed_to": list(self.sealed_to)} if self.sealed_to else {}),
         }
 
     def payload_bytes(self) -> int:
@@ -153,6 +161,13 @@ def parse(data: bytes) -> Manifest:
     vectors = doc.get("self_test", [])
     if not isinstance(vectors, list) or not all(isinstance(v, dict) for v in vectors):
         raise OtaError("manifest: 'self_test' must be a list of objects")
+    parsed = shadow.parse(doc.get("shadow"))
+    policy = parsed.to_json() if parsed is not None else None
+    sealed_to = doc.get("sealed_to", [])
+    if not isinstance(sealed_to, list) or not all(
+        isinstance(k, str) and _KEY_ID.fullmatch(k) for k in sealed_to
+    ):
+        raise OtaError("manifest: 'sealed_to' must be a list of key ids (16 hex digits)")
     return Manifest(
         name,
         version,
@@ -164,6 +179,8 @@ def parse(data: bytes) -> Manifest:
         _strings(doc, "devices", DEVICES),
         memory,
         tuple(vectors),
+        policy,
+        tuple(sealed_to),
     )
 
 

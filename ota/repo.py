@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -34,7 +35,7 @@ from tuf.api.metadata import (
 )
 from tuf.api.serialization.json import JSONSerializer
 
-from ota import ROLES, OtaError, bundle, clock, keys, release
+from ota import ROLES, OtaError, bundle, clock, delta, keys, release
 from ota.rollout import Rollout
 
 _SERIALIZER = JSONSerializer(compact=False)
@@ -154,18 +155,66 @@ def target_path(model: str, version: int) -> str:
     return f"{model}/{model}-{version}.bundle"
 
 
+def delta_path(model: str, version: int, base: int) -> str:
+    """The TUF target path of the delta from version ``base`` to ``version``."""
+    return f"{model}/{model}-{version}.from-{base}.delta"
+
+
+def deltas_of(target: TargetFile) -> dict[int, dict[str, Any]]:
+    """The deltas a full target names: base version -> {path, length}."""
+    custom = target.custom if isinstance(target.custom, dict) else {}
+    return delta.listed(custom.get("appliance"))
+
+
+def _store(repo: Path, path: str, source: Path, digest: str) -> None:
+    """Copy a target's file to where devices fetch it (consistent snapshot names)."""
+    model, _, name = path.rpartition("/")
+    folder = repo / "targets" / model
+    folder.mkdir(parents=True, exist_ok=True)
+    dest = folder / f"{digest}.{name}"
+    if not dest.exists():
+        tmp = folder / f".{dest.name}.tmp"
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, dest)
+
+
+def _add_deltas(
+    targets: Metadata[Targets], repo: Path, bundle_file: Path, bases: tuple[Path, ...]
+) -> dict[str, Any]:
+    """A delta target from each base bundle to ``bundle_file``; the ``deltas`` field."""
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="appliance-publish-") as tmp:
+        for base in bases:
+            made = Path(tmp) / f"{len(out)}.delta"
+            info = delta.build(base, bundle_file, made)
+            path = delta_path(info.name, info.version, info.base_version)
+            target = TargetFile.from_file(path, str(made), ["sha256"])
+            target.unrecognized_fields["custom"] = {
+                "appliance_delta": {
+                    "name": info.name, "version": info.version, "base_version": info.base_version
+                }
+            }  # fmt: skip
+            _store(repo, path, made, target.hashes["sha256"])
+            targets.signed.targets[path] = target
+            out[str(info.base_version)] = {"path": path, "length": target.length}
+    return out
+
+
 def publish(
     repo: Path,
     keys_dir: Path,
     bundle_file: Path,
     rollout: Rollout,
     expiry: Expiry | None = None,
+    delta_from: tuple[Path, ...] = (),
 ) -> TargetFile:
     """Add a bundle as a target with its rollout settings and re-sign.
 
     The bundle is inspected first (a malformed one is refused here, not on the
     devices). A version already published with other bytes is refused: a version
-    number names one set of bytes forever.
+    number names one set of bytes forever. ``delta_from``: older bundles of the
+    model to publish a delta from as well (not for sealed bundles: ciphertext does
+    not diff).
     """
     expiry = expiry or Expiry()
     manifest, config = bundle.read(bundle_file)
@@ -185,17 +234,17 @@ def publish(
             f"{manifest.name} version {manifest.version} is already published with other "
             f"bytes; publish a new version number instead"
         )
+    if delta_from and manifest.sealed_to:
+        raise OtaError("a sealed bundle has no delta (its ciphertext does not diff)")
+    deltas = dict(known.custom.get("appliance", {}).get("deltas", {})) if known else {}
+    deltas.update(_add_deltas(targets, repo, bundle_file, delta_from))
     target = TargetFile.from_file(path, str(bundle_file), ["sha256"])
-    target.unrecognized_fields["custom"] = {
-        "appliance": {**manifest.summary(), "rollout": rollout.to_json()}
-    }
-    folder = repo / "targets" / manifest.name
-    folder.mkdir(parents=True, exist_ok=True)
-    dest = folder / f"{digest}.{manifest.name}-{manifest.version}.bundle"
-    if not dest.exists():
-        tmp = folder / f".{dest.name}.tmp"
-        shutil.copyfile(bundle_file, tmp)
-        os.replace(tmp, dest)
+    signed: dict[str, Any] = {**manifest.summary(), "rollout": rollout.to_json()}
+    signed["content"] = delta.content_hashes(bundle_file)
+    if deltas:
+        signed["deltas"] = deltas
+    target.unrecognized_fields["custom"] = {"appliance": signed}
+    _store(repo, path, bundle_file, digest)
     targets.signed.targets[path] = target
     _sign_chain(repo, keys_dir, targets, expiry, bump=True)
     return target
@@ -216,8 +265,11 @@ def remove(
     bundle file stays (devices that have it verify against the metadata, not the file)."""
     targets: Metadata[Targets] = _load(repo / "metadata", "targets")
     path = target_path(model, version)
-    if targets.signed.targets.pop(path, None) is None:
+    removed = targets.signed.targets.pop(path, None)
+    if removed is None:
         raise OtaError(f"model '{model}' version {version} is not published in {repo}")
+    for row in deltas_of(removed).values():  # its deltas go with it
+        targets.signed.targets.pop(row["path"], None)
     _sign_chain(repo, keys_dir, targets, expiry or Expiry(), bump=True)
 
 

@@ -23,7 +23,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from appliance.config.server_config import MqttConfig
 from ota import devicekey
-from ota.state import AgentState
+from ota.state import AgentState, Job
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,9 @@ def payload(device_id: str, state: AgentState, result: str = "") -> dict[str, An
     """The report. ``model``/``version``: the job under way, else the last finished one;
     ``result``: "" while a job is under way, else that job's outcome (``event`` says
     "error" when this report is about a failed check, not a job); ``results``: the
-    last outcome of each model."""
+    last outcome of each model; ``shadow`` the agreement shadow probation measured,
+    ``download`` whether it came as a delta and the bytes it saved; ``window_opens``
+    when a job waits for a maintenance window."""
     job = state.job
     last: dict[str, dict[str, Any]] = {}
     for h in state.history:
@@ -56,7 +58,14 @@ def payload(device_id: str, state: AgentState, result: str = "") -> dict[str, An
         "results": last,
         "error": state.last_error,
         "time": time.time(),
+        # how the job (or the last one) came and what its shadow probation saw
+        **{k: v for k in ("shadow", "download") if (v := _detail(job, latest, k))},
+        **({"window_opens": job.window_opens} if job and job.window_opens else {}),
     }
+
+
+def _detail(job: Job | None, latest: dict[str, Any], key: str) -> Any:
+    return getattr(job, key) if job is not None else latest.get(key)
 
 
 class Reporter:

@@ -35,9 +35,11 @@ PHASES = (
     "check",
     "download",
     "verify",
+    "waiting",
     "stage",
     "load",
     "self_test",
+    "shadow",
     "switch",
     "probation",
     "commit",
@@ -73,6 +75,13 @@ class Job:
     bad: bool = True  # whether a rollback marks the version bad (a withdrawal does not)
     result: str = ""  # the result a rollback reports: rolled_back or withdrawn
     probation: dict[str, int] = field(default_factory=dict)  # what probation counted
+    # the signed delta from ``previous`` (ota.fetching): target, length, sha256, base and
+    # the full target's content hashes; emptied when the agent falls back to the full
+    # bundle
+    delta: dict[str, Any] = field(default_factory=dict)
+    download: dict[str, Any] = field(default_factory=dict)  # how it came: full or delta
+    shadow: dict[str, Any] = field(default_factory=dict)  # shadow probation's summary
+    window_opens: float = 0.0  # while waiting for a maintenance window: when it opens
 
 
 @dataclass(slots=True)
@@ -163,8 +172,11 @@ def _check(state: AgentState) -> None:
         counts = (job.version, job.length, job.unpacked, job.previous, job.load_attempts)
         if not all(isinstance(t, str) for t in texts) or not all(_int(n) for n in counts):
             raise ValueError("job: wrong field types")
-        if not isinstance(job.entries, dict) or not isinstance(job.probation, dict):
-            raise ValueError("job: entries and probation must be objects")
+        objects = (job.entries, job.probation, job.delta, job.download, job.shadow)
+        if not all(isinstance(o, dict) for o in objects):
+            raise ValueError("job: entries, probation, delta, download, shadow must be objects")
+        if not isinstance(job.window_opens, (int, float)) or isinstance(job.window_opens, bool):
+            raise ValueError("job: window_opens must be a number")
         if not _ints(job.tested_counts):
             raise ValueError("job: tested_counts must be a list of integers")
 

@@ -6,6 +6,9 @@ probation steps.
   by version while unversioned traffic stays where it was. A load interrupted
   ``max_load_attempts`` times (server crash, power cut) marks the version bad.
 - self_test: the bundle's vectors against the new version, by version.
+- shadow: when the bundle's manifest carries a shadow policy and a version serves,
+  a sample of live traffic mirrored to the candidate and its outputs judged against
+  the serving version's (:mod:`ota.shadow`); the summary goes to the fleet.
 - switch: a load naming only the new version: the server keeps (promotes) the copy
   it tested, and the old version drains.
 - probation: the new version's statistics counted after its self-test (kept in the
@@ -25,7 +28,7 @@ import dataclasses
 import time
 from typing import Any
 
-from ota import OtaError, Rollback, bundle, install, probation, selftest
+from ota import OtaError, Rollback, bundle, install, probation, selftest, shadow
 from ota.context import Context, log
 from ota.server_api import ServerGone, VersionStats
 from ota.state import Job
@@ -78,8 +81,43 @@ def self_test_step(ctx: Context, job: Job) -> str:
     stats = _stats(ctx, job.model)
     before = stats.get(job.previous)
     job.old_latency_us = int(before.mean_ms() * 1000) if before else 0
+    _tested(job, stats)
+    return "shadow"
+
+
+def _tested(job: Job, stats: dict[int, VersionStats]) -> None:
+    """Probation counts from here on (the switch promotes this very copy)."""
     tested = stats.get(job.version)
     job.tested_counts = tested.counts() if tested else []
+
+
+def shadow_step(ctx: Context, job: Job) -> str:
+    if _candidate_lost(ctx, job):
+        return "load"
+    policy = shadow.parse(bundle.first_manifest(ctx.bundle_path(job)).shadow)
+    if policy is None:
+        return "switch"
+    if not job.previous:
+        job.shadow = {"verdict": "skipped: no version serves to compare with (a fresh install)"}
+        return "switch"
+
+    def alive() -> None:
+        ctx.alive_at = time.monotonic()
+
+    try:
+        verdict, job.shadow = shadow.run(
+            ctx.api, job.model, job.version, policy, ctx.cfg.probation_poll_s, alive
+        )
+    except ServerGone:
+        raise
+    except OtaError as exc:
+        raise Rollback(f"shadow probation could not run: {exc}") from None
+    ctx.save()
+    if verdict:
+        raise Rollback(f"shadow probation: {verdict}")
+    log.info("ota: %s version %d passed shadow probation: %s", job.model, job.version,
+             job.shadow)  # fmt: skip
+    _tested(job, _stats(ctx, job.model))  # the mirrored requests reached this copy too
     return "switch"
 
 

@@ -37,8 +37,8 @@ from ota import OtaError, devicekey, repo
 from ota.rollout import check_name
 
 FAILED = {"rolled_back", "refused", "error"}
-UNDER_WAY = ("check", "download", "verify", "stage", "load", "self_test", "switch", "probation",
-             "commit", "rollback")  # fmt: skip
+UNDER_WAY = ("check", "download", "verify", "waiting", "stage", "load", "self_test", "shadow",
+             "switch", "probation", "commit", "rollback")  # fmt: skip
 
 
 def _int(v: Any) -> bool:

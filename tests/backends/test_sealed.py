@@ -87,23 +87,26 @@ def opening(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return str(request.param)
 
 
-def test_both_ways_of_opening_give_the_plaintext(
-    tmp_path: Path, keys: dict[str, Any], opening: str
-) -> None:
+def _sealed_mlp(tmp_path: Path, keys: dict[str, Any]) -> bytes:
+    """A small MLP sealed to the device key as ``out/model.onnx``; its plaintext."""
     plain = modelgen.mlp(64, 128, 8, seed=5)
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "model.onnx").write_bytes(plain)
     sealed_crypto.seal_folder(tmp_path / "src", tmp_path / "out", [keys["device_pub"]])
+    return plain
+
+
+def test_both_ways_of_opening_give_the_plaintext(
+    tmp_path: Path, keys: dict[str, Any], opening: str
+) -> None:
+    plain = _sealed_mlp(tmp_path, keys)
     assert sealed.read_model(tmp_path / "out" / "model.onnx", keys["device"]) == plain
 
 
 def test_a_changed_truncated_or_wrongly_keyed_file_is_refused(
     tmp_path: Path, keys: dict[str, Any], opening: str
 ) -> None:
-    plain = modelgen.mlp(64, 128, 8, seed=5)
-    (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "model.onnx").write_bytes(plain)
-    sealed_crypto.seal_folder(tmp_path / "src", tmp_path / "out", [keys["device_pub"]])
+    _sealed_mlp(tmp_path, keys)
     good = (tmp_path / "out" / "model.onnx").read_bytes()
     bad = tmp_path / "bad.onnx"
     header_end = 12 + int.from_bytes(good[8:12], "big")

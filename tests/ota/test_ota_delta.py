@@ -2,7 +2,10 @@
 against the full target's signed content hashes and the manifest's file hashes.
 
 The pair is realistic: an MLP whose last layer was retrained (devtools/modelgen), plus
-a file that did not change and one that is new.
+a file that did not change and one that is new. Then through the agent and a real
+server: a device on the delta's base downloads the delta, one whose delta cannot be
+used (the mirror's bytes are not the signed ones) or that has no delta from its
+version downloads the full bundle.
 """
 
 from __future__ import annotations
@@ -11,11 +14,16 @@ import hashlib
 import io
 import tarfile
 from pathlib import Path
+from unittest.mock import ANY
 
+import numpy as np
 import pytest
 
 from devtools import modelgen
-from ota import OtaError, bundle, delta
+from ota import OtaError, bundle, delta, repo
+from tests.ota_device import cli
+from tests.ota_helpers import Fleet, LocalDevice, files_under
+from tests.ota_models import outputs, release, served, weights
 
 LIMIT = 1 << 30
 
@@ -136,3 +144,67 @@ def test_a_damaged_or_unsigned_delta_is_refused(pair: dict[str, Path]) -> None:
 def test_a_delta_goes_forward_within_one_model(pair: dict[str, Path]) -> None:
     with pytest.raises(OtaError, match="from an older version of one model to a newer one"):
         delta.build(pair["target"], pair["base"], pair["tmp"] / "back.delta")
+
+
+# ---- through the agent: a device on version N downloads the delta from N -------------
+
+
+def test_a_device_updates_through_the_delta_from_the_version_it_serves(
+    fleet: Fleet, device: LocalDevice
+) -> None:
+    b1 = release(fleet, 1, weights(1))
+    assert device().run_once()
+    v2 = weights(1, retrained=(2, 5))
+    b2 = release(fleet, 2, v2, delta_from=(b1,))
+    agent = device()
+    assert agent.run_once(), agent.state.last_error
+    last = agent.state.history[-1]
+    assert last["result"] == "updated" and last["download"]["how"] == "delta"
+    assert last["download"]["bytes"] + last["download"]["saved"] == b2.stat().st_size
+    assert last["download"]["saved"] > b2.stat().st_size / 2
+    version, out = served(device.url)
+    assert version == "2" and np.allclose(out, outputs(v2)[0], atol=1e-5)
+    assert files_under(device.state_dir / "downloads") == []
+
+
+def test_a_delta_that_cannot_be_used_falls_back_to_the_full_bundle(
+    fleet: Fleet, device: LocalDevice
+) -> None:
+    b1 = release(fleet, 1, weights(1))
+    assert device().run_once()
+    release(fleet, 2, weights(1, retrained=(1, 6)), delta_from=(b1,))
+    (stored,) = (fleet.repo / "targets" / "m").glob("*.from-1.delta")
+    data = bytearray(stored.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the mirror serves other bytes than were signed
+    stored.write_bytes(bytes(data))
+    agent = device()
+    assert agent.run_once(), agent.state.last_error
+    last = agent.state.history[-1]
+    assert last["result"] == "updated" and last["download"]["how"] == "full"
+    assert "does not match the signed target" in last["download"]["delta_failed"]
+    assert served(device.url)[0] == "2"
+    # no delta from the version this device has (3 is from 1 only): the full bundle
+    release(fleet, 3, weights(3), delta_from=(b1,))
+    agent = device()
+    assert agent.run_once(), agent.state.last_error
+    assert agent.state.history[-1]["download"] == {"how": "full", "bytes": ANY}
+    assert served(device.url)[0] == "3"
+
+
+def test_the_fleet_publishes_deltas_and_withdraws_them_with_their_version(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    b1 = release(fleet, 1, weights(1))
+    b2 = release(fleet, 2, weights(1, retrained=(2, 3)))
+    b3 = fleet.root / "m-3.bundle"
+    folder = fleet.src / "m"
+    (folder / "3").mkdir()
+    (folder / "3" / "model.onnx").write_bytes(weights(1, retrained=(0, 3)))
+    bundle.build(folder, 3, b3)
+    out = cli("fleet", "publish", str(fleet.repo), str(b3), "--keys", str(fleet.keys),
+              "--delta-from", str(b1), "--delta-from", str(b2))  # fmt: skip
+    assert "delta from version 1:" in out and "delta from version 2:" in out
+    listed = {row["path"] for row in repo.listing(fleet.repo)}
+    assert {"m/m-3.from-1.delta", "m/m-3.from-2.delta", "m/m-3.bundle"} <= listed
+    repo.remove(fleet.repo, fleet.keys, "m", 3)
+    assert not {p for p in (r["path"] for r in repo.listing(fleet.repo)) if "m-3" in p}

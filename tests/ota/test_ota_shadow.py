@@ -13,6 +13,8 @@ import urllib3
 from devtools import modelgen
 from ota import OtaError, shadow
 from ota.server_api import ServerApi
+from tests.ota_helpers import Fleet, LocalDevice
+from tests.ota_models import Traffic, release, served, weights
 
 POLICY = {"requests": 10, "sample_rate": 1.0, "outputs": {"output": {"min_top1_agreement": 0.9}}}
 
@@ -113,3 +115,52 @@ def test_a_shadow_run_against_a_real_server(tmp_path: Path, run_appliance: Any) 
         )
         assert (verdict == "") == (refused == "") and refused in verdict, verdict
         assert summary["compared"] >= (5 if not refused else 1)
+
+
+SHADOW = {"requests": 5, "sample_rate": 1.0, "timeout_s": 120,
+          "outputs": {"output": {"max_abs_diff": 1e-4}}}  # fmt: skip
+
+
+def test_the_agent_shadow_tests_a_candidate_before_the_switch(
+    fleet: Fleet, device: LocalDevice
+) -> None:
+    """Live traffic mirrored to each candidate: one with the serving weights agrees and
+    is switched to, with its agreement in the history; one with a retrained layer
+    differs beyond the bundle's threshold and is refused before it ever serves."""
+    release(fleet, 1, weights(1))
+    assert device().run_once()
+    release(fleet, 2, weights(1), shadow=SHADOW)
+    with Traffic(device.url) as traffic:
+        agent = device()
+        assert agent.run_once(), agent.state.last_error
+    last = agent.state.history[-1]
+    assert last["result"] == "updated" and traffic.failed == 0
+    assert last["shadow"]["verdict"] == "passed" and last["shadow"]["compared"] >= 5
+    assert last["shadow"]["outputs"]["output"]["max_abs_diff"] == 0.0
+    assert served(device.url)[0] == "2"
+    release(fleet, 3, weights(1, retrained=(2, 9)), shadow=SHADOW)
+    with Traffic(device.url) as traffic:
+        agent = device()
+        assert not agent.run_once()
+    last = agent.state.history[-1]
+    assert last["result"] == "rolled_back" and traffic.failed == 0
+    assert "shadow probation: output 'output': max abs diff" in last["error"], last["error"]
+    assert last["shadow"]["verdict"].startswith("output 'output'")
+    assert served(device.url)[0] == "2" and 3 in agent.state.models["m"].bad
+
+
+def test_a_shadow_without_traffic_goes_on_unless_required(
+    fleet: Fleet, device: LocalDevice
+) -> None:
+    release(fleet, 1, weights(1))
+    assert device().run_once()
+    quiet = {**SHADOW, "timeout_s": 1}
+    release(fleet, 2, weights(1), shadow=quiet)
+    agent = device()
+    assert agent.run_once(), agent.state.last_error
+    assert "too little traffic" in agent.state.history[-1]["shadow"]["verdict"]
+    release(fleet, 3, weights(1), shadow={**quiet, "required": True})
+    agent = device()
+    assert not agent.run_once()
+    assert "only 0 of 5 required request(s) were compared" in agent.state.history[-1]["error"]
+    assert served(device.url)[0] == "2"

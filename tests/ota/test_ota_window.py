@@ -1,14 +1,22 @@
 """Maintenance windows as a pure function of the clock the agent trusts (no sleeping:
-the times are given)."""
+the times are given), then the agent: it downloads at once and applies only inside a
+window (windows set hours away from now, so no test waits on the clock)."""
 
 from __future__ import annotations
 
+import re
+import time
 from datetime import datetime
+from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
+import yaml
 
-from ota import OtaError, window
+from appliance.config.fields import ConfigError
+from ota import OtaError, repo, window
+from ota import config as ota_config
+from tests.ota_helpers import Fleet, LocalDevice
 
 BERLIN = ZoneInfo("Europe/Berlin")
 
@@ -67,3 +75,67 @@ def test_a_bad_window_is_named(spec: str, expected: str) -> None:
 def test_an_unknown_time_zone_is_named() -> None:
     with pytest.raises(OtaError, match="'Mars/Olympus' is not a time zone"):
         window.parse(["daily 01:00-02:00"], "Mars/Olympus")
+
+
+def _span(start_h: float, hours: float = 1.0) -> str:
+    """A daily window in UTC opening ``start_h`` hours from now, ``hours`` long."""
+    now = time.time()
+    a, b = (time.gmtime(now + start_h * 3600), time.gmtime(now + (start_h + hours) * 3600))
+    return f"daily {a.tm_hour:02d}:{a.tm_min:02d}-{b.tm_hour:02d}:{b.tm_min:02d}"
+
+
+def test_an_update_downloads_at_once_and_waits_for_its_window(
+    fleet: Fleet, device: LocalDevice
+) -> None:
+    fleet.publish(1)
+    assert device().run_once()
+    fleet.publish(2)
+    closed = (_span(6),)
+    for _ in range(4):  # each cycle re-checks the job, never counted as a crash
+        agent = device(maintenance_windows=closed)
+        assert agent.run_once(), agent.state.last_error
+        job = agent.state.job
+        assert agent.state.phase == "waiting" and job is not None and job.version == 2
+        assert agent.ctx.bundle_path(job).exists()  # downloaded and verified already
+        assert time.time() + 5 * 3600 < job.window_opens < time.time() + 7 * 3600
+        assert agent.state.next_check <= job.window_opens + 1
+        assert device.serving() == "1" and not (device.models / "simple" / "2").exists()
+    agent = device(maintenance_windows=(_span(-0.5),))  # open now
+    assert agent.run_once(), agent.state.last_error
+    assert agent.state.history[-1]["result"] == "updated" and device.serving() == "2"
+
+
+def test_a_job_withdrawn_while_it_waits_is_dropped(fleet: Fleet, device: LocalDevice) -> None:
+    fleet.publish(1)
+    assert device().run_once()
+    fleet.publish(2)
+    agent = device(maintenance_windows=(_span(6),))
+    assert agent.run_once() and agent.state.phase == "waiting"
+    repo.set_rollout(fleet.repo, fleet.keys, "simple", 2, None, True)  # halted
+    agent = device(maintenance_windows=(_span(6),))
+    agent.run_once()
+    assert agent.state.job is None and agent.state.history[-1]["result"] == "withdrawn"
+    assert 2 not in agent.state.models["simple"].bad and device.serving() == "1"
+
+
+def test_the_config_names_a_bad_window(tmp_path: Path) -> None:
+    root = tmp_path / "root.json"
+    root.write_text("{}")
+    path = tmp_path / "appliance.yaml"
+    for ota, expected in (
+        ({"maintenance_windows": "02:00-04:00"}, "expected a list"),
+        ({"maintenance_windows": ["Mon 2-4"]}, "expected '[days ]HH:MM-HH:MM'"),
+        ({"maintenance_windows": ["02:00-04:00"], "maintenance_timezone": "Mars/Olympus"},
+         "not a time zone"),
+    ):  # fmt: skip
+        base = {"source": "http://127.0.0.1:1/", "trusted_root": str(root)}
+        doc = {"model_repository": str(tmp_path), "ota": {**base, **ota}}
+        path.write_text(yaml.safe_dump(doc))
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            ota_config.load(path)
+    doc["ota"] = {**doc["ota"], "maintenance_timezone": "Europe/Berlin"}  # type: ignore[dict-item]
+    path.write_text(yaml.safe_dump(doc))
+    cfg = ota_config.load(path)
+    assert cfg.maintenance_windows == ("02:00-04:00",) and not cfg.windows().is_open(
+        at("2026-12-07 04:30")
+    )
