@@ -143,6 +143,7 @@ def waiting_step(ctx: Context, job: Job) -> str:
         job.window_opens = 0.0
         return "stage"
     job.window_opens = windows.next_open(now)
+    ctx.state.last_error = ""  # waiting is no failure
     ctx.save()
     ctx.report()
     log.info("ota: %s version %d is ready; it is applied once a maintenance window opens "
