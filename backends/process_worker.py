@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import backends
+from appliance import heap
 from appliance.errors import invalid
 from backends.base import Backend, BackendOptions, batch_limit
 from backends.process_ipc import (
@@ -107,6 +108,7 @@ def main(argv: list[str]) -> int:
     except Exception as exc:
         send_frame(sock, error_frame(exc))
         return 1
+    heap.settle()  # the loaded model is long-lived: out of the collector's walks
     send_frame(
         sock,
         {

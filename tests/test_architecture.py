@@ -47,6 +47,7 @@ LAYERS: list[tuple[str, ...]] = [
         "appliance.bls",
         "appliance.python_model",
         "appliance.process_env",
+        "appliance.heap",
     ),
 ]
 # wire and process libraries the core, config and backends must not reach

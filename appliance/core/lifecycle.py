@@ -35,7 +35,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from appliance import names
+from appliance import heap, names
 from appliance.config.fields import ConfigError
 from appliance.config.model_config import ModelConfig
 from appliance.config.reader import load_model_config
@@ -69,6 +69,7 @@ class ModelLifeCycle:
         self._poller: repository.RepositoryPoller | None = None
         self._poll_task: asyncio.Task[None] | None = None
         self._started = False  # the server is not ready before the start-up loads ran
+        self._stopping = False
 
     def names(self) -> list[str]:
         return repository.model_names(self.repository)
@@ -94,6 +95,7 @@ class ModelLifeCycle:
         for name in names:
             await self.load(name)
         self._started = True
+        heap.settle()  # what start-up loaded is long-lived: out of the collector's walks
         if poll:
             self._poller = repository.RepositoryPoller(baseline)
             self._poll_task = asyncio.get_running_loop().create_task(
@@ -142,6 +144,7 @@ class ModelLifeCycle:
                 for record in entry.records.values():
                     record.loading = False
                 entry.prune()
+                self._settle()
             return entry
 
     async def _load(
@@ -282,6 +285,13 @@ class ModelLifeCycle:
         finally:
             record.draining.remove(copy)
             entry.prune()
+            self._settle()  # the copy's objects become collectable again
+
+    def _settle(self) -> None:
+        """The set of loaded objects changed: :func:`appliance.heap.settle` (not while
+        the start-up loads run, which settle once at their end, nor at shutdown)."""
+        if self._started and not self._stopping:
+            heap.settle()
 
     def _retire(self, entry: ModelEntry, record: VersionRecord, copy: Servable) -> None:
         """Drain ``copy`` in the background."""
@@ -409,6 +419,7 @@ class ModelLifeCycle:
 
     async def stop(self, timeout_s: float) -> None:
         """Stop polling, then drain and unload everything (used at shutdown)."""
+        self._stopping = True  # no heap settles on the way out
         if self._poll_task is not None:
             self._poll_task.cancel()
             await asyncio.gather(self._poll_task, return_exceptions=True)
@@ -420,3 +431,4 @@ class ModelLifeCycle:
         )
         if self._retired:
             await asyncio.gather(*self._retired, return_exceptions=True)
+        heap.release()  # what start-up froze is garbage now, or will be
