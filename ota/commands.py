@@ -114,6 +114,8 @@ def _ota(args: argparse.Namespace) -> int:
         doc: dict[str, Any] = state.to_json() if state is not None else {"phase": "unknown"}
         if state is not None:
             doc["next_check_in_s"] = round(max(0.0, state.next_check - time.time()), 1)
+            if state.job is not None and state.phase == "waiting":  # for a maintenance window
+                doc["window_opens_in_s"] = round(max(0.0, state.job.window_opens - time.time()))
         if store.note:  # a damaged state file: what the agent does about it
             doc["note"] = store.note
         key = devicekey.load(cfg.state_dir, create=False)  # registered with the fleet

@@ -4,6 +4,7 @@ window (windows set hours away from now, so no test waits on the clock)."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from datetime import datetime
@@ -16,6 +17,7 @@ import yaml
 from appliance.config.fields import ConfigError
 from ota import OtaError, repo, window
 from ota import config as ota_config
+from tests.ota_device import cli
 from tests.ota_helpers import Fleet, LocalDevice
 
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -100,6 +102,12 @@ def test_an_update_downloads_at_once_and_waits_for_its_window(
         assert time.time() + 5 * 3600 < job.window_opens < time.time() + 7 * 3600
         assert agent.state.next_check <= job.window_opens + 1
         assert device.serving() == "1" and not (device.models / "simple" / "2").exists()
+    config = device.state_dir.parent / "appliance.yaml"
+    config.write_text(yaml.safe_dump({"model_repository": str(device.models), "ota": {
+        "source": fleet.server.url, "trusted_root": str(fleet.repo / "metadata" / "1.root.json"),
+        "state_dir": str(device.state_dir), "maintenance_windows": list(closed)}}))  # fmt: skip
+    status = json.loads(cli("ota", "status", "--config", str(config)))
+    assert status["phase"] == "waiting" and 5 * 3600 < status["window_opens_in_s"] < 7 * 3600
     agent = device(maintenance_windows=(_span(-0.5),))  # open now
     assert agent.run_once(), agent.state.last_error
     assert agent.state.history[-1]["result"] == "updated" and device.serving() == "2"
