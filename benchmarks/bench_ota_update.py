@@ -95,7 +95,9 @@ def update(probation: float) -> None:
         "metrics_port": -1, "model_control_mode": "explicit", "log_level": "warning",
         "ota": {"source": fleet.server.url, "trusted_root": str(fleet.repo / "metadata" /
                 "1.root.json"), "state_dir": str(tmp / "state"), "probation_s": probation,
-                "probation_poll_s": 0.2, "max_latency_ratio": 0},
+                "probation_poll_s": 0.2, "max_latency_ratio": 0,
+                # the fresh install gets no traffic and the bundles carry no vectors
+                "probation_min_requests": 0},
     }))  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     server = subprocess.Popen(
