@@ -77,7 +77,8 @@ class Crash(Exception):
     pass
 
 
-PHASES = ["download", "verify", "stage", "load", "self_test", "switch", "probation", "commit"]
+PHASES = ["download", "verify", "waiting", "stage", "load", "self_test", "shadow", "switch",
+          "probation", "commit"]  # fmt: skip
 
 
 def test_agent_killed_at_every_state_resumes(fleet: Fleet, device: LocalDevice) -> None:

@@ -24,11 +24,12 @@ from ota.state import StateFile
 from tests.ota_device import Device, Truth, appliance
 from tests.ota_helpers import Fleet, start_fleet
 
-BEFORE_STAGE = ["phase:download", "phase:verify"]
+BEFORE_STAGE = ["phase:download", "phase:verify", "phase:waiting"]
 AFTER_STAGE = [
     "phase:stage",
     "phase:load",
     "phase:self_test",
+    "phase:shadow",
     "phase:switch",
     "phase:probation",
     "phase:commit",
