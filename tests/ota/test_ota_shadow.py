@@ -11,8 +11,9 @@ import pytest
 import urllib3
 
 from devtools import modelgen
-from ota import OtaError, shadow
+from ota import OtaError, report, shadow
 from ota.server_api import ServerApi
+from ota.state import AgentState, Job
 from tests.ota_helpers import Fleet, LocalDevice
 from tests.ota_models import Traffic, release, served, weights
 
@@ -164,3 +165,22 @@ def test_a_shadow_without_traffic_goes_on_unless_required(
     assert not agent.run_once()
     assert "only 0 of 5 required request(s) were compared" in agent.state.history[-1]["error"]
     assert served(device.url)[0] == "2"
+
+
+def test_the_report_carries_the_shadow_summary_and_how_the_bundle_came() -> None:
+    """What the fleet sees: the job's shadow summary and download while it runs, the
+    last job's once it ended, and when a waiting job's window opens."""
+    agreement = {"rows": 50, "top1_agreement": 0.98, "max_abs_diff": 0.1}
+    summary = {"compared": 50, "failed": 0, "verdict": "passed", "outputs": {"output": agreement}}
+    job = Job("m", 3, "m/m-3.bundle", 10, "0" * 64, shadow=summary, window_opens=1e9,
+              download={"how": "delta", "bytes": 4, "saved": 6})  # fmt: skip
+    state = AgentState(phase="switch", job=job)
+    doc = report.payload("cam-1", state)
+    assert doc["shadow"] == summary and doc["download"]["saved"] == 6
+    assert doc["window_opens"] == 1e9
+    refused = {**summary, "verdict": "output 'output': ..."}
+    state = AgentState(history=[{"model": "m", "version": 3, "result": "rolled_back",
+                                 "shadow": refused}])  # fmt: skip
+    doc = report.payload("cam-1", state)
+    assert doc["shadow"]["verdict"].startswith("output") and "download" not in doc
+    assert "window_opens" not in doc
