@@ -22,12 +22,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import queue
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import paho.mqtt.client as mqtt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -110,6 +111,38 @@ class Tally:
                     kind = "pending"
                 out.setdefault(key, Counter())[kind] += 1
         return out
+
+
+    def shadow(self, model: str, version: int) -> str:
+        """What the devices' shadow probations of ``model`` version ``version`` saw:
+        per output the lowest top-1 agreement and the largest difference ("": none
+        reported)."""
+        devices, top1, diff = 0, dict[str, float](), dict[str, float]()
+        for r in self.reports.values():
+            summary = r.get("shadow")
+            if (r.get("model"), r.get("version")) != (model, version) or not isinstance(
+                summary, dict
+            ):
+                continue
+            outputs = summary.get("outputs")
+            devices += 1
+            for name, o in (outputs if isinstance(outputs, dict) else {}).items():
+                row: dict[str, Any] = o if isinstance(o, dict) else {}
+                a, d = row.get("top1_agreement"), row.get("max_abs_diff")
+                d = math.inf if d == "inf" else d
+                if _number(a):
+                    top1[str(name)] = min(top1.get(str(name), 1.0), float(a))
+                if _number(d):
+                    diff[str(name)] = max(diff.get(str(name), 0.0), float(d))
+        if not devices:
+            return ""
+        parts = [f"{n} top-1 >= {v:.3f}" for n, v in sorted(top1.items())]
+        parts += [f"{n} max diff {v:g}" for n, v in sorted(diff.items())]
+        return f"; shadow on {devices} device(s): {', '.join(parts) or 'nothing compared'}"
+
+
+def _number(v: Any) -> TypeGuard[float]:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def failing(counts: Counter[str], rate: float, min_reports: int) -> bool:
@@ -211,7 +244,8 @@ def main(args: argparse.Namespace) -> int:
             if time.monotonic() - last_print > 2 or skipped != last_skipped:
                 last_print, last_skipped = time.monotonic(), skipped
                 for (model, version), c in sorted(counts.items()):
-                    print(_line(model, version, c, args.min_reports), flush=True)
+                    line = _line(model, version, c, args.min_reports)
+                    print(line + tally.shadow(model, version), flush=True)
                 if any(skipped):
                     print(f"skipped: {skipped[0]} malformed report(s), {skipped[1]} "
                           "unauthenticated", flush=True)  # fmt: skip

@@ -11,7 +11,7 @@ import pytest
 import urllib3
 
 from devtools import modelgen
-from ota import OtaError, report, shadow
+from ota import OtaError, report, shadow, watch
 from ota.server_api import ServerApi
 from ota.state import AgentState, Job
 from tests.ota_helpers import Fleet, LocalDevice
@@ -184,3 +184,17 @@ def test_the_report_carries_the_shadow_summary_and_how_the_bundle_came() -> None
     doc = report.payload("cam-1", state)
     assert doc["shadow"]["verdict"].startswith("output") and "download" not in doc
     assert "window_opens" not in doc
+
+
+def test_fleet_watch_shows_what_the_devices_shadow_probations_saw() -> None:
+    tally = watch.Tally()
+    for device, agreement, diff in (("a", 0.99, 0.02), ("b", 0.96, "inf"), ("c", None, 0.0)):
+        outputs = {"output": {"rows": 10, "top1_agreement": agreement, "max_abs_diff": diff}}
+        tally.add(device, {"model": "m", "version": 3, "shadow": {"outputs": outputs}}, 0.0)
+    tally.add("d", {"model": "m", "version": 2, "shadow": {"outputs": {}}}, 0.0)
+    tally.add("e", {"model": "m", "version": 3, "shadow": "nonsense"}, 0.0)  # skipped
+    assert tally.shadow("m", 3) == (
+        "; shadow on 3 device(s): output top-1 >= 0.960, output max diff inf"
+    )
+    assert tally.shadow("m", 2) == "; shadow on 1 device(s): nothing compared"
+    assert tally.shadow("m", 1) == ""
