@@ -33,6 +33,8 @@ from ota.download import Limits
 from ota.manifest import Manifest
 from ota.state import Job
 
+DELTA_TRIES = 3  # broken-off attempts at the delta before the full bundle is fetched
+
 
 def _fetch(ctx: Context, job: Job, path: str, length: int, sha256: str) -> Path:
     """Download the signed target ``path`` into the downloads folder."""
@@ -53,7 +55,8 @@ def _from_delta(ctx: Context, job: Job) -> None:
     """Rebuild the job's bundle from its delta. When that cannot be done (the base is
     not what the delta is from, a damaged or mismatched delta), the delta is
     forgotten and the full bundle is downloaded instead; Transient (the partial
-    delta kept) when its download broke off."""
+    delta kept) when its download broke off, the first ``DELTA_TRIES - 1`` times (a
+    mirror that lacks the delta answers 404 every time)."""
     d = job.delta
     try:
         base_version, length, sha256 = int(d["base"]), int(d["length"]), str(d["sha256"])
@@ -67,17 +70,26 @@ def _from_delta(ctx: Context, job: Job) -> None:
             delta.apply(delta_file, base, ctx.bundle_path(job), expected, ctx.cfg.max_bundle_bytes)
         finally:
             ctx.remove_files(sha256)  # used once, whatever came of it
-    except Transient:
-        raise
+    except Transient as exc:  # the partial delta is kept for the next attempt...
+        tries = int(job.download.get("delta_tries", 0)) + 1
+        job.download["delta_tries"] = tries
+        if tries < DELTA_TRIES:
+            raise
+        _without_delta(ctx, job, f"{exc} ({tries} attempts)")  # ... a few times (a 404?)
     except (OtaError, KeyError, TypeError, ValueError) as exc:
-        log.warning("ota: %s version %d: the delta cannot be used, downloading the full "
-                    "bundle: %s", job.model, job.version, exc)  # fmt: skip
-        job.delta, job.download = {}, {"how": "full", "delta_failed": str(exc)}
-        ctx.save()
-        return
-    job.download = {"how": "delta", "bytes": length, "saved": job.length - length}
-    log.info("ota: %s version %d rebuilt from a %d-byte delta (%d bytes not downloaded)",
-             job.model, job.version, length, job.length - length)  # fmt: skip
+        _without_delta(ctx, job, str(exc))
+    else:
+        job.download = {"how": "delta", "bytes": length, "saved": job.length - length}
+        log.info("ota: %s version %d rebuilt from a %d-byte delta (%d bytes not downloaded)",
+                 job.model, job.version, length, job.length - length)  # fmt: skip
+
+
+def _without_delta(ctx: Context, job: Job, reason: str) -> None:
+    log.warning("ota: %s version %d: the delta cannot be used, downloading the full "
+                "bundle: %s", job.model, job.version, reason)  # fmt: skip
+    ctx.remove_download(job)  # the delta's partial file too
+    job.delta, job.download = {}, {"how": "full", "delta_failed": reason}
+    ctx.save()
 
 
 def download_step(ctx: Context, job: Job) -> str:

@@ -21,6 +21,7 @@ import pytest
 
 from devtools import modelgen
 from ota import OtaError, bundle, delta, repo
+from ota.fetching import DELTA_TRIES
 from tests.ota_device import cli
 from tests.ota_helpers import Fleet, LocalDevice, files_under
 from tests.ota_models import outputs, release, served, weights
@@ -208,3 +209,23 @@ def test_the_fleet_publishes_deltas_and_withdraws_them_with_their_version(
     assert {"m/m-3.from-1.delta", "m/m-3.from-2.delta", "m/m-3.bundle"} <= listed
     repo.remove(fleet.repo, fleet.keys, "m", 3)
     assert not {p for p in (r["path"] for r in repo.listing(fleet.repo)) if "m-3" in p}
+
+
+def test_a_delta_the_mirror_lacks_is_tried_a_few_times_then_the_full_bundle(
+    fleet: Fleet, device: LocalDevice
+) -> None:
+    b1 = release(fleet, 1, weights(1))
+    assert device().run_once()
+    release(fleet, 2, weights(1, retrained=(2, 8)), delta_from=(b1,))
+    for stored in (fleet.repo / "targets" / "m").glob("*.from-1.delta"):
+        stored.unlink()  # signed, but not on the mirror: 404
+    for attempt in range(1, DELTA_TRIES):
+        agent = device()
+        assert not agent.run_once() and "HTTP 404" in agent.state.last_error
+        assert agent.state.job is not None and agent.state.job.download["delta_tries"] == attempt
+    agent = device()
+    assert agent.run_once(), agent.state.last_error
+    last = agent.state.history[-1]
+    assert last["result"] == "updated" and last["download"]["how"] == "full"
+    assert f"({DELTA_TRIES} attempts)" in last["download"]["delta_failed"]
+    assert served(device.url)[0] == "2"
