@@ -51,9 +51,10 @@ def test_units_verify_cleanly(name: str, tmp_path: Path) -> None:
     assert done.returncode == 0 and done.stderr == "", done.stderr  # warnings count too
 
 
-def test_the_jetson_drop_in_verifies_on_top_of_the_unit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["jetson-gpu.conf", "model-key.conf"])
+def test_each_drop_in_verifies_on_top_of_the_unit(name: str, tmp_path: Path) -> None:
     unit = UNITS / "appliance.service"
-    drop_in = (UNITS / "appliance.service.d" / "jetson-gpu.conf").read_text()
+    drop_in = (UNITS / "appliance.service.d" / name).read_text()
     done = _verify(unit, unit.read_text() + "\n" + drop_in, tmp_path)
     assert done.returncode == 0 and done.stderr == "", done.stderr
 
