@@ -155,7 +155,7 @@ class Server:
 
     async def _start_grpc(self) -> None:
         try:  # the gRPC endpoint is an extra: pip install 'appliance[grpc]'
-            from appliance.adapters.grpc_server import GrpcEndpoint
+            from appliance.adapters.grpc_server import GrpcEndpoint, grpc_limits
         except ImportError as exc:
             log.warning(
                 "gRPC endpoint off: %s (pip install 'appliance[grpc]', or grpc_port: -1)", exc
@@ -168,6 +168,7 @@ class Server:
             self.config.max_request_size,
             access=self.access,
             tls=http_context(self.config),
+            limits=grpc_limits(self.config),
         )
         self.grpc_port = await self._grpc.start()
 

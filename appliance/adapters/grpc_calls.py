@@ -2,26 +2,33 @@
 
 A :class:`Dispatcher` holds the methods by path (``/package.Service/Method``), each
 with its kind (unary, client+server streaming, server streaming) and how its
-messages are read and written. For every new HTTP/2 stream it checks the request
-(``POST``, a gRPC content type, no compression it cannot read, a known method),
-then a :class:`Call` runs the method's coroutine with a :class:`Context` (the part
-of grpcio's ``ServicerContext`` the servicers use: ``invocation_metadata`` and
-``abort``) and writes the answer: response headers, the messages, then the
-trailers with ``grpc-status`` (a call that fails before it answered gets one
-"trailers-only" HEADERS frame, as gRPC's protocol says).
+messages are read and written. For every new HTTP/2 stream it checks the request,
+answering as grpc-go does: headers over the advertised list size RESOURCE_EXHAUSTED;
+a :method other than POST HTTP 405 + INTERNAL; a content-type that is not
+``application/grpc`` (optionally ``+suffix`` or ``;params``) HTTP 415 +
+INVALID_ARGUMENT; a malformed ``grpc-timeout`` (1-8 ASCII digits and a unit) HTTP 400 +
+INTERNAL; an unknown method UNIMPLEMENTED; a ``grpc-encoding`` it cannot read
+UNIMPLEMENTED with ``grpc-accept-encoding``. Then a :class:`Call` runs the method's
+coroutine with a :class:`Context` (the part of grpcio's ``ServicerContext`` the
+servicers use: ``invocation_metadata`` and ``abort``) and writes the answer: response
+headers, the messages, then the trailers with ``grpc-status`` (a call that fails before
+it answered gets one "trailers-only" HEADERS frame, as gRPC's protocol says).
 
 Compressed requests (``grpc-encoding`` gzip or deflate) are inflated within the
-message limit; responses go uncompressed (every client reads those).
-Status codes are grpcio's ``grpc.StatusCode``; a ``grpc-timeout`` becomes the call's
-deadline (DEADLINE_EXCEEDED when it passes); a message over the server's limit is
-RESOURCE_EXHAUSTED; a client that resets its stream cancels the call.
+message limit when the call reads them (:func:`grpc_messages.inflate`); a compressed
+flag other than 0 or 1, or 1 without an encoding, is INTERNAL; responses go
+uncompressed (every client reads those). Status codes are grpcio's
+``grpc.StatusCode``; a ``grpc-timeout`` becomes the call's deadline
+(DEADLINE_EXCEEDED when it passes); a message over the server's limit is
+RESOURCE_EXHAUSTED, answered from its length prefix before it is read; a unary call
+with a second message is INTERNAL at once; a client that resets its stream cancels
+the call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -30,13 +37,24 @@ from typing import Any, NoReturn
 
 import grpc
 
-from appliance.adapters.grpc_frames import END_HEADERS, END_STREAM, HEADERS, Stream, frame
+from appliance.adapters.grpc_frames import Stream
 from appliance.adapters.grpc_h2 import Connection
+from appliance.adapters.grpc_messages import (
+    ENCODINGS,
+    OK_TRAILERS,
+    RESPONSE_HEADERS,
+    TooLarge,
+    deadline,
+    headers_frame,
+    inflate,
+    message,
+    response_headers,
+    trailers,
+)
 
 log = logging.getLogger(__name__)
 
 UNARY, STREAM, SERVER_STREAM = "unary", "stream", "server_stream"
-_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,74 +97,6 @@ class Context:
         raise Abort(code, details)
 
 
-def _hpack_int(value: int, prefix: int, first: int) -> bytes:
-    limit = (1 << prefix) - 1
-    if value < limit:
-        return bytes((first | value,))
-    out = bytearray((first | limit,))
-    value -= limit
-    while value >= 128:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _literal(name: bytes, value: bytes) -> bytes:
-    """A header as a literal without indexing, new name, no Huffman coding."""
-    return b"\x00" + _hpack_int(len(name), 7, 0) + name + _hpack_int(len(value), 7, 0) + value
-
-
-def _percent(text: str) -> bytes:
-    """grpc-message's percent-encoding: printable ASCII but '%' stays as it is."""
-    raw = text.encode("utf-8", "replace")
-    if all(0x20 <= b <= 0x7E and b != 0x25 for b in raw):
-        return raw
-    return b"".join(bytes((b,)) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b for b in raw)
-
-
-# :status 200 (static index 8) and content-type (static name 31) application/grpc
-_RESPONSE_HEADERS = b"\x88" + b"\x0f\x10" + _hpack_int(16, 7, 0) + b"application/grpc"
-_OK_TRAILERS = _literal(b"grpc-status", b"0")
-
-
-def _trailers(code: grpc.StatusCode, details: str) -> bytes:
-    block = _literal(b"grpc-status", str(code.value[0]).encode())
-    if details:
-        block += _literal(b"grpc-message", _percent(details))
-    return block
-
-
-def headers_frame(stream_id: int, block: bytes, end: bool) -> bytes:
-    return frame(HEADERS, END_HEADERS | (END_STREAM if end else 0), stream_id, block)
-
-
-def message(payload: bytes | memoryview) -> bytes:
-    """One gRPC length-prefixed message (not compressed)."""
-    return struct.pack(">BI", 0, len(payload)) + bytes(payload)
-
-
-# grpc-encoding -> zlib's wbits (gzip's header, or zlib's as gRPC's "deflate")
-_ENCODINGS = {"identity": 0, "gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-
-
-def _decompress(data: bytes, encoding: str, limit: int) -> bytes:
-    """A compressed message, inflated to at most ``limit`` bytes (ValueError past it)."""
-    if encoding == "identity":
-        raise zlib.error("the message is flagged compressed but grpc-encoding is identity")
-    inflate = zlib.decompressobj(_ENCODINGS[encoding])
-    out = inflate.decompress(data, limit + 1)
-    if len(out) > limit or inflate.unconsumed_tail:
-        raise ValueError(f"Received message larger than max (more than {limit} bytes inflated)")
-    return out
-
-
-def _deadline(value: str | None) -> float | None:
-    if not value or value[-1] not in _TIMEOUT_UNITS or not value[:-1].isdigit():
-        return None
-    return time.monotonic() + int(value[:-1]) * _TIMEOUT_UNITS[value[-1]]
-
-
 class Call:
     """One RPC on one stream: reads its messages, runs its method, writes the answer."""
 
@@ -179,8 +129,8 @@ class Call:
         self._method = method
         self._context = context
         self.unary = method.kind != STREAM
-        self._messages: list[bytes] = []
-        self._inbox: asyncio.Queue[bytes | None] | None = None
+        self._messages: list[tuple[bytes, int]] = []  # (message, compressed flag)
+        self._inbox: asyncio.Queue[tuple[bytes, int] | None] | None = None
         self._started = False
         self._headed = False  # response headers sent: a status now goes in trailers
         self._task: asyncio.Task[None] | None = None
@@ -192,20 +142,19 @@ class Call:
     # ---- told by the connection ------------------------------------------------------
 
     def message(self, data: bytes, compressed: int) -> None:
-        if compressed:
-            try:
-                data = _decompress(data, self._encoding, self._connection.max_message)
-            except ValueError as exc:
-                self._fail(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-                self._connection.reset(self._stream)
-                return
-            except zlib.error as exc:
-                self._fail(grpc.StatusCode.INTERNAL, f"a compressed message is corrupt: {exc}")
-                return
-        if self._inbox is not None:
-            self._inbox.put_nowait(data)
+        if compressed > 1:
+            self._fail(grpc.StatusCode.INTERNAL, f"a message with the compressed flag {compressed}")
+        elif compressed and self._encoding == "identity":
+            self._fail(
+                grpc.StatusCode.INTERNAL,
+                "a message flagged compressed, but the call has no grpc-encoding",
+            )
+        elif self._inbox is not None:
+            self._inbox.put_nowait((data, compressed))
+        elif self._messages or self._started:
+            self._fail(grpc.StatusCode.INTERNAL, "a unary call got more than one request message")
         else:
-            self._messages.append(data)
+            self._messages.append((data, compressed))
 
     def end(self, leftover: bool) -> None:
         if leftover:
@@ -213,9 +162,8 @@ class Call:
         elif self._inbox is not None:
             self._inbox.put_nowait(None)
         elif not self._started:
-            if len(self._messages) != 1:
-                count = len(self._messages)
-                self._fail(grpc.StatusCode.UNIMPLEMENTED, f"a unary call got {count} messages")
+            if not self._messages:
+                self._fail(grpc.StatusCode.INTERNAL, "a unary call ended without its request")
             else:
                 self._start()
 
@@ -227,11 +175,14 @@ class Call:
         )
         self._connection.reset(self._stream)
 
-    def cancel(self) -> None:
+    def cancel(self) -> asyncio.Task[None] | None:
+        """Stop the call; its task when it is still unwinding."""
         if self._timer is not None:
             self._timer.cancel()
         if self._task is not None and not self._task.done():
             self._task.cancel()
+            return self._task
+        return None
 
     def _expire(self) -> None:
         self._close(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
@@ -250,22 +201,35 @@ class Call:
         if left is not None:
             self._timer = loop.call_later(left, self._expire)
 
+    async def _read(self, item: tuple[bytes, int]) -> Any:
+        """A request message parsed, inflated first when it is compressed."""
+        data, compressed = item
+        if compressed:
+            try:
+                data = await inflate(data, self._encoding, self._connection.max_message)
+            except TooLarge as exc:
+                raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+            except zlib.error as exc:
+                details = f"a compressed message is corrupt: {exc}"
+                raise Abort(grpc.StatusCode.INTERNAL, details) from None
+        return self._method.parse(data)
+
     async def _run(self) -> None:
         method, context = self._method, self._context
         try:
             if method.kind == UNARY:
-                response = await method.behavior(method.parse(self._messages[0]), context)
+                response = await method.behavior(await self._read(self._messages[0]), context)
                 payload = method.write(response)
                 self._answer(payload if method.framed else message(payload))
                 return
             if method.kind == SERVER_STREAM:
-                responses = method.behavior(method.parse(self._messages[0]), context)
+                responses = method.behavior(await self._read(self._messages[0]), context)
             else:
                 responses = method.behavior(self._requests(), context)
             self._head()
             async for response in responses:
                 self._send(message(method.write(response)))
-                await self._connection.drain()
+                await self._connection.drain(self._stream)
             self._close(grpc.StatusCode.OK, "")
         except Abort as exc:
             self._close(exc.code, exc.details)
@@ -281,42 +245,46 @@ class Call:
 
     async def _requests(self) -> AsyncIterator[Any]:
         assert self._inbox is not None
-        while (data := await self._inbox.get()) is not None:
-            self._connection.consumed(self._stream, len(data) + 5)
-            yield self._method.parse(data)
+        while (item := await self._inbox.get()) is not None:
+            self._connection.consumed(self._stream, len(item[0]) + 5)
+            yield await self._read(item)
 
     # ---- writing -----------------------------------------------------------------------
 
     def _answer(self, framed: bytes) -> None:
         """A unary answer: headers, the message and the trailers in one write."""
         sid = self._stream.id
-        head = headers_frame(sid, _RESPONSE_HEADERS, False)
+        head = headers_frame(sid, RESPONSE_HEADERS, False)
         self._connection.send(
-            self._stream, head, framed, headers_frame(sid, _OK_TRAILERS, True), True
+            self._stream, head, framed, headers_frame(sid, OK_TRAILERS, True), True
         )
 
     def _head(self) -> None:
         self._headed = True
-        head = headers_frame(self._stream.id, _RESPONSE_HEADERS, False)
+        head = headers_frame(self._stream.id, RESPONSE_HEADERS, False)
         self._connection.send(self._stream, head, b"", b"", False)
 
     def _send(self, data: bytes) -> None:
         self._connection.send(self._stream, b"", data, b"", False)
 
-    def _close(self, code: grpc.StatusCode, details: str) -> None:
+    def _close(
+        self, code: grpc.StatusCode, details: str, status: int = 200, accept: bool = False
+    ) -> None:
         """The call's status: in trailers after the response headers, else alone
-        ("trailers-only", which carries the response headers too)."""
+        ("trailers-only", which carries the response headers too, with ``status``)."""
         if self._stream.closed:
             return
-        block = _OK_TRAILERS if code is grpc.StatusCode.OK else _trailers(code, details)
+        block = OK_TRAILERS if code is grpc.StatusCode.OK else trailers(code, details, accept)
         if not self._headed:
-            block = _RESPONSE_HEADERS + block
+            block = response_headers(status) + block
         tail = headers_frame(self._stream.id, block, True)
         self._connection.send(self._stream, b"", b"", tail, True)
 
-    def _fail(self, code: grpc.StatusCode, details: str) -> None:
+    def _fail(
+        self, code: grpc.StatusCode, details: str, status: int = 200, accept: bool = False
+    ) -> None:
         self.cancel()
-        self._close(code, details)
+        self._close(code, details, status, accept)
 
 
 async def _refused(request: Any, context: Context) -> NoReturn:
@@ -324,6 +292,13 @@ async def _refused(request: Any, context: Context) -> NoReturn:
 
 
 _REFUSED = Method(UNARY, _refused, bytes, bytes)
+
+
+def _grpc_content(content_type: str) -> bool:
+    """``application/grpc``, optionally with ``+proto`` (any subtype) or parameters."""
+    return content_type == "application/grpc" or content_type.startswith(
+        ("application/grpc+", "application/grpc;")
+    )
 
 
 class Dispatcher:
@@ -352,16 +327,33 @@ class Dispatcher:
             elif not key.startswith("grpc-") and key != "te":
                 metadata.append((key, value))
         method = self.methods.get(path)
-        refusal = ""
-        if verb != "POST" or not content_type.startswith("application/grpc"):
-            refusal = f"not a gRPC request: {verb} {path} ({content_type or 'no content-type'})"
+        code, status, refusal, when = grpc.StatusCode.UNIMPLEMENTED, 200, "", None
+        if stream.oversize:
+            limit = connection.limits.max_header_list_size
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            refusal = f"request headers of {stream.oversize} bytes, over the limit of {limit}"
+        elif verb != "POST":
+            code, status = grpc.StatusCode.INTERNAL, 405
+            refusal = f"a request with :method {verb[:16]!r}, which should be POST"
+        elif not _grpc_content(content_type):
+            code, status = grpc.StatusCode.INVALID_ARGUMENT, 415
+            refusal = f"invalid gRPC request content-type {content_type[:64]!r}"
+        else:
+            try:
+                when = deadline(timeout)
+            except ValueError as exc:
+                code, status, refusal = grpc.StatusCode.INTERNAL, 400, str(exc)
+        if refusal:
+            pass
         elif method is None:
-            refusal = f"Method not found: {path}"
-        elif encoding not in _ENCODINGS:
-            refusal = f"grpc-encoding '{encoding}' is not supported: send identity, gzip or deflate"
-        context = Context(tuple(metadata), _deadline(timeout))
+            refusal = f"Method not found: {path[:200]}"
+        elif encoding not in ENCODINGS:
+            refusal = (
+                f"grpc-encoding {encoding[:32]!r} is not supported: send identity, gzip or deflate"
+            )
+        context = Context(tuple(metadata), when)
         chosen = method if method is not None and not refusal else _REFUSED
         call = Call(connection, stream, chosen, context, encoding)
         stream.call = call
         if refusal:
-            call._fail(grpc.StatusCode.UNIMPLEMENTED, refusal)
+            call._fail(code, refusal, status, accept=encoding not in ENCODINGS)

@@ -27,10 +27,13 @@ from tritonclient.grpc import service_pb2
 
 from appliance.adapters import grpc_calls, grpc_wire
 from appliance.adapters.access import AccessPolicy, Scope
+from appliance.adapters.grpc_accept import Admission
 from appliance.adapters.grpc_api import Servicer
 from appliance.adapters.grpc_calls import Context, Method
 from appliance.adapters.grpc_h2 import Connection
+from appliance.adapters.grpc_limits import H2Limits
 from appliance.config.fields import ConfigError
+from appliance.config.server_config import ServerConfig
 from appliance.core.dataplane import DataPlane
 
 try:  # grpcio-health-checking is a dependency; a trimmed image may lack it
@@ -216,6 +219,17 @@ class Health:
         return methods
 
 
+def grpc_limits(config: ServerConfig) -> H2Limits:
+    """The HTTP/2 limits the server config sets (``grpc_*``)."""
+    return H2Limits(
+        max_connections=config.grpc_max_connections,
+        max_concurrent_streams=config.grpc_max_concurrent_streams,
+        max_header_list_size=config.grpc_max_header_list_size,
+        idle_timeout_s=config.grpc_idle_timeout_s,
+        read_timeout_s=config.grpc_read_timeout_s,
+    )
+
+
 class GrpcEndpoint:
     """The gRPC listener: one asyncio server in the running event loop."""
 
@@ -227,15 +241,17 @@ class GrpcEndpoint:
         max_message_size: int,
         access: AccessPolicy | None = None,
         tls: ssl.SSLContext | None = None,
+        limits: H2Limits | None = None,
     ) -> None:
         self._dataplane = dataplane
+        self._limits = limits or H2Limits()
         self._tls = tls
         self._host = host
         self._port = port
         self._max_message_size = max_message_size
         self._access = access or AccessPolicy()
         self._server: asyncio.Server | None = None
-        self._connections: set[Connection] = set()
+        self._admission: Admission | None = None
         self._health = Health() if health_pb2 is not None else None
 
     async def start(self) -> int:
@@ -253,21 +269,32 @@ class GrpcEndpoint:
         if self._tls is not None:
             self._tls.set_alpn_protocols(["h2"])
 
-        def connection() -> Connection:
-            conn = Connection(dispatcher, self._max_message_size, self._connections.discard)
-            self._connections.add(conn)
-            return conn
+        def connection(on_close: Any) -> Connection:
+            return Connection(dispatcher, self._max_message_size, on_close, self._limits)
 
+        self._admission = Admission(self._limits, connection)
         loop = asyncio.get_running_loop()
         address = f"{self._host}:{self._port}"
+        # a TLS handshake must finish within the read timeout too (asyncio's default: 60 s)
+        handshake = self._limits.read_timeout_s if self._tls is not None else None
         try:
             self._server = await loop.create_server(
-                connection, self._host, self._port, ssl=self._tls, reuse_port=False
+                self._admission.protocol,
+                self._host,
+                self._port,
+                ssl=self._tls,
+                reuse_port=False,
+                ssl_handshake_timeout=handshake,
             )
         except OSError as exc:
             reason = f"cannot listen on {address}: {exc}"
             raise ConfigError("<server>", "grpc_port", reason) from None
         return int(self._server.sockets[0].getsockname()[1])
+
+    @property
+    def connections(self) -> list[Connection]:
+        """The connections open (or in their TLS handshake) now."""
+        return self._admission.open() if self._admission is not None else []
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting at once; in-flight RPCs (streams included) get ``grace_s``
@@ -278,15 +305,15 @@ class GrpcEndpoint:
         if self._health is not None:
             self._health.set(False)
         server.close()
-        for conn in list(self._connections):
+        for conn in list(self.connections):
             conn.goaway()
-        calls = {task for conn in self._connections for task in conn.calls}
+        calls = {task for conn in self.connections for task in conn.calls}
         if calls:
             _, pending = await asyncio.wait(calls, timeout=grace_s)
             for task in pending:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
-        for conn in list(self._connections):
+        for conn in list(self.connections):
             conn.close()
         await server.wait_closed()

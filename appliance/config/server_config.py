@@ -59,6 +59,12 @@ class ServerConfig:
     max_request_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS  # elements one request declares
     http_header_timeout_s: float = 30.0  # a complete request header, or idle keep-alive
     http_body_timeout_s: float = 60.0  # a complete request body
+    # the gRPC endpoint's HTTP/2 limits (adapters/grpc_limits.py, docs/security.md)
+    grpc_max_connections: int = 256  # open connections; more are turned away (GOAWAY)
+    grpc_max_concurrent_streams: int = 100  # calls at once on one connection
+    grpc_max_header_list_size: int = 16 * 1024  # request headers, as HTTP/2 counts them
+    grpc_idle_timeout_s: float = 300.0  # a connection without calls is closed after this
+    grpc_read_timeout_s: float = 30.0  # the preface, a begun frame, a stalled write
     # the name server metadata reports (Triton reports "triton"; a client that checks
     # the name can be served by setting it)
     server_name: str = "appliance"
@@ -415,4 +421,26 @@ def _limits(f: Fields) -> dict[str, Any]:
         ),
         "http_header_timeout_s": _seconds(f, "http_header_timeout_s", 30.0, 0.01),
         "http_body_timeout_s": _seconds(f, "http_body_timeout_s", 60.0, 0.01),
+        "grpc_max_connections": f.integer("grpc_max_connections", 256, minimum=1),
+        "grpc_max_concurrent_streams": _bounded(f, "grpc_max_concurrent_streams", 100, 2**31 - 1),
+        "grpc_max_header_list_size": _header_list(f),
+        "grpc_idle_timeout_s": _seconds(f, "grpc_idle_timeout_s", 300.0, 0.01),
+        "grpc_read_timeout_s": _seconds(f, "grpc_read_timeout_s", 30.0, 0.01),
     }
+
+
+def _bounded(f: Fields, key: str, default: int, most: int) -> int:
+    value = f.integer(key, default, minimum=1)
+    if value > most:
+        raise f.fail(key, f"expected an integer from 1 to {most}, got {value}")
+    return value
+
+
+def _header_list(f: Fields) -> int:
+    key = "grpc_max_header_list_size"
+    if key not in f.data:
+        return 16 * 1024
+    value = parse_size(f.data[key], f.source, f.at(key))
+    if not 1024 <= value <= 2**20:
+        raise f.fail(key, f"expected a size from 1KiB to 1MiB, got {value} bytes")
+    return value

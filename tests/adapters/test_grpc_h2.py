@@ -17,26 +17,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_helpers import IDENTITY, SLOW
 from tritonclient.utils import InferenceServerException
 
 from devtools import modelgen
-
-IDENTITY = """\
-max_batch_size: 4
-input:
-  - {name: INPUT0, data_type: TYPE_FP32, dims: [-1]}
-output:
-  - {name: OUTPUT0, data_type: TYPE_FP32, dims: [-1]}
-"""
-# a lone request waits for a batch this long: a deadline or a cancel comes first
-SLOW = """\
-max_batch_size: 8
-input:
-  - {name: INPUT0, data_type: TYPE_FP32, dims: [-1]}
-output:
-  - {name: OUTPUT0, data_type: TYPE_FP32, dims: [-1]}
-dynamic_batching: {preferred_batch_size: [8], max_queue_delay_microseconds: 5000000}
-"""
 
 
 @pytest.fixture

@@ -3,9 +3,12 @@ loopback, throwaway certificates, tritonclient's own TLS options over HTTP and g
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
+import socket
 import ssl
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -158,3 +161,41 @@ def test_client_ca_settings_are_checked_at_the_edge(tmp_path: Path, pki: Path) -
                 "tls_client_ca": str(tmp_path / "nope.pem"),
             },
         )
+
+
+def test_failed_handshakes_do_not_hold_connection_slots(run_appliance, pki: Path) -> None:
+    """A TLS handshake counts against grpc_max_connections while it lasts (at most
+    grpc_read_timeout_s); one that fails gives its slot back (at once on uvloop, within
+    the handshake timeout on asyncio), so a burst of refused or garbage handshakes does
+    not lock the good clients out, and a client that never starts its handshake is
+    dropped."""
+    srv = run_appliance(
+        pki.parent / "repo",
+        tls_cert=str(pki / "server.pem"),
+        tls_key=str(pki / "server.key"),
+        tls_client_ca=str(pki / "ca.pem"),
+        grpc_max_connections=2,
+        grpc_read_timeout_s=2.0,
+    )
+    host, port = srv.grpc_url.rsplit(":", 1)
+    for _ in range(4):
+        with socket.create_connection((host, int(port)), timeout=30) as raw:
+            try:  # a certificate the CA did not sign
+                with _https(pki, "rogue").wrap_socket(raw, server_hostname=host) as tls:
+                    tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+                    tls.recv(1)
+            except (ssl.SSLError, OSError):
+                pass
+        with socket.create_connection((host, int(port)), timeout=30) as raw:
+            raw.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # not TLS at all
+            with contextlib.suppress(OSError):
+                raw.recv(100)
+    silent = socket.create_connection((host, int(port)), timeout=30)
+    with silent, contextlib.suppress(ConnectionResetError):  # no ClientHello: closed
+        assert silent.recv(100) == b""
+    deadline = time.monotonic() + 30
+    while srv.server._grpc.connections and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not srv.server._grpc.connections
+    for _ in range(2):  # both slots are free
+        np.testing.assert_array_equal(_simple_grpc(_grpc(srv.grpc_url, pki, "client")), 2)

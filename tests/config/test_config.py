@@ -510,6 +510,18 @@ def test_server_config_empty_file(tmp_path: Path) -> None:
         ({"max_request_size": "big"}, "max_request_size: expected a size such as 64MiB"),
         ({"host": 127}, "host: expected a string, got 127"),
         ({"threads": 4}, "threads: unknown field, expected one of"),
+        ({"grpc_max_connections": 0}, "grpc_max_connections: expected an integer >= 1, got 0"),
+        (
+            {"grpc_max_concurrent_streams": 2**31},
+            "grpc_max_concurrent_streams: expected an integer from 1 to 2147483647",
+        ),
+        (
+            {"grpc_max_header_list_size": "512B"},
+            "grpc_max_header_list_size: expected a size from 1KiB to 1MiB, got 512 bytes",
+        ),
+        ({"grpc_max_header_list_size": 8192}, "grpc_max_header_list_size: expected a size"),
+        ({"grpc_idle_timeout_s": 0}, "grpc_idle_timeout_s: expected a number of seconds >= 0.01"),
+        ({"grpc_read_timeout_s": "x"}, "grpc_read_timeout_s: expected a number of seconds"),
     ],
 )
 def test_server_config_bad_values_name_the_field(options: dict[str, Any], expected: str) -> None:
