@@ -266,7 +266,9 @@ def test_the_documented_settings_are_the_defaults(tmp_path: Path) -> None:
     documented = load_server_config(path, {})
     defaults = load_server_config(None, {})
     for key in ("max_request_size", "max_request_elements", "http_header_timeout_s",
-                "http_body_timeout_s", "allow_symlinked_models"):
+                "http_body_timeout_s", "allow_symlinked_models", "grpc_max_connections",
+                "grpc_max_concurrent_streams", "grpc_max_header_list_size",
+                "grpc_idle_timeout_s", "grpc_read_timeout_s"):
         assert getattr(documented, key) == getattr(defaults, key), key
         assert key in block
 
