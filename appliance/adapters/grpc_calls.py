@@ -201,29 +201,30 @@ class Call:
         if left is not None:
             self._timer = loop.call_later(left, self._expire)
 
-    async def _read(self, item: tuple[bytes, int]) -> Any:
-        """A request message parsed, inflated first when it is compressed."""
-        data, compressed = item
-        if compressed:
-            try:
-                data = await inflate(data, self._encoding, self._connection.max_message)
-            except TooLarge as exc:
-                raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
-            except zlib.error as exc:
-                details = f"a compressed message is corrupt: {exc}"
-                raise Abort(grpc.StatusCode.INTERNAL, details) from None
+    async def _inflated(self, data: bytes) -> Any:
+        """A compressed request message inflated, then parsed."""
+        try:
+            data = await inflate(data, self._encoding, self._connection.max_message)
+        except TooLarge as exc:
+            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+        except zlib.error as exc:
+            details = f"a compressed message is corrupt: {exc}"
+            raise Abort(grpc.StatusCode.INTERNAL, details) from None
         return self._method.parse(data)
 
     async def _run(self) -> None:
         method, context = self._method, self._context
         try:
+            if method.kind != STREAM:  # one request (a plain one is parsed without an await)
+                data, compressed = self._messages[0]
+                request = await self._inflated(data) if compressed else method.parse(data)
             if method.kind == UNARY:
-                response = await method.behavior(await self._read(self._messages[0]), context)
+                response = await method.behavior(request, context)
                 payload = method.write(response)
                 self._answer(payload if method.framed else message(payload))
                 return
             if method.kind == SERVER_STREAM:
-                responses = method.behavior(await self._read(self._messages[0]), context)
+                responses = method.behavior(request, context)
             else:
                 responses = method.behavior(self._requests(), context)
             self._head()
@@ -247,7 +248,7 @@ class Call:
         assert self._inbox is not None
         while (item := await self._inbox.get()) is not None:
             self._connection.consumed(self._stream, len(item[0]) + 5)
-            yield await self._read(item)
+            yield await self._inflated(item[0]) if item[1] else self._method.parse(item[0])
 
     # ---- writing -----------------------------------------------------------------------
 

@@ -44,6 +44,7 @@ from appliance.adapters.grpc_frames import (
     FLOW_CONTROL_ERROR,
     FRAME_SIZE_ERROR,
     MAX_WINDOW,
+    PADDED,
     PRIORITY_FLAG,
     PROTOCOL_ERROR,
     REFUSED_STREAM,
@@ -91,11 +92,15 @@ class Connection(Control):
         self.max_message = max_message
         self._headers = HeaderDecoder(self.limits.header_block_limit)
         self._continuation: _Block | None = None
+        # read once: every HEADERS and DATA frame compares against them
+        self._block_limit = self.limits.header_block_limit
+        self._half_window = self.limits.stream_window // 2
 
     def _headers_frame(self, flags: int, sid: int, payload: memoryview) -> None:
         if sid == 0:
             raise ProtocolError(PROTOCOL_ERROR, "a HEADERS frame on stream 0")
-        payload = unpad(flags, payload)
+        if flags & PADDED:
+            payload = unpad(flags, payload)
         looped = False
         if flags & PRIORITY_FLAG:
             if len(payload) < 5:
@@ -125,16 +130,12 @@ class Connection(Control):
         most = self.limits.max_continuations
         if cont.frames > most:
             raise ProtocolError(ENHANCE_YOUR_CALM, f"a header block in more than {most} frames")
-        if len(cont.block) > self.limits.header_block_limit:
-            raise ProtocolError(
-                ENHANCE_YOUR_CALM, f"a header block over {self.limits.header_block_limit} bytes"
-            )
+        if len(cont.block) > self._block_limit:
+            raise ProtocolError(ENHANCE_YOUR_CALM, f"a header block over {self._block_limit} bytes")
 
     def _end_headers(self, sid: int, flags: int, block: memoryview, looped: bool) -> None:
-        if len(block) > self.limits.header_block_limit:
-            raise ProtocolError(
-                ENHANCE_YOUR_CALM, f"a header block over {self.limits.header_block_limit} bytes"
-            )
+        if len(block) > self._block_limit:
+            raise ProtocolError(ENHANCE_YOUR_CALM, f"a header block over {self._block_limit} bytes")
         stream = self.streams.get(sid)
         if stream is not None:  # trailers from the client
             trailers = self._headers.decode(bytes(block), trailers=True)
@@ -180,12 +181,13 @@ class Connection(Control):
         size = len(payload)  # flow control counts the whole payload, padding included
         if sid == 0:
             raise ProtocolError(PROTOCOL_ERROR, "a DATA frame on stream 0")
-        payload = unpad(flags, payload)
+        if flags & PADDED:
+            payload = unpad(flags, payload)
         self._recv_window -= size
         if self._recv_window < 0:
             raise ProtocolError(FLOW_CONTROL_ERROR, "DATA past the connection's window")
         self._received += size
-        if self._received > self.limits.stream_window // 2 and self.transport is not None:
+        if self._received > self._half_window and self.transport is not None:
             self.transport.write(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self._received)))
             self._recv_window += self._received
             self._received = 0
@@ -217,7 +219,8 @@ class Connection(Control):
             if taken < 0:
                 return
             del buffer[:taken]
-        self._give_back(stream)
+        if stream.owed > self._half_window:
+            self._give_back(stream)
         if flags & END_STREAM:
             self._ended(stream)
 
@@ -250,7 +253,9 @@ class Connection(Control):
 
     def _give_back(self, stream: Stream) -> None:
         owed = stream.owed
-        if owed > self.limits.stream_window // 2 and not stream.ended and self.transport:
+        if owed <= self._half_window or stream.ended or stream.closed:
+            return  # (a closed stream takes no more frames, a window update neither)
+        if self.transport is not None:
             self.transport.write(frame(WINDOW_UPDATE, 0, stream.id, struct.pack(">I", owed)))
             stream.recv_window += owed
             stream.owed = 0

@@ -132,7 +132,8 @@ class Outbound(asyncio.Protocol):
                 out = []
                 self._finished(stream)
         if not stream.pending:
-            self._blocked.pop(stream.id, None)
+            if self._blocked:
+                self._blocked.pop(stream.id, None)
             if self._waiters:
                 self._wake()
         self._write(out)
@@ -158,7 +159,8 @@ class Outbound(asyncio.Protocol):
         if not stream.ended and self.streams.get(stream.id) is stream:
             self._reset(stream.id, NO_ERROR)  # we are done before the client: stop it sending
         self.streams.pop(stream.id, None)
-        self._blocked.pop(stream.id, None)
+        if self._blocked:
+            self._blocked.pop(stream.id, None)
         if self.going_away and not self.streams:
             self.close()
 
