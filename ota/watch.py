@@ -202,7 +202,11 @@ def _line(model: str, version: int, c: Counter[str], min_reports: int) -> str:
     return line
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, stop_after: int | None = None) -> int:
+    """``fleet watch``. ``stop_after``: return once that many reports (skipped ones
+    included) were read and judged, printing the counts then; MQTT has no end of the
+    retained reports, so a test that knows how many it left stops on that, not on a
+    time. ``--duration-s`` still bounds the wait."""
     host, _, port = args.mqtt.rpartition(":")
     if not host or not port.isdigit():
         raise OtaError(f"--mqtt: expected HOST:PORT, got {args.mqtt!r}")
@@ -231,17 +235,20 @@ def main(args: argparse.Namespace) -> int:
     client.loop_start()
     tally, halted, last_print, last_skipped = Tally(), set(), 0.0, (0, 0)
     end = time.monotonic() + args.duration_s if args.duration_s else None
+    read = 0
     try:
         while end is None or time.monotonic() < end:
             try:
                 accept(tally, keys, *inbox.get(timeout=0.5))
+                read += 1
                 if not inbox.empty():
                     continue
             except queue.Empty:
                 pass
+            done = stop_after is not None and read >= stop_after
             counts = tally.counts(args.report_timeout_s, time.time())
             skipped = (tally.malformed, tally.unauthenticated)
-            if time.monotonic() - last_print > 2 or skipped != last_skipped:
+            if done or time.monotonic() - last_print > 2 or skipped != last_skipped:
                 last_print, last_skipped = time.monotonic(), skipped
                 for (model, version), c in sorted(counts.items()):
                     line = _line(model, version, c, args.min_reports)
@@ -262,7 +269,7 @@ def main(args: argparse.Namespace) -> int:
                 if args.repo is not None:
                     repo.set_rollout(Path(args.repo), Path(args.keys), model, version, halted=True)
                     print(f"{model} v{version}: rollout halted (targets re-signed)", flush=True)
-            if halted and args.exit_on_halt:
+            if done or (halted and args.exit_on_halt):
                 return 0
     except KeyboardInterrupt:
         pass

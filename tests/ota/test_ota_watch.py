@@ -13,14 +13,16 @@ from typing import Any
 
 import pytest
 
-from appliance.cli import main
+from appliance.cli import build_parser, main
 from appliance.config.server_config import MqttConfig
 from ota import devicekey, repo, report
 from ota.agent import Agent
 from ota.report import Reporter
 from ota.state import AgentState
+from ota.watch import main as watch_main
 from tests.mosquitto import Broker, Client, find_mosquitto
 from tests.ota_helpers import Fleet, LocalDevice, retained_report
+from tests.pace import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,7 +60,7 @@ def test_watch_halts_a_rollout_whose_devices_fail(
         "fleet", "watch", "--mqtt", f"127.0.0.1:{broker.port}", "--prefix", "fleet",
         "--halt-at-failure-rate", "0.5", "--min-reports", "5",
         "--repo", str(fleet.repo), "--keys", str(fleet.keys),
-        "--exit-on-halt", "--duration-s", "30",
+        "--exit-on-halt", "--duration-s", str(scaled(120)),
     ]  # fmt: skip
     with contextlib.redirect_stdout(out):
         assert main(args) == 0
@@ -69,14 +71,15 @@ def test_watch_halts_a_rollout_whose_devices_fail(
     assert v1["rollout"]["halted"] is False
 
 
-def watch(broker: Broker, *extra: str, prefix: str = "fleet", duration: float = 4.0) -> str:
-    """``appliance fleet watch`` in this process for ``duration`` s (or until it halts,
-    with --exit-on-halt); what it printed."""
+def watch(broker: Broker, *extra: str, reports: int | None = None, prefix: str = "fleet") -> str:
+    """``appliance fleet watch`` in this process until it read and judged ``reports``
+    reports (or halted, with --exit-on-halt); what it printed. Never a time: the bound
+    only ends a watcher that would otherwise wait forever (a defect)."""
     out = io.StringIO()
     args = ["fleet", "watch", "--mqtt", f"127.0.0.1:{broker.port}", "--prefix", prefix,
-            "--duration-s", str(duration), *extra]  # fmt: skip
+            "--duration-s", str(scaled(120)), *extra]  # fmt: skip
     with contextlib.redirect_stdout(out):
-        assert main(args) == 0
+        assert watch_main(build_parser().parse_args(args), stop_after=reports) == 0
     return out.getvalue()
 
 
@@ -104,7 +107,7 @@ def test_a_late_watcher_reads_retained_reports_as_state(
         assert agent.run_once()
         assert agent.run_once()  # a later check: nothing to do
         as_devices(mqtt, agent.state, [f"cam-{i}" for i in range(2, 6)])
-        assert "simple v1: pending 0 updated 5 failed 0" in watch(broker, duration=3)
+        assert "simple v1: pending 0 updated 5 failed 0" in watch(broker, reports=5)
 
         fleet.publish(2, delta=1)  # fails its self-test
         assert not agent.run_once()
@@ -113,7 +116,7 @@ def test_a_late_watcher_reads_retained_reports_as_state(
     finally:
         agent.close()
     late = watch(broker, "--halt-at-failure-rate", "0.5", "--repo", str(fleet.repo),
-                 "--keys", str(fleet.keys), "--exit-on-halt", duration=30)  # fmt: skip
+                 "--keys", str(fleet.keys), "--exit-on-halt")  # fmt: skip
     assert "simple v2: pending 0 updated 0 failed 0 rolled back 5" in late
     assert "simple v2: rollout halted" in late
 
@@ -133,7 +136,7 @@ def test_malformed_reports_are_skipped_and_counted(broker: Broker) -> None:
         retain(client, "fleet/good/ota", json.dumps(good).encode())
     finally:
         client.close()
-    out = watch(broker, duration=3)
+    out = watch(broker, reports=6)
     assert "skipped: 5 malformed report(s)" in out
     assert "simple v1: pending 0 updated 1" in out
 
@@ -144,7 +147,7 @@ def test_the_watcher_says_what_it_waits_for(broker: Broker, fleet: Fleet) -> Non
         r = Reporter(mqtt, d)
         r.publish({"model": "simple", "version": 2, "state": "idle", "result": "rolled_back"})
         r.close()
-    out = watch(broker, "--repo", str(fleet.repo), "--keys", str(fleet.keys), duration=3)
+    out = watch(broker, "--repo", str(fleet.repo), "--keys", str(fleet.keys), reports=2)
     assert "at least 5 devices reported on it (--min-reports)" in out.splitlines()[0]
     assert "judged once 5 devices reported: --min-reports; 2 so far" in out
     assert "halting" not in out
@@ -178,7 +181,7 @@ def test_the_broker_acl_lets_a_device_report_only_as_itself(tmp_path: Path) -> N
         r.publish({"model": "simple", "version": 3, "state": "idle", "result": "rolled_back"})
         r.close()
         out = watch(broker, "--username", "fleet-watch", "--password", "pw2",
-                    prefix="appliance", duration=3)  # fmt: skip
+                    prefix="appliance", reports=1)  # fmt: skip
     finally:
         broker.stop()
     assert "simple v3: pending 0 updated 1 failed 0 rolled back 0" in out
@@ -213,8 +216,8 @@ def test_signed_reports_keep_fake_ones_from_halting_a_good_release(
         client.close()
     out = watch(broker, "--device-keys", str(keys), "--min-reports", "1",
                 "--halt-at-failure-rate", "0.5", "--repo", str(fleet.repo),
-                "--keys", str(fleet.keys), duration=3)  # fmt: skip
+                "--keys", str(fleet.keys), reports=6)  # fmt: skip
     assert "simple v1: pending 0 updated 1 failed 0 rolled back 0" in out
     assert "5 unauthenticated" in out and "halting" not in out
-    unsigned = watch(broker, "--min-reports", "1", duration=3)
+    unsigned = watch(broker, "--min-reports", "1", reports=6)
     assert "rolled back 5" in unsigned  # without keys they would have counted
