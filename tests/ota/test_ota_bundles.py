@@ -35,6 +35,8 @@ def command(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     """A command in this process: its exit status and what it wrote to stderr."""
     code = main(list(args))
     return code, capsys.readouterr().err
+
+
 CONFIG = modelgen.SIMPLE_CONFIG.encode()
 
 
