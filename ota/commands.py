@@ -96,7 +96,7 @@ def _json_file(path: Path | None, kind: type, what: str) -> Any:
         return None
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise OtaError(f"{path}: expected {what}: {exc}") from None
     if not isinstance(doc, kind):
         raise OtaError(f"{path}: expected {what}")

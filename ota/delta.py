@@ -209,7 +209,7 @@ def _sha(data: bytes) -> str:
 def _read_doc(data: bytes) -> dict[str, Any]:
     try:
         doc = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested beyond the recursion limit)
         raise OtaError("delta: delta.json is not JSON") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise OtaError(f"delta: expected delta.json of format {FORMAT}")

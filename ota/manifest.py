@@ -118,7 +118,7 @@ def parse(data: bytes) -> Manifest:
         raise OtaError("manifest: larger than 1 MiB")
     try:
         doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # (nested beyond the recursion limit)
         raise OtaError(f"manifest: not valid JSON: {exc}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise OtaError(f"manifest: expected an object with format {FORMAT}")

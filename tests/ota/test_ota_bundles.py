@@ -9,6 +9,8 @@ bundle made by hand and signed) refuses it once, marks it bad and changes nothin
 
 from __future__ import annotations
 
+import gzip
+import io
 import tarfile
 from pathlib import Path
 
@@ -97,6 +99,46 @@ def test_inspect_reads_at_most_its_limit(
     huge = raw_bundle(tmp_path / "huge.bundle", "simple", 2, ONNX, CONFIG, extra=[(claim, b"")])
     with pytest.raises(OtaError, match="more than 4294967296 bytes"):
         bundle.inspect(huge)
+
+
+DEEP = b"[" * 200_000 + b"]" * 200_000  # JSON nested beyond Python's recursion limit
+
+
+def deep_manifest_bundle(out: Path) -> Path:
+    body = io.BytesIO()
+    with tarfile.open(fileobj=body, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        info = tarfile.TarInfo("manifest.json")
+        info.size = len(DEEP)
+        tar.addfile(info, io.BytesIO(DEEP))
+    out.write_bytes(gzip.compress(body.getvalue(), compresslevel=1))
+    return out
+
+
+def test_json_nested_too_deep_is_refused_in_one_line(
+    fleet: Fleet, device: LocalDevice, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A manifest (or a self-test vectors file) nested 200,000 levels deep, well inside
+    the manifest's 1 MiB: a RecursionError in the JSON reader, not a traceback."""
+    evil = deep_manifest_bundle(fleet.root / "deep.bundle")
+    code, err = command(capsys, "bundle", "inspect", str(evil))
+    assert code == 2 and "manifest: not valid JSON" in err and "Traceback" not in err, err
+    with pytest.raises(OtaError, match="manifest: not valid JSON"):
+        repo.publish(fleet.repo, fleet.keys, evil, Rollout())
+    vectors_file = fleet.root / "deep.json"
+    vectors_file.write_bytes(DEEP)
+    folder = modelgen.write_model(fleet.src, "simple", modelgen.simple_add_sub(), None, 2)
+    out = str(fleet.root / "b.bundle")
+    code, err = command(capsys, "bundle", "build", str(folder), "--version", "2", "-o", out,
+                        "--self-test", str(vectors_file))  # fmt: skip
+    assert code == 2 and "expected a JSON list of self-test vectors" in err, err
+    fleet.publish(1)
+    agent = device()
+    assert agent.run_once()
+    publish_raw(fleet, evil, "simple", 2, "onnxruntime")
+    assert not agent.run_once()
+    assert "manifest: not valid JSON" in agent.state.last_error
+    assert agent.state.models["simple"].bad == [2]
+    assert agent.run_once() and device.serving() == "1"  # refused once, not retried
 
 
 BAD_CONFIGS = {
