@@ -5,13 +5,16 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import queue
 import shutil
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
+import paho.mqtt.client as mqtt
 import pytest
+from paho.mqtt.enums import CallbackAPIVersion
 
 from appliance.cli import build_parser, main
 from appliance.config.server_config import MqttConfig
@@ -182,9 +185,29 @@ def test_the_broker_acl_lets_a_device_report_only_as_itself(tmp_path: Path) -> N
         r.close()
         out = watch(broker, "--username", "fleet-watch", "--password", "pw2",
                     prefix="appliance", reports=1)  # fmt: skip
+        # the broker's own answer (MQTT v5 PUBACK reason codes): 16 "no matching
+        # subscribers" is a success, 135 "not authorized" a report it dropped
+        assert puback(broker.port, "cam-1", "pw1", "appliance/cam-1/ota") < 128
+        assert puback(broker.port, "cam-1", "pw1", "appliance/cam-2/ota") == 135
     finally:
         broker.stop()
     assert "simple v3: pending 0 updated 1 failed 0 rolled back 0" in out
+
+
+def puback(port: int, user: str, password: str, topic: str) -> int:
+    """The reason code of the broker's PUBACK to a QoS 1 publish to ``topic``."""
+    acked: queue.Queue[int] = queue.Queue()
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{user}-acl", protocol=mqtt.MQTTv5)
+    client.username_pw_set(user, password)
+    client.on_publish = lambda c, u, mid, reason, props: acked.put(int(reason.value))
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    try:
+        client.publish(topic, b"{}", qos=1)
+        return acked.get(timeout=scaled(30))
+    finally:
+        client.disconnect()
+        client.loop_stop()
 
 
 def test_signed_reports_keep_fake_ones_from_halting_a_good_release(
