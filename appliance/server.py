@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from appliance import bls, startup_report
-from appliance.adapters import http_api, http_limits, metrics
+from appliance.adapters import grpc_libraries, http_api, http_limits, metrics
 from appliance.adapters.access import AccessPolicy, is_loopback
 from appliance.adapters.http_drain import close_http
 from appliance.adapters.tls import http_context
@@ -154,11 +154,22 @@ class Server:
         await self._start_mqtt()
 
     async def _start_grpc(self) -> None:
-        try:  # the gRPC endpoint is an extra: pip install 'appliance[grpc]'
+        """The gRPC endpoint, an extra: when its libraries cannot load, a port asked for
+        (flag or config file) stops the start with one line naming the fix; the default
+        port turns the endpoint off with a warning."""
+        try:
             from appliance.adapters.grpc_server import GrpcEndpoint, grpc_limits
-        except ImportError as exc:
+        except Exception as exc:  # ImportError, RuntimeError, VersionError: grpc_libraries
+            reason = f"the gRPC libraries do not load ({grpc_libraries.why(exc)})"
+            if self.config.grpc_port_given:
+                raise ConfigError(
+                    "<server>",
+                    "grpc_port",
+                    f"cannot serve gRPC on port {self.config.grpc_port}: {reason}: "
+                    f"{grpc_libraries.FIX}, or grpc_port: -1",
+                ) from None
             log.warning(
-                "gRPC endpoint off: %s (pip install 'appliance[grpc]', or grpc_port: -1)", exc
+                "gRPC endpoint off: %s: %s (or grpc_port: -1)", reason, grpc_libraries.FIX
             )
             return
         self._grpc = GrpcEndpoint(

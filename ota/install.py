@@ -15,12 +15,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from google.protobuf import json_format, text_format
-
 from appliance.config.model_config import ModelConfig
 from appliance.config.reader import CONFIG_FILES, load_model_config
-from appliance.config.schema import model_config_pb2
-from appliance.config.triton_config import to_triton_json
+from appliance.config.triton_config import dict_to_pbtxt, to_triton_json
 from appliance.core.repository import version_dirs
 from appliance.errors import ApplianceError
 from ota import OtaError
@@ -72,8 +69,10 @@ def write_config(repository: Path, model: str, config: dict[str, Any]) -> None:
     """Replace the model's config file (atomically) with ``config`` as config.pbtxt."""
     folder = repository / model
     folder.mkdir(parents=True, exist_ok=True)
-    message = json_format.Parse(json.dumps(config), model_config_pb2().ModelConfig())
-    text = text_format.MessageToString(message)
+    try:
+        text = dict_to_pbtxt(config)
+    except ApplianceError as exc:
+        raise OtaError(f"model '{model}': cannot write its config: {exc}") from None
     tmp = folder / ".config.pbtxt.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)

@@ -25,6 +25,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     http_port: int = 8000  # -1 disables the HTTP endpoint (in-process use)
     grpc_port: int = 8001  # -1 disables the gRPC endpoint
+    # the port was asked for (flag or file): without the gRPC libraries the start fails
+    # rather than going on without the endpoint (not a config field: see _DERIVED)
+    grpc_port_given: bool = False
     metrics_port: int = 8002  # -1 disables the metrics endpoint
     # Triton's latency summaries (nv_inference_*_summary_us, quantiles over the last
     # requests), as `--metrics-config summary_latencies=true` turns them on there
@@ -72,6 +75,8 @@ class ServerConfig:
     trace_file: Path | None = None
 
 
+# fields of ServerConfig that are derived, never read from a file
+_DERIVED = {"grpc_port_given"}
 # fields only a model config has: a server config with these was passed by mistake
 _MODEL_FIELDS = {"max_batch_size", "input", "output", "backend", "platform", "instance_group"}
 
@@ -104,7 +109,7 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
             "with --model-repository",
         )
     # ``ota:`` belongs to the update agent (ota/config.py), which reads this same file
-    f.check_keys(set(ServerConfig.__slots__) | {"ota"})
+    f.check_keys(set(ServerConfig.__slots__) - _DERIVED | {"ota"})
     level = f.text("log_level", "info").lower()
     if level not in ("debug", "info", "warning", "error"):
         raise f.fail("log_level", f"expected debug, info, warning or error, got {level!r}")
@@ -128,6 +133,7 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         http_port=_port(f, "http_port", 8000),
         metrics_port=_port(f, "metrics_port", 8002),
         grpc_port=_port(f, "grpc_port", 8001),
+        grpc_port_given="grpc_port" in data,
         metrics_summary_latencies=f.flag("metrics_summary_latencies", False),
         shared_memory=_choice(f, "shared_memory", "off", ("off", "system")),
         max_request_size=parse_size(data["max_request_size"], source, "max_request_size")

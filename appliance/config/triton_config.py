@@ -7,7 +7,8 @@ carry as its ``config`` parameter are parsed by protobuf itself into the
 then turned into the plain mapping :func:`appliance.config.model_config.parse_model_config`
 validates, exactly as a ``config.yaml`` would be: one validator, one set of error
 messages, whichever file a model comes with. :func:`to_triton_json` writes a config
-back in Triton's JSON form (the config endpoint), which that schema accepts.
+back in Triton's JSON form (the config endpoint), which that schema accepts, and
+:func:`dict_to_pbtxt` that form as ``config.pbtxt`` text.
 
 The generated module comes through :mod:`appliance.config.schema`, which
 loads it without grpcio (the gRPC endpoint is an extra); protobuf is imported on
@@ -60,6 +61,22 @@ def json_to_dict(text: str, source: str) -> dict[str, Any]:
     if not text.lstrip().startswith("{"):  # protobuf would read ``[]`` as an empty config
         raise ConfigError(source, "", "not a valid Triton model config: expected a JSON object")
     return _parse(text, source, "json")
+
+
+def dict_to_pbtxt(doc: dict[str, Any], ignore_unknown: bool = False) -> str:
+    """Triton's JSON form of a config as ``config.pbtxt`` text (protobuf's own printer).
+
+    ``ignore_unknown`` drops fields the schema lacks; otherwise they are a ConfigError.
+    Needs protobuf and the schema only, never grpcio: the OTA agent and ``appliance
+    tune`` write repositories on devices installed without the gRPC endpoint."""
+    from google.protobuf import json_format, text_format  # first use: start-up time
+
+    message = model_config_pb2().ModelConfig()
+    try:
+        json_format.ParseDict(doc, message, ignore_unknown_fields=ignore_unknown)
+    except json_format.ParseError as exc:
+        raise ConfigError("<config>", "", f"not a valid Triton model config: {exc}") from None
+    return str(text_format.MessageToString(message))
 
 
 def to_triton_json(config: ModelConfig) -> dict[str, Any]:

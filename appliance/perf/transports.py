@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from appliance.adapters import grpc_libraries
 from appliance.datatypes import from_numpy_dtype, to_raw
 from appliance.errors import ApplianceError, Code, invalid
 from appliance.perf.httpclient import (
@@ -208,7 +209,10 @@ class GrpcTransport(Transport):
         self._requests: list[bytes] = []
 
     async def open(self, samples: Samples, slots: int) -> None:
-        import grpc  # the other transports must not need grpcio loaded
+        problem = grpc_libraries.load_error()  # the other transports need no grpcio
+        if problem is not None:
+            raise invalid(f"-i grpc needs the gRPC libraries ({problem}): {grpc_libraries.FIX}")
+        import grpc
         from tritonclient.grpc import service_pb2
 
         self._grpc = grpc

@@ -32,6 +32,7 @@ import orjson
 import yaml
 
 from appliance.config.fields import parse_limit
+from appliance.config.triton_config import dict_to_pbtxt
 from appliance.core.instances import cpu_share
 from appliance.errors import ApplianceError, invalid
 from appliance.perf.command import Settings, new_loop, run
@@ -262,12 +263,8 @@ class Tuner:
 
 def render(cfg: dict[str, Any], fmt: str, comment: str) -> str:
     """The config as the repository's file: YAML or Triton's protobuf text."""
-    if fmt == "pbtxt":
-        from google.protobuf import json_format, text_format
-        from tritonclient.grpc import model_config_pb2
-
-        msg = json_format.ParseDict(cfg, model_config_pb2.ModelConfig(), ignore_unknown_fields=True)
-        return f"# {comment}\n" + str(text_format.MessageToString(msg))
+    if fmt == "pbtxt":  # protobuf and Triton's schema only: no grpcio needed
+        return f"# {comment}\n" + dict_to_pbtxt(cfg, ignore_unknown=True)
     return f"# {comment}\n" + yaml.safe_dump(cfg, sort_keys=False)
 
 
