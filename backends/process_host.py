@@ -184,7 +184,10 @@ class ProcessBackend:
                 "parameters.execution",
                 "process isolation does not support decoupled models",
             )
-        self._root = options.model_path.parent.parent  # the model's folder: all it may load
+        # the model's folder: all it may load, and the worker's working directory (so a
+        # path relative to the server's own, e.g. --model-repository models, is made
+        # absolute first; options_to_wire does the same for the model file)
+        self._root = options.model_path.parent.parent.absolute()
         package_root = str(Path(backends.__file__).resolve().parent.parent)
         self._env = dict(os.environ)
         self._env["PYTHONPATH"] = os.pathsep.join(

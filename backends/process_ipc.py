@@ -270,8 +270,8 @@ _OPTION_FIELDS = (
 def options_to_wire(options: BackendOptions, drop: Collection[str]) -> dict[str, Any]:
     """``options`` as JSON values, without the parameters named in ``drop``."""
     out: dict[str, Any] = {name: getattr(options, name) for name in _OPTION_FIELDS}
-    out["model_path"] = str(options.model_path)
-    out["key_file"] = str(options.key_file) if options.key_file else ""
+    out["model_path"] = str(options.model_path.absolute())  # the worker runs elsewhere
+    out["key_file"] = str(options.key_file.absolute()) if options.key_file else ""
     out["parameters"] = {k: v for k, v in options.parameters.items() if k not in drop}
     out["inputs"] = specs_to_wire(options.inputs)
     out["outputs"] = specs_to_wire(options.outputs)

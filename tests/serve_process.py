@@ -3,23 +3,30 @@ tests that need a whole process (signals, exit codes) start it here."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 from pace import scaled
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def start_serve(
-    *args: str, env: dict[str, str] | None = None
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> tuple[subprocess.Popen[str], int, list[str]]:
     """Start ``appliance serve`` with HTTP, gRPC and metrics on free ports (``args`` may
     turn one off or add others; ``env``: its environment, default this one's); wait
     until ready. Returns the process, its HTTP port, and its log lines (still growing,
-    read by a thread)."""
+    read by a thread). ``cwd``: its working directory (this checkout stays importable
+    from there)."""
+    base = os.environ if env is None else env
+    path = os.pathsep.join(p for p in (str(ROOT), base.get("PYTHONPATH", "")) if p)
     proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "appliance", "serve"),
@@ -27,7 +34,8 @@ def start_serve(
         ],
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        cwd=cwd,
+        env={**base, "PYTHONPATH": path},
     )
     lines: list[str] = []
     port_found = threading.Event()

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from serve_process import start_serve
 from tritonclient.utils import InferenceServerException
 
 from appliance.errors import ApplianceError
@@ -435,3 +436,31 @@ def test_workers_exit_when_the_server_is_killed(repo: Path) -> None:
     assert _wait_until(lambda: all(_state(p) in ("Z", "") for p in workers)), [
         (p, _state(p)) for p in workers
     ]
+
+
+@pytest.mark.parametrize("how", ["flag", "config"])
+def test_a_relative_repository_works_with_process_isolation(repo: Path, how: str) -> None:
+    """The worker runs in the model's folder: paths relative to the server's working
+    directory (a relative --model-repository, or a relative config file whose
+    model_repository is relative to it) must still find the model file."""
+    work = repo.parent
+    if how == "flag":
+        where = ["--model-repository", repo.name]
+    else:
+        (work / "appliance.yaml").write_text(f"model_repository: ./{repo.name}\n")
+        where = ["--config", "appliance.yaml"]
+    loads = ["--load-model", "simple_proc", "--load-model", "echo_proc"]
+    proc, port, lines = start_serve(*where, "--grpc-port", "-1", *loads, cwd=work)
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+        assert client.is_model_ready("simple_proc") and client.is_model_ready("echo_proc"), lines
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        inputs = [httpclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+        for t in inputs:
+            t.set_data_from_numpy(a)
+        np.testing.assert_array_equal(
+            client.infer("simple_proc", inputs).as_numpy("OUTPUT0"), a + a
+        )
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0
