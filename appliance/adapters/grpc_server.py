@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2
 
-from appliance.adapters import grpc_calls, grpc_wire
+from appliance.adapters import grpc_calls, grpc_health_proto, grpc_wire
 from appliance.adapters.access import AccessPolicy, Scope
 from appliance.adapters.grpc_accept import Admission
 from appliance.adapters.grpc_api import Servicer
@@ -36,10 +36,9 @@ from appliance.config.fields import ConfigError
 from appliance.config.server_config import ServerConfig
 from appliance.core.dataplane import DataPlane
 
-try:  # grpcio-health-checking is a dependency; a trimmed image may lack it
-    from grpc_health.v1 import health_pb2
-except ImportError:  # pragma: no cover - exercised only on such images
-    health_pb2 = None
+# health.proto's messages, declared by the appliance (grpcio-health-checking's generated
+# code pins a protobuf that tritonclient[grpc] excludes): see grpc_health_proto
+health_pb2: Any = grpc_health_proto
 
 log = logging.getLogger(__name__)
 

@@ -10,17 +10,38 @@ import socket
 import struct
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_helpers import IDENTITY, SLOW
 from tritonclient.utils import InferenceServerException
 
+from appliance.adapters import grpc_health_proto as health_pb2
 from devtools import modelgen
+
+
+class _HealthStub:
+    """grpc.health.v1's client, as grpcio-health-checking's generated stub makes it (that
+    package cannot be installed beside tritonclient[grpc]: see grpc_health_proto)."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        def rpc(kind: str, name: str, reply: Any) -> Any:
+            return getattr(channel, kind)(
+                f"/grpc.health.v1.Health/{name}",
+                request_serializer=lambda message: message.SerializeToString(),
+                response_deserializer=reply.FromString,
+            )
+
+        self.Check = rpc("unary_unary", "Check", health_pb2.HealthCheckResponse)
+        self.List = rpc("unary_unary", "List", health_pb2.HealthListResponse)
+        self.Watch = rpc("unary_stream", "Watch", health_pb2.HealthCheckResponse)
+
+
+health_pb2_grpc = SimpleNamespace(HealthStub=_HealthStub)
 
 
 @pytest.fixture
