@@ -3,11 +3,14 @@
 Platform (Jetson model and L4T release, CPU architecture and features), installed
 engines and ONNX Runtime's execution providers, GPU device nodes, memory against the
 configured budget and the service's MemoryMax, whether the config is valid, what in
-the model repository would fail to load and why (configs and files are checked; no
-model is loaded), whether the ports are free, whether the MQTT broker and the OTA
-source answer (short timeouts; only what the config names), and whether the clock is
-plausible (TLS and TUF metadata expiry depend on it); and the device's telemetry now:
-temperatures, power, GPU load, power mode and any throttling.
+the model repository would fail to load and why (configs and files are checked, and
+each model file is parsed by the engine that would serve it: IR version, opsets and
+operators against the installed engine; no model is run), whether the ports are free
+and the gRPC endpoint's libraries load, whether the MQTT broker and the update agent's
+source (``ota.source``, or ``--ota-url``) answer (short timeouts; only what the config
+or the command line names), and whether the clock is plausible (TLS and TUF metadata
+expiry depend on it); and the device's telemetry now: temperatures, power, GPU load,
+power mode and any throttling.
 
 Each check is ``ok``, ``warn`` or ``fail``; the exit status is 1 when any check
 fails, 0 otherwise; ``--json`` prints the same for scripts.
@@ -21,23 +24,22 @@ import importlib.util
 import json
 import os
 import platform
-import socket
 import sys
 import time
-import urllib.parse
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from appliance.config.fields import physical_memory
 from appliance.config.server_config import ServerConfig, load_server_config
 from appliance.core.memory import fmt
+from appliance.doctor_check import FAIL, OK, WARN, Check
+from appliance.doctor_network import check_ota_config, check_ports, check_reachability
 from appliance.errors import ApplianceError
 from appliance.startup_report import SERVER_BASELINE
 from appliance.telemetry import summary
 from appliance.telemetry.device import Telemetry
 
-OK, WARN, FAIL = "ok", "warn", "fail"
 # engines: import name -> distributions that may provide it (metadata, no import)
 ENGINES = {
     "onnxruntime": ("onnxruntime", "onnxruntime-gpu"),
@@ -51,14 +53,6 @@ ENGINES = {
 }
 BACKEND_ENGINE = {"onnxruntime": "onnxruntime", "openvino": "openvino", "tensorrt": "tensorrt"}
 CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "fma", "f16c", "asimd", "asimdhp", "sve")
-
-
-@dataclass
-class Check:
-    name: str
-    status: str
-    summary: str
-    details: dict[str, Any] = field(default_factory=dict)
 
 
 def _read(path: str) -> str:
@@ -185,6 +179,7 @@ def check_repository(repository: Path) -> Check:
     from appliance.core import repository as repo
     from appliance.core.loader import resolve_backend
     from appliance.core.warmup import lower_bound
+    from backends.model_check import probe
 
     if not repository.is_dir():
         return Check("models", FAIL, f"model repository {repository} is not a directory")
@@ -205,11 +200,14 @@ def check_repository(repository: Path) -> Check:
                 raise ValueError("no version folder (1/, 2/, ...)")
             backends = set()
             for v in versions:
-                backend, _ = resolve_backend(config, repository / name / str(v))
+                backend, path = resolve_backend(config, repository / name / str(v))
                 engine = BACKEND_ENGINE.get(backend)
                 if engine and importlib.util.find_spec(engine) is None:
                     hint = f"pip install 'appliance[{engine}]'"
                     raise ValueError(f"backend {backend} is not installed: {hint}")
+                problem = probe(backend, path)  # what the loader's engine would say
+                if problem:
+                    raise ValueError(f"version {v}: {problem}")
                 backends.add(backend)
             rows[name] = f"{', '.join(sorted(backends))}, version(s) {versions}"
             lower = lower_bound(config)  # from the dims the config declares
@@ -223,85 +221,6 @@ def check_repository(repository: Path) -> Check:
         return Check("models", WARN, f"{repository} has no models", details)
     summary = f"{len(names)} model(s) in {repository}, {failed} would fail to load"
     return Check("models", FAIL if failed else OK, summary, details)
-
-
-def check_ports(config: ServerConfig) -> Check:
-    """Free, or in use (by a running appliance when it answers /v2/health/live)."""
-    ports = {
-        "http": config.http_port,
-        "grpc": config.grpc_port,
-        "metrics": config.metrics_port,
-    }
-    details: dict[str, str] = {}
-    busy = []
-    for name, port in ports.items():
-        if port <= 0:
-            details[name] = "off" if port < 0 else "any free port"
-            continue
-        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((config.host, port))
-                details[name] = f"{port} free"
-            except OSError as exc:
-                details[name] = f"{port} in use ({exc.strerror})"
-                busy.append(f"{name} {port}")
-    if not busy:
-        return Check("ports", OK, ", ".join(f"{k} {v}" for k, v in details.items()), details)
-    # an appliance already serving (the service itself) is no problem
-    if config.http_port > 0 and _answers(config.host, config.http_port, "/v2/health/live"):
-        summary = f"in use by a running appliance: {', '.join(busy)}"
-        return Check("ports", OK, summary, details)
-    return Check("ports", FAIL, f"in use by another program: {', '.join(busy)}", details)
-
-
-def _answers(host: str, port: int, path: str) -> bool:
-    import http.client
-
-    conn = http.client.HTTPConnection(host, port, timeout=2)
-    try:
-        conn.request("GET", path)
-        return conn.getresponse().status == 200
-    except OSError:
-        return False
-    finally:
-        conn.close()
-
-
-def _reachable(host: str, port: int, timeout: float) -> str:
-    """'' when a TCP connection opens, else why not."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return ""
-    except OSError as exc:
-        return exc.strerror or str(exc)
-
-
-def check_reachability(config: ServerConfig, ota_url: str | None, timeout: float) -> Check:
-    targets: dict[str, tuple[str, int]] = {}
-    if config.mqtt is not None:
-        targets["mqtt broker"] = (config.mqtt.host, config.mqtt.port)
-    if ota_url:
-        url = urllib.parse.urlsplit(ota_url)
-        if url.hostname:
-            default = 443 if url.scheme == "https" else 80
-            targets["ota source"] = (url.hostname, url.port or default)
-    if not targets:
-        return Check("network", OK, "no broker or OTA source configured")
-    details = {
-        name: _reachable(host, port, timeout) or "reachable"
-        for name, (host, port) in targets.items()
-    }
-    down = [
-        f"{name} {targets[name][0]}:{targets[name][1]}: {why}"
-        for name, why in details.items()
-        if why != "reachable"
-    ]
-    if down:
-        # the server serves HTTP and gRPC without them: a warning, not a failure
-        return Check("network", WARN, "not reachable: " + "; ".join(down), details)
-    return Check("network", OK, ", ".join(f"{k} reachable" for k in details), details)
 
 
 def check_clock(reference: float | None = None) -> Check:
@@ -345,6 +264,10 @@ def run_checks(config_path: Path | None, ota_url: str | None, timeout: float) ->
 
         checks.append(check_repository(config.model_repository or demo_repository()))
         checks.append(check_ports(config))
+        agent = check_ota_config(config_path)
+        if agent is not None:
+            checks.append(agent)
+            ota_url = ota_url or agent.details.get("source")
         checks.append(check_reachability(config, ota_url, timeout))
     checks.append(check_clock())
     return checks
@@ -354,7 +277,9 @@ def add_parser(sub: Any) -> None:
     """Register ``appliance doctor`` on the CLI's subparsers."""
     doctor = sub.add_parser("doctor", help="check this device: platform, engines, config, models")
     doctor.add_argument("--config", type=Path, help="server config file (appliance.yaml)")
-    doctor.add_argument("--ota-url", help="OTA source to check for reachability")
+    doctor.add_argument(
+        "--ota-url", help="OTA source to check for reachability (default: the config's ota.source)"
+    )
     doctor.add_argument("--timeout", type=float, default=2.0, help="network checks (seconds)")
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
 

@@ -31,7 +31,7 @@ import numpy as np
 import onnxruntime as ort
 
 from appliance.errors import invalid
-from backends import sealed
+from backends import model_check, sealed
 from backends.base import BackendOptions, TensorSpec, check_inputs
 from backends.parameters import Parameters
 from backends.shared import Lease, SharedCache, file_identity
@@ -196,12 +196,18 @@ class OnnxRuntimeBackend:
             # model on disk, so a sealed model's engine is built each time instead
             data = sealed.read_model(options.model_path, options.key_file)
             chosen = providers if data is None else _without_engine_cache(providers)
-            return ort.InferenceSession(
-                data if data is not None else str(options.model_path),
-                sess_options=so,
-                providers=[name for name, _ in chosen],
-                provider_options=[opts for _, opts in chosen],
-            )
+            try:
+                return ort.InferenceSession(
+                    data if data is not None else str(options.model_path),
+                    sess_options=so,
+                    providers=[name for name, _ in chosen],
+                    provider_options=[opts for _, opts in chosen],
+                )
+            except Exception as exc:  # a model newer than this runtime: say what to do
+                hint = model_check.explain(str(exc), ort.__version__)
+                if hint is None:
+                    raise
+                raise invalid(f"model '{model}': {hint}") from None
 
         self._lease: Lease[ort.InferenceSession] | None = None
         if shared:

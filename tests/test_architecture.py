@@ -18,6 +18,8 @@ LAYERS: list[tuple[str, ...]] = [
         "appliance.cli_parser",
         "appliance.__main__",
         "appliance.doctor",
+        "appliance.doctor_check",
+        "appliance.doctor_network",
         "appliance.perf",
         "ota",
         "devtools",

@@ -188,3 +188,104 @@ def test_device_summary_over_recorded_trees(tmp_path: Path) -> None:
     assert check.status == "warn" and check.summary.endswith("37 oc3 throttle events since boot")
     assert doctor.check_device(str(X86)).summary.startswith("cpu 41.0 C, board 27.8 C")
     assert doctor.check_device(str(tmp_path / "nothing")).summary.startswith("no device")
+
+
+def _with_ir(ir_version: int | None = None, opset: int | None = None) -> bytes:
+    """The simple model as the installed onnx package saves it (its own IR version by
+    default), or stamped with another IR version or opset."""
+    import onnx
+
+    model = onnx.load_from_string(modelgen.simple_add_sub())
+    model.ir_version = onnx.IR_VERSION if ir_version is None else ir_version
+    if opset is not None:
+        model.opset_import[0].version = opset
+    return model.SerializeToString()  # type: ignore[no-any-return]
+
+
+def test_models_the_engine_would_refuse_are_named_as_serve_names_them(
+    tmp_path: Path, run_appliance: Any
+) -> None:
+    """doctor parses each model file with the engine that would serve it: random bytes,
+    an IR version or opset newer than the installed ONNX Runtime reads; and a model as
+    the installed onnx saves it (IR 14 today: read by ONNX Runtime 1.32 on Python 3.11,
+    refused by 1.23 on 3.10) gets the same verdict from doctor and from serve."""
+    import onnxruntime
+
+    repo = tmp_path / "models"
+    modelgen.write_model(repo, "good", modelgen.simple_add_sub())
+    modelgen.write_model(repo, "noise", os.urandom(4096))
+    modelgen.write_model(repo, "future_ir", _with_ir(99))
+    modelgen.write_model(repo, "future_opset", _with_ir(8, opset=99))
+    modelgen.write_model(repo, "as_saved", _with_ir())
+    _, checks = _checks("--config", str(_config(tmp_path)))
+    rows = checks["models"]["details"]["models"]
+    assert rows["good"] == "onnxruntime, version(s) [1]"
+    assert rows["noise"].startswith("WOULD FAIL: version 1:")
+    assert "Protobuf parsing" in rows["noise"]
+    installed = f"ONNX Runtime {onnxruntime.__version__}"
+    assert "the model is ONNX IR version 99" in rows["future_ir"]
+    assert f"{installed} reads IR <=" in rows["future_ir"] and "save it at IR" in rows["future_ir"]
+    assert "opset 99 of ai.onnx" in rows["future_opset"]
+
+    srv = run_appliance(repo, grpc_port=-1, metrics_port=-1)
+    served = {m["name"]: m for m in srv.server.lifecycle.index()}
+    for name, row in rows.items():
+        refused = row.startswith("WOULD FAIL")
+        assert (served[name]["state"] != "READY") == refused, (name, row, served[name])
+    assert "the model is ONNX IR version 99" in served["future_ir"]["reason"]
+    assert f"{installed} reads IR <=" in served["future_ir"]["reason"]
+
+
+def test_the_grpc_port_is_off_when_grpc_cannot_load(tmp_path: Path) -> None:
+    """Not "grpc 8001 free" when grpcio is missing: a warning for the default port (serve
+    goes on without it), a failure for a port asked for (serve stops at start)."""
+    modelgen.write_model(tmp_path / "models", "simple", modelgen.simple_add_sub())
+    default = tmp_path / "default.yaml"
+    default.write_text("model_repository: models\nhttp_port: 0\nmetrics_port: 0\n")
+    blocked = "import sys; sys.modules['grpc'] = None\nfrom appliance.cli import main\n"
+    results = {}
+    for config in (default, _config(tmp_path)):
+        done = subprocess.run(
+            [sys.executable, "-c", blocked + "sys.exit(main(sys.argv[1:]))", "doctor",
+             "--json", "--config", str(config)],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )  # fmt: skip
+        results[config.name] = {c["name"]: c for c in json.loads(done.stdout)}["ports"]
+    for name, status in (("default.yaml", "warn"), ("appliance.yaml", "fail")):
+        ports = results[name]
+        assert ports["status"] == status, ports
+        assert ports["details"]["grpc"].startswith("off: the gRPC libraries do not load")
+        assert "pip install 'appliance[grpc]'" in ports["details"]["grpc"]
+        assert "free" not in ports["details"]["grpc"]
+
+
+def test_the_ota_source_of_the_config_is_checked(tmp_path: Path) -> None:
+    modelgen.write_model(tmp_path / "models", "simple", modelgen.simple_add_sub())
+    with socket.socket() as server, socket.socket() as closed:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+        up, down = server.getsockname()[1], closed.getsockname()[1]
+        verdicts = {}
+        for port in (up, down):
+            ota = (
+                f"ota: {{source: 'http://127.0.0.1:{port}/repo', trusted_root: root.json, "
+                f"state_dir: state, device_id: cam-1}}\n"
+            )
+            _, checks = _checks("--config", str(_config(tmp_path, ota)), "--timeout", "5")
+            assert checks["ota"]["status"] == "ok", checks["ota"]
+            assert checks["ota"]["details"]["source"] == f"http://127.0.0.1:{port}/repo/"
+            verdicts[port] = checks["network"]
+    assert verdicts[up]["status"] == "ok" and verdicts[up]["details"] == {
+        "ota source": "reachable"
+    }
+    assert verdicts[down]["status"] == "warn" and "ota source" in verdicts[down]["summary"]
+    _, checks = _checks("--config", str(_config(tmp_path, "ota: {source: ftp://x}\n")))
+    assert checks["ota"]["status"] == "fail" and "ota.source" in checks["ota"]["summary"]
+    _, checks = _checks("--config", str(_config(tmp_path)))
+    assert "ota" not in checks and checks["network"]["summary"] == (
+        "no broker or OTA source configured"
+    )

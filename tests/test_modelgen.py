@@ -217,3 +217,21 @@ def test_main_writes_demo_repository(tmp_path: Path, capsys: pytest.CaptureFixtu
             path = tmp_path / name / rel
             assert path.read_bytes() == (DEMO_DIR / name / rel).read_bytes()
             assert str(path) in printed
+
+
+def test_generated_models_are_read_by_the_oldest_supported_onnx_runtime() -> None:
+    """modelgen stamps an IR version and opset that the oldest ONNX Runtime this package
+    allows (pyproject's lower bound) reads, per backends.model_check's measured table."""
+    import re
+    import sys
+
+    from backends.model_check import READS
+
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+
+    root = Path(__file__).resolve().parent.parent
+    deps = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    (floor,) = [re.sub(r"^onnxruntime>=", "", d) for d in deps if d.startswith("onnxruntime>=")]
+    oldest, max_ir, max_opset, _ = READS[0]
+    assert oldest.startswith(floor + "."), (oldest, floor)
+    assert max_ir >= modelgen.IR_VERSION and max_opset >= modelgen.OPSET

@@ -319,13 +319,12 @@ def test_every_http_route_declares_its_scope_and_an_undeclared_one_is_admin(
 
 
 def test_every_grpc_rpc_declares_its_scope_and_an_undeclared_one_is_admin() -> None:
-    from grpc_health.v1 import health_pb2
     from tritonclient.grpc import service_pb2
 
-    from appliance.adapters import grpc_server
+    from appliance.adapters import grpc_health_proto, grpc_server
 
     services = (
-        health_pb2.DESCRIPTOR.services_by_name["Health"],
+        grpc_health_proto.DESCRIPTOR.services_by_name["Health"],
         service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"],
     )
     methods = {f"/{s.full_name}/{m.name}" for s in services for m in s.methods}

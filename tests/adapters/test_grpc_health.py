@@ -28,6 +28,12 @@ def test_check_answers_each_service(run_appliance: Any) -> None:
         with pytest.raises(grpc.RpcError) as caught:
             check(_request("no.such.Service"), timeout=10)
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        listed = channel.unary_unary("/grpc.health.v1.Health/List")(b"", timeout=10)
+        # map<string, HealthCheckResponse> statuses = 1: one entry per service, SERVING
+        for service in (b"", b"inference.GRPCInferenceService"):
+            key = b"\n" + bytes([len(service)]) + service
+            entry = key + b"\x12\x02" + SERVING
+            assert b"\n" + bytes([len(entry)]) + entry in listed, listed
 
 
 def test_watch_streams_the_status_and_its_change_at_shutdown(run_appliance: Any) -> None:
