@@ -22,6 +22,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from backends.base import engine_message
+
 # (ONNX Runtime release, the newest ONNX IR version it reads, its newest ai.onnx opset,
 # the Pythons it has wheels for); measured, see the module docstring
 READS: tuple[tuple[str, int, int, str], ...] = (
@@ -71,10 +73,10 @@ def explain(message: str, installed: str) -> str | None:
     return None
 
 
-def engine_message(exc: BaseException, installed: str) -> str:
+def ort_message(exc: BaseException, installed: str) -> str:
     """An ONNX Runtime load error as one readable line (no C++ source location)."""
     text = " ".join(str(exc).split())
-    return explain(text, installed) or _ORT_PREFIX.sub("", text)
+    return explain(text, installed) or engine_message(_ORT_PREFIX.sub("", text))
 
 
 def probe(backend: str, path: Path) -> str:
@@ -93,8 +95,8 @@ def probe(backend: str, path: Path) -> str:
             options.log_severity_level = 3  # errors only: the answer is the exception
             try:
                 ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-            except Exception as exc:  # onnxruntime's own exception types: see engine_message
-                return engine_message(exc, ort.__version__)
+            except Exception as exc:  # onnxruntime's own exception types: see ort_message
+                return ort_message(exc, ort.__version__)
         elif backend == "openvino":
             import openvino as ov
 
@@ -106,5 +108,5 @@ def probe(backend: str, path: Path) -> str:
     except (SyntaxError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"
     except Exception as exc:  # the engine's refusal, whatever its type
-        return " ".join(str(exc).split())[:2000]
+        return engine_message(exc)
     return ""
