@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Install what the tests need (the package with its `test` extra), then run every
-# check: ruff, mypy and the whole pytest suite. This is the README's test command.
+# check: ruff, mypy and the whole pytest suite; then half of it again on Python 3.10
+# (JetPack 6's) where such an interpreter is present, the x86 container image where
+# podman is, and the install matrix (every documented install alone, in fresh venvs).
+# Each step prints its time. This is the README's test command.
 #
 # Nothing is written into the checkout, so it may be read-only: the package is built
 # from a copy in a temporary directory (setuptools would put egg-info and build/ next
@@ -32,6 +35,63 @@ if [ ${#missing[@]} -gt 0 ]; then
         echo "test.sh: ${missing[*]} not installed; the tests that need them will be skipped" >&2
     fi
 fi
-python3 -m ruff check --no-cache appliance backends ota devtools tests benchmarks
-python3 -m mypy --cache-dir "$scratch/mypy"
-python3 -m pytest -q -p no:cacheprovider
+step() {  # each step's wall time goes into the log (CI keeps it)
+    local name=$1 started=$SECONDS
+    shift
+    "$@"
+    echo "test.sh: $name took $((SECONDS - started)) s"
+}
+step "ruff" python3 -m ruff check --no-cache appliance backends ota devtools tests benchmarks
+step "mypy" python3 -m mypy --cache-dir "$scratch/mypy"
+step "pytest ($(python3 -c 'import platform; print(platform.python_version())'))" \
+    python3 -m pytest -q -p no:cacheprovider
+
+# Python 3.10 (JetPack 6's): a fresh venv with the same constraints (their environment
+# markers pick the 3.10 releases), then the part of the suite that what differs there
+# can break: the engines, the core, configs, HTTP/gRPC/MQTT and the first hour (README,
+# doctor, CLI), on 3.10's asyncio and its older numpy, Pillow and ONNX Runtime (IR <= 11).
+# The OTA agent, perf/tune, process isolation, broker outages, systemd and the
+# packaging checks run on the main Python only: about half the suite's time.
+# pyenv's 3.10, python3.10, or APPLIANCE_PYTHON310.
+PY310_TESTS=(
+    tests/backends tests/core tests/config tests/adapters tests/test_readme.py
+    tests/test_doctor.py tests/test_modelgen.py tests/test_cli.py tests/test_first_run.py
+    tests/test_shutdown.py tests/test_triton_conformance.py tests/test_datatypes.py
+    --ignore=tests/backends/test_process_isolation.py --ignore=tests/adapters/test_mqtt_outage.py
+)
+py310=""
+for candidate in "${APPLIANCE_PYTHON310:-}" "$HOME"/.pyenv/versions/3.10*/bin/python3.10 \
+        "$(command -v python3.10 || true)"; do
+    if [ -n "$candidate" ] && [ -x "$candidate" ] \
+        && "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 10))' 2>/dev/null; then
+        py310=$candidate
+        break
+    fi
+done
+if [ -n "$py310" ]; then
+    install310() {
+        "$py310" -m venv "$scratch/py310"
+        "$scratch/py310/bin/python" -m pip install --quiet --disable-pip-version-check \
+            "${constraints[@]}" "$scratch[test]"
+    }
+    step "install (3.10)" install310
+    step "pytest ($("$py310" -c 'import platform; print(platform.python_version())'))" \
+        "$scratch/py310/bin/python" -m pytest -q -p no:cacheprovider "${PY310_TESTS[@]}"
+else
+    echo "test.sh: no Python 3.10 found (pyenv's, python3.10, APPLIANCE_PYTHON310): not run on 3.10" >&2
+fi
+
+# Dockerfile.x86 built and run with podman, where podman and the local Debian base
+# image are (python3 -m devtools.container_check makes the base once: debootstrap takes
+# minutes, so this script never does it, nor installs podman)
+if command -v podman >/dev/null && [ "$(id -u)" = 0 ] \
+    && podman image exists localhost/appliance-base:bookworm 2>/dev/null; then
+    step "containers" env APPLIANCE_CONTAINER_CHECK=1 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_containers.py -k built_and_runs
+else
+    echo "test.sh: no podman with the base image here: the image is not built and run" >&2
+fi
+
+# every documented install on its own, each in a fresh venv (tests/test_install_matrix.py)
+step "install matrix" env APPLIANCE_INSTALL_MATRIX=1 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_install_matrix.py

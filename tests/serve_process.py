@@ -62,3 +62,15 @@ def start_serve(
         except OSError:
             time.sleep(0.1)
     return proc, port[0], lines
+
+
+def startup_lines(proc: subprocess.Popen[str]) -> list[str]:
+    """The log of an ``appliance serve`` started with stderr piped, read up to its
+    "ready in" or "NOT ready" line (bounded by the server's own start-up)."""
+    lines: list[str] = []
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        lines.append(line)
+        if "ready in" in line or "NOT ready" in line:
+            break
+    return lines
