@@ -247,7 +247,10 @@ def check(base: str | None, no_cache: bool = False) -> dict[str, Any]:
         figures["build_s"] = round(time.monotonic() - t, 1)
         figures["image_bytes"] = int(podman("image", "inspect", IMAGE, "--format", "{{.Size}}"))
         figures["base_bytes"] = int(podman("image", "inspect", base, "--format", "{{.Size}}"))
-        figures.update(run_image(podman, scratch))
+        try:
+            figures.update(run_image(podman, scratch))
+        finally:  # the previous run's images and this build's stage: disk, not cache
+            podman("image", "prune", "--force", check=False)
     return figures
 
 
