@@ -180,6 +180,7 @@ def check_repository(repository: Path) -> Check:
     from appliance.core.loader import resolve_backend
     from appliance.core.warmup import lower_bound
     from backends.model_check import probe
+    from backends.sealed import is_sealed
 
     if not repository.is_dir():
         return Check("models", FAIL, f"model repository {repository} is not a directory")
@@ -199,17 +200,23 @@ def check_repository(repository: Path) -> Check:
             if not versions:
                 raise ValueError("no version folder (1/, 2/, ...)")
             backends = set()
+            sealed: list[int] = []
             for v in versions:
                 backend, path = resolve_backend(config, repository / name / str(v))
                 engine = BACKEND_ENGINE.get(backend)
                 if engine and importlib.util.find_spec(engine) is None:
                     hint = f"pip install 'appliance[{engine}]'"
                     raise ValueError(f"backend {backend} is not installed: {hint}")
+                backends.add(backend)
+                if is_sealed(path):  # encrypted at rest: only the server's key opens it
+                    sealed.append(v)
+                    continue
                 problem = probe(backend, path)  # what the loader's engine would say
                 if problem:
                     raise ValueError(f"version {v}: {problem}")
-                backends.add(backend)
             rows[name] = f"{', '.join(sorted(backends))}, version(s) {versions}"
+            if sealed:
+                rows[name] += f"; sealed version(s) {sealed} not parsed (the server's key opens it)"
             lower = lower_bound(config)  # from the dims the config declares
             if lower:
                 rows[name] += f"; memory is a lower bound: declare a model_warmup ({lower})"

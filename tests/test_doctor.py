@@ -236,6 +236,21 @@ def test_models_the_engine_would_refuse_are_named_as_serve_names_them(
     assert f"{installed} reads IR <=" in served["future_ir"]["reason"]
 
 
+def test_a_sealed_model_is_not_parsed_as_plain_bytes(tmp_path: Path) -> None:
+    """A model encrypted at rest opens only with the server's key: doctor names it
+    sealed instead of calling its ciphertext a model the engine would refuse."""
+    from backends import sealed_crypto
+
+    public = sealed_crypto.parse_public(sealed_crypto.generate_key(tmp_path / "device.key"))
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "model.onnx").write_bytes(modelgen.simple_add_sub())
+    repo = tmp_path / "models"
+    sealed_crypto.seal_folder(tmp_path / "plain", repo / "locked" / "1", [public])
+    _, checks = _checks("--config", str(_config(tmp_path)))
+    row = checks["models"]["details"]["models"]["locked"]
+    assert row.startswith("onnxruntime, version(s) [1]") and "sealed version(s) [1]" in row
+
+
 def test_the_grpc_port_is_off_when_grpc_cannot_load(tmp_path: Path) -> None:
     """Not "grpc 8001 free" when grpcio is missing: a warning for the default port (serve
     goes on without it), a failure for a port asked for (serve stops at start)."""
