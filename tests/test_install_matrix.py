@@ -12,8 +12,14 @@ resolved for every supported Python.
   install's own server;
 - ``.[openvino]``: an OpenVINO model served, ``perf`` over HTTP.
 
+The deployment constraints are resolved here for Python 3.12 and 3.13; the main Python
+and 3.10 install with them for real (``scripts/test.sh``), where
+tests/test_every_python.py checks every pin.
+
 Slow (a fresh install each, from pip's cache): ``scripts/test.sh`` runs it as its own
-step with APPLIANCE_INSTALL_MATRIX=1 and prints its time; the main run skips it.
+step with APPLIANCE_INSTALL_MATRIX=1 and prints its time; the main run skips it. The
+installs and resolutions all start at once, three at a time (pip waits on its index and
+its cache as much as it computes), and each test takes its own when it is ready.
 """
 
 from __future__ import annotations
@@ -28,11 +34,13 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from ota_helpers import vectors
 from serve_process import startup_lines
+from test_every_python import normal, pins
 from test_readme import _blocks
 
 from devtools.container_check import infer_simple
@@ -42,8 +50,9 @@ pytestmark = pytest.mark.skipif(
     os.environ.get("APPLIANCE_INSTALL_MATRIX") != "1",
     reason="slow: scripts/test.sh runs it as its own step (APPLIANCE_INSTALL_MATRIX=1)",
 )
-# requires-python >= 3.10; resolved here for each (3.11, the suite's: by the real installs)
-PYTHONS = ("3.10", "3.12", "3.13")
+# requires-python >= 3.10: 3.11 (the suite's) and 3.10 install for real in scripts/test.sh
+PYTHONS = ("3.12", "3.13")
+EXTRAS = ("", "grpc", "ota", "client", "openvino")
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", "appliance", "backends", "ota")
 
 
@@ -84,17 +93,58 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
-class Venv:
-    """A fresh virtual environment with one extra of the package installed."""
+@pytest.fixture(scope="module")
+def prepared(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future]]:
+    """Every install of the matrix and every resolution, started at once (three at a
+    time; the extras once the default install is there); a test takes its own with
+    ``.result()``, which raises what went wrong there."""
 
-    def __init__(self, root: Path, wheel: Path, extra: str) -> None:
+    def venv(extra: str) -> Venv:
+        folder = tmp_path_factory.mktemp(f"venv-{extra or 'base'}")
+        return Venv(folder, wheel, extra, jobs[""].result() if extra else None)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        jobs: dict[str, Future] = {}
+        for extra in EXTRAS:
+            jobs[extra] = pool.submit(venv, extra)
+        for python in PYTHONS:
+            jobs[python] = pool.submit(_resolve, python, wheel, tmp_path_factory.mktemp("resolve"))
+        yield jobs
+        for job in jobs.values():
+            job.cancel()
+
+
+class Venv:
+    """A fresh virtual environment with the package installed, with one extra or none.
+
+    An extra's environment is layered over the default install's (``base``): its
+    site-packages come after the environment's own on ``sys.path`` (a ``.pth`` file), as
+    the dependencies every install has, unpacked once. pip installs the package into the
+    environment itself (its ``appliance`` command runs this interpreter), then
+    ``appliance[extra]`` with the constraints, resolving against the default install:
+    what the extra adds goes into this environment, and it may not replace any of the
+    default install's distributions (pip's install report is checked), so what each
+    environment can import is that of ``pip install '.[extra]'`` alone."""
+
+    def __init__(self, root: Path, wheel: Path, extra: str, base: Venv | None = None) -> None:
         self.root, self.work = root / "venv", root / "work"
         self.work.mkdir()
         _run(sys.executable, "-m", "venv", "--without-pip", self.root, cwd=root)
         self.python = self.root / "bin" / "python"
+        (self.site,) = (self.root / "lib").glob("python*/site-packages")
         spec = f"appliance{f'[{extra}]' if extra else ''} @ {wheel.as_uri()}"
         # --no-compile: byte-compiling every dependency is a third of the install's time
-        self.pip("install", "-q", "--no-compile", "-c", ROOT / "constraints.txt", spec)
+        install = ("install", "-q", "--no-compile", "-c", ROOT / "constraints.txt")
+        if base is None:
+            self.pip(*install, spec)
+            return
+        (self.site / "default-install.pth").write_text(f"{base.site}\n")
+        self.pip("install", "-q", "--no-compile", "--no-deps", "--ignore-installed", wheel)
+        report = root / "report.json"
+        self.pip(*install, "--report", report, spec)
+        added = {normal(i["metadata"]["name"]) for i in json.loads(report.read_text())["install"]}
+        replaced = added & {normal(p.name.split("-")[0]) for p in base.site.glob("*.dist-info")}
+        assert not replaced, f"appliance[{extra}] replaced the default install's {replaced}"
 
     def pip(self, *args: str | Path) -> str:
         return _run(sys.executable, "-m", "pip", "--python", self.python, *args, cwd=self.work)
@@ -151,29 +201,11 @@ class Venv:
         return Path(self.py(code).strip())
 
 
-def pins(python: str) -> dict[str, str]:
-    """constraints.txt's pins that apply to ``python`` (X.Y), by normalized name."""
-    found = {}
-    for line in (ROOT / "constraints.txt").read_text().splitlines():
-        if "==" not in line or line.startswith("#"):
-            continue
-        requirement, _, marker = line.partition(";")
-        name, version = requirement.strip().split("==")
-        for_310 = '"3.11"' in marker and "<" in marker
-        if not marker or for_310 == (python == "3.10"):
-            found[_normal(name)] = version
-    return found
-
-
-def _normal(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def assert_all_pinned(env: Venv) -> None:
     """Every distribution the install brought is at its constraints.txt pin."""
-    wanted = pins(f"{sys.version_info[0]}.{sys.version_info[1]}")
+    wanted = pins()
     installed = dict(line.split("==") for line in env.pip("freeze").split() if "==" in line)
-    off = {n: v for n, v in installed.items() if n != "appliance" and wanted.get(_normal(n)) != v}
+    off = {n: v for n, v in installed.items() if n != "appliance" and wanted.get(normal(n)) != v}
     assert not off, f"installed but not pinned in constraints.txt: {off}"
 
 
@@ -181,8 +213,8 @@ FAST = ["--warmup", "0.1", "--duration", "0.3", "--quiet", "--concurrency", "2"]
 SUM = [2 * i for i in range(16)]
 
 
-def test_default_install(wheel: Path, tmp_path: Path) -> None:
-    env = Venv(tmp_path, wheel, "")
+def test_default_install(prepared: dict[str, Future]) -> None:
+    env: Venv = prepared[""].result()
     assert not env.imports("grpc")
     assert_all_pinned(env)
     with env.serve("--metrics-port", "-1") as (port, lines):  # gRPC: the default 8001
@@ -218,8 +250,8 @@ with grpc.insecure_channel(url) as channel:  # grpc.health.v1 Check: SERVING
 """
 
 
-def test_grpc_extra_and_tritonclient_grpc_beside_it(wheel: Path, tmp_path: Path) -> None:
-    env = Venv(tmp_path, wheel, "grpc")
+def test_grpc_extra_and_tritonclient_grpc_beside_it(prepared: dict[str, Future]) -> None:
+    env: Venv = prepared["grpc"].result()
     assert_all_pinned(env)
     (env.work / "call.py").write_text(GRPC_CALL)
 
@@ -240,8 +272,8 @@ def test_grpc_extra_and_tritonclient_grpc_beside_it(wheel: Path, tmp_path: Path)
     serve_and_call()
 
 
-def test_ota_extra_runs_the_readme_fleet_commands(wheel: Path, tmp_path: Path) -> None:
-    env = Venv(tmp_path, wheel, "ota")
+def test_ota_extra_runs_the_readme_fleet_commands(prepared: dict[str, Future]) -> None:
+    env: Venv = prepared["ota"].result()
     assert not env.imports("grpc")
     demo = env.package_dir()
     shutil.copytree(demo / "demo_models" / "simple" / "1", env.work / "models" / "simple" / "2")
@@ -260,16 +292,16 @@ def test_ota_extra_runs_the_readme_fleet_commands(wheel: Path, tmp_path: Path) -
     assert shown["version"] == 2 and "simple" in json.dumps(shown)
 
 
-def test_client_extra_runs_the_readme_client_example(wheel: Path, tmp_path: Path) -> None:
-    env = Venv(tmp_path, wheel, "client")
+def test_client_extra_runs_the_readme_client_example(prepared: dict[str, Future]) -> None:
+    env: Venv = prepared["client"].result()
     (example, *_) = _blocks("client")
     with env.serve("--metrics-port", "-1", "--grpc-port", "-1") as (port, _):
         out = env.py(example.replace("127.0.0.1:8000", f"127.0.0.1:{port}"))
     assert [int(x) for x in re.findall(r"-?\d+", out)] == list(range(1, 17))
 
 
-def test_openvino_extra_serves_an_openvino_model(wheel: Path, tmp_path: Path) -> None:
-    env = Venv(tmp_path, wheel, "openvino")
+def test_openvino_extra_serves_an_openvino_model(prepared: dict[str, Future]) -> None:
+    env: Venv = prepared["openvino"].result()
     demo = env.package_dir()
     model = env.work / "models" / "simple_ov"
     shutil.copytree(demo / "demo_models" / "simple", model)
@@ -295,16 +327,10 @@ def _interpreter(version: str) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("python", PYTHONS)
-def test_the_deployment_constraints_resolve_on_every_supported_python(
-    wheel: Path, tmp_path: Path, python: str
-) -> None:
-    """pip of that Python resolves '.[grpc,uvloop]' with constraints.txt (the file's
-    environment markers are evaluated by the interpreter that resolves, so each Python
-    resolves for itself; nothing is installed), and every package it picks is pinned
-    there. Without that Python here, the running one resolves for it by wheel tags
-    alone, where the markers read the same (3.11 and later)."""
-    report = tmp_path / "report.json"
+def _resolve(python: str, wheel: Path, work: Path) -> dict[str, str] | None:
+    """What pip of ``python`` picks for '.[grpc,uvloop]' with constraints.txt, by
+    normalized name (nothing is installed); None without such a Python here."""
+    report = work / "report.json"
     interpreter = _interpreter(python)
     if interpreter is not None:
         target: list[str | Path] = [interpreter, "-m", "pip", "install"]
@@ -313,23 +339,36 @@ def test_the_deployment_constraints_resolve_on_every_supported_python(
             sys.executable, "-m", "pip", "install", "--only-binary=:all:", "--python-version",
             python, "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
             "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64",
-            "--target", tmp_path / "target",
+            "--target", work / "target",
         ]  # fmt: skip
     else:
-        pytest.skip(f"no Python {python} here to resolve its environment markers")
+        return None
     _run(
         *target, "--dry-run", "--quiet", "--ignore-installed", "--disable-pip-version-check",
         "--report", report, "-c", ROOT / "constraints.txt",
         f"appliance[grpc,uvloop] @ {wheel.as_uri()}",
-        cwd=tmp_path,
+        cwd=work,
     )  # fmt: skip
-    picked = {
-        _normal(i["metadata"]["name"]): i["metadata"]["version"]
+    return {
+        normal(i["metadata"]["name"]): i["metadata"]["version"]
         for i in json.loads(report.read_text())["install"]
     }
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_the_deployment_constraints_resolve_on_every_supported_python(
+    prepared: dict[str, Future], python: str
+) -> None:
+    """pip of that Python resolves '.[grpc,uvloop]' with constraints.txt (the file's
+    environment markers are evaluated by the interpreter that resolves, so each Python
+    resolves for itself; nothing is installed), and every package it picks is pinned
+    there. Without that Python here, the running one resolves for it by wheel tags
+    alone, where the markers read the same (3.11 and later)."""
+    picked: dict[str, str] | None = prepared[python].result()
+    if picked is None:
+        pytest.skip(f"no Python {python} here to resolve its environment markers")
     assert picked.pop("appliance") == "0.1.0"
     wanted = pins(python)
     unpinned = {n: v for n, v in picked.items() if wanted.get(n) != v}
     assert not unpinned, f"picked but not pinned for Python {python}: {unpinned}"
     assert picked["onnxruntime"] == ("1.23.2" if python == "3.10" else "1.32.0")
-
