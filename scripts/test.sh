@@ -19,14 +19,28 @@ summary() {  # every step's time once more at the end, also when one failed
     local line
     [ ${#times[@]} -eq 0 ] || echo "test.sh: step times (wall clock):"
     for line in "${times[@]}"; do echo "test.sh:   $line"; done
+    echo "test.sh: $SECONDS s in all"
     rm -rf "$scratch"
 }
 trap summary EXIT
+step() {  # each step's wall time goes into the log (CI keeps it)
+    local name=$1 started=$SECONDS status=0
+    shift
+    "$@" || status=$?
+    echo "test.sh: $name took $((SECONDS - started)) s"
+    if [ "$status" = 0 ]; then
+        times+=("$name: $((SECONDS - started)) s")
+    else
+        times+=("$name: $((SECONDS - started)) s (failed, status $status)")
+    fi
+    return "$status"
+}
 tar --exclude=.git --exclude='*.egg-info' --exclude=build --exclude=__pycache__ -cf - . \
     | tar -xf - -C "$scratch"
 constraints=()
 [ -f constraints.txt ] && constraints=(-c constraints.txt)
-python3 -m pip install --quiet --disable-pip-version-check "${constraints[@]}" "$scratch[test]"
+step "install" python3 -m pip install --quiet --disable-pip-version-check "${constraints[@]}" \
+    "$scratch[test]"
 export PYTHONPYCACHEPREFIX="$scratch/pycache"
 # the MQTT tests run a real broker: Debian's mosquitto (installed to /usr/sbin, which a
 # non-login PATH may lack; tests/mosquitto.py looks there too); tests/test_no_egress.py
@@ -43,18 +57,6 @@ if [ ${#missing[@]} -gt 0 ]; then
         echo "test.sh: ${missing[*]} not installed; the tests that need them will be skipped" >&2
     fi
 fi
-step() {  # each step's wall time goes into the log (CI keeps it)
-    local name=$1 started=$SECONDS status=0
-    shift
-    "$@" || status=$?
-    echo "test.sh: $name took $((SECONDS - started)) s"
-    if [ "$status" = 0 ]; then
-        times+=("$name: $((SECONDS - started)) s")
-    else
-        times+=("$name: $((SECONDS - started)) s (failed, status $status)")
-    fi
-    return "$status"
-}
 step "ruff" python3 -m ruff check --no-cache appliance backends ota devtools tests benchmarks
 step "mypy" python3 -m mypy --cache-dir "$scratch/mypy"
 step "pytest ($(python3 -c 'import platform; print(platform.python_version())'))" \
