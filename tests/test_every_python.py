@@ -21,8 +21,10 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("appliance", "backends", "ota", "devtools")
 # engines that only some installs have: their backend modules import them at the top
-# (the loader imports a backend module only when a model asks for that engine)
-OPTIONAL_ENGINES = {"openvino", "pycuda", "tensorrt"}
+# (the loader imports a backend module only when a model asks for that engine); and
+# tools a devtools script is run with by hand, which no extra installs (atheris:
+# devtools/fuzz_grpc.py)
+OPTIONAL_ENGINES = {"openvino", "pycuda", "tensorrt", "atheris"}
 # what constraints.txt is the lock of (its header: '.[grpc,uvloop,client]')
 LOCKED = "appliance[grpc,uvloop,client]"
 
