@@ -15,7 +15,8 @@ from pathlib import Path
 import yaml
 
 from appliance.config.fields import ConfigError, Fields, parse_size
-from appliance.config.server_config import MqttConfig, load_server_config
+from appliance.config.mqtt_config import MqttConfig
+from appliance.config.server_config import load_server_config
 from ota import OtaError, window
 from ota.rollout import CHANNELS, check_name
 

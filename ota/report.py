@@ -21,7 +21,7 @@ import paho.mqtt.client as mqtt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from paho.mqtt.enums import CallbackAPIVersion
 
-from appliance.config.server_config import MqttConfig
+from appliance.config.mqtt_config import MqttConfig
 from ota import devicekey
 from ota.state import AgentState, Job
 

@@ -79,15 +79,11 @@ class Control(Outbound):
         self._watch: asyncio.TimerHandle | None = None
         self.made = False  # connection_made was called (a TLS handshake succeeded)
 
-    # the stream frames (grpc_h2.Connection)
-    def _data(self, flags: int, sid: int, payload: memoryview) -> None:
-        raise NotImplementedError
-
-    def _headers_frame(self, flags: int, sid: int, payload: memoryview) -> None:
-        raise NotImplementedError
-
-    def _continue(self, flags: int, sid: int, payload: memoryview) -> None:
-        raise NotImplementedError
+    # the stream frames: methods of the one subclass, grpc_h2.Connection (flags, stream
+    # id, payload); declared here for the frame dispatch below
+    _data: Callable[[int, int, memoryview], None]
+    _headers_frame: Callable[[int, int, memoryview], None]
+    _continue: Callable[[int, int, memoryview], None]
 
     # ---- asyncio.Protocol ------------------------------------------------------------
 

@@ -61,7 +61,7 @@ from appliance.adapters.mqtt_protocol import (
     expired,
     model_guess,
 )
-from appliance.config.server_config import MqttConfig
+from appliance.config.mqtt_config import MqttConfig
 from appliance.core.dataplane import DataPlane
 from appliance.core.stats import MqttStats
 from appliance.errors import ApplianceError, Code

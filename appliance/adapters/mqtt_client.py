@@ -21,7 +21,7 @@ from paho.mqtt.properties import Properties
 
 from appliance.adapters.mqtt_link import BufferedSocket
 from appliance.adapters.mqtt_protocol import HEADER_LENGTH, Inbound
-from appliance.config.server_config import MqttConfig
+from appliance.config.mqtt_config import MqttConfig
 
 RECEIVE_MAXIMUM_LIMIT = 65535  # the largest value MQTT v5 allows
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 from appliance import names
@@ -160,3 +161,28 @@ def parse_limit(value: Any, source: str, key: str) -> int | None:
             raise ConfigError(source, key, f"expected a share such as 60%, got {value!r}")
         return int(physical_memory() * share / 100)
     return parse_size(value, source, key)
+
+
+def seconds(f: Fields, key: str, default: float, minimum: float) -> float:
+    """A number of seconds at ``key`` (``default`` when absent), at least ``minimum``."""
+    value = f.data.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < minimum:
+        raise f.fail(key, f"expected a number of seconds >= {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def existing_path(f: Fields, key: str, base: Path | None, directory: bool = False) -> Path | None:
+    """An existing file (or directory) at ``key``, relative to the config file ``base``;
+    None when absent."""
+    value = f.data.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise f.fail(key, f"expected a path, got {value!r}")
+    path = Path(os.path.expanduser(value))
+    if base is not None and not path.is_absolute():
+        path = base.parent / path  # relative to the config file
+    if not (path.is_dir() if directory else path.is_file()):
+        kind = "directory" if directory else "file"
+        raise f.fail(key, f"expected an existing {kind}, {str(path)!r} is not one")
+    return path

@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from appliance.config.fields import ConfigError, Fields, parse_limit, parse_size
+from appliance.config.fields import (
+    ConfigError,
+    Fields,
+    existing_path,
+    parse_limit,
+    parse_size,
+    seconds,
+)
+from appliance.config.mqtt_config import MqttConfig, parse_mqtt
 from appliance.datatypes import DEFAULT_MAX_REQUEST_ELEMENTS
 
 
@@ -146,7 +153,7 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         max_queued_bytes_per_model=_optional_size(data, source, "max_queued_bytes_per_model"),
         log_level=level,
         event_loop=_choice(f, "event_loop", "auto", ("auto", "asyncio", "uvloop")),
-        mqtt=_mqtt(f, path, broker),
+        mqtt=parse_mqtt(f, path, broker),
         server_name=_server_name(f),
         trace_file=_trace_file(f, path),
         **_control(f, path),
@@ -197,171 +204,6 @@ def _choice(f: Fields, key: str, default: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
-# ---- mqtt: the MQTT bridge (appliance/adapters/mqtt_bridge.py) ----------------------------------
-
-_MQTT_FIELDS = {
-    "host",
-    "port",
-    "device_id",
-    "client_id",
-    "topic_prefix",
-    "qos",
-    "models",
-    "shared_group",
-    "username",
-    "password",
-    "tls",
-    "keepalive_s",
-    "session_expiry_s",
-    "max_pending",
-    "dedup_window_s",
-    "dedup_max_entries",
-    "reconnect_min_s",
-    "reconnect_max_s",
-    "file_directory",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class MqttTls:
-    ca_file: Path | None = None  # None: the system's trusted CAs
-    cert_file: Path | None = None  # client certificate (mutual TLS), with key_file
-    key_file: Path | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class MqttConfig:
-    """The ``mqtt:`` section of appliance.yaml (see docs/mqtt.md for each field)."""
-
-    host: str
-    port: int = 1883
-    device_id: str = ""  # default: the host name
-    client_id: str = ""  # default: the device id
-    topic_prefix: str = "appliance"
-    qos: int = 1  # subscriptions and replies: 0 or 1
-    models: tuple[str, ...] = ()  # () = every model
-    shared_group: str = ""  # also serve $share/<group>/<prefix>/infer/<model>
-    username: str = ""
-    password: str = ""
-    tls: MqttTls | None = None
-    keepalive_s: int = 30
-    session_expiry_s: int = 300  # the broker keeps our subscriptions and QoS 1 requests
-    max_pending: int = 64  # requests held at once (v5 Receive Maximum); beyond: "overloaded"
-    dedup_window_s: float = 60.0
-    dedup_max_entries: int = 10000
-    # a device on the LAN of its broker is back within ~1-2 s of the broker's return
-    reconnect_min_s: float = 0.5
-    reconnect_max_s: float = 2.0
-    file_directory: Path | None = None  # payloads may name files under it; None: refused
-
-
-def _seconds(f: Fields, key: str, default: float, minimum: float) -> float:
-    value = f.data.get(key, default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < minimum:
-        raise f.fail(key, f"expected a number of seconds >= {minimum:g}, got {value!r}")
-    return float(value)
-
-
-def _topic_level(f: Fields, key: str, default: str, allow_slash: bool = False) -> str:
-    """A topic part we publish or subscribe with: no wildcards, no empty levels."""
-    value = f.text(key, default)
-    if (
-        not value
-        or value.startswith("$")
-        or any(c in value for c in "+#\0")
-        or (not allow_slash and "/" in value)
-        or "" in value.split("/")
-    ):
-        what = "topic prefix (levels separated by '/')" if allow_slash else "topic level"
-        raise f.fail(
-            key,
-            f"expected a non-empty MQTT {what} without '+', '#', empty levels "
-            f"or a leading '$', got {value!r}",
-        )
-    return value
-
-
-def _file(f: Fields, key: str, base: Path | None, directory: bool = False) -> Path | None:
-    value = f.data.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value:
-        raise f.fail(key, f"expected a path, got {value!r}")
-    path = Path(os.path.expanduser(value))
-    if base is not None and not path.is_absolute():
-        path = base.parent / path  # relative to the config file
-    if not (path.is_dir() if directory else path.is_file()):
-        kind = "directory" if directory else "file"
-        raise f.fail(key, f"expected an existing {kind}, {str(path)!r} is not one")
-    return path
-
-
-def _mqtt(f: Fields, path: Path | None, broker: str | None) -> MqttConfig | None:
-    """The ``mqtt`` section, or None when it is absent and --mqtt-broker is not given."""
-    raw = f.data.get("mqtt")
-    if raw is None and broker is None:
-        return None
-    m = Fields(f.source, {} if raw is None else raw, f.at("mqtt"))
-    m.check_keys(_MQTT_FIELDS)
-    data = dict(m.data)
-    if broker is not None:
-        name, sep, number = str(broker).rpartition(":")
-        if not sep or not name or not number.isdigit() or not 0 < int(number) < 65536:
-            raise ConfigError(
-                "<command line>", "--mqtt-broker", f"expected HOST:PORT, got {broker!r}"
-            )
-        data.update(host=name.strip("[]"), port=int(number))
-    m = Fields(m.source, data, m.path)
-    host = m.text("host")
-    if not host:
-        raise m.fail("host", "expected the broker's host name or address")
-    port = m.integer("port", 1883, minimum=1)
-    if port > 65535:
-        raise m.fail("port", f"expected a port number 1..65535, got {port}")
-    qos = m.integer("qos", 1)
-    if qos > 1:
-        raise m.fail("qos", f"expected 0 or 1, got {qos}")
-    models = data.get("models", [])
-    if not isinstance(models, list) or not all(
-        isinstance(x, str) and x and not set(x) & set("+#/\0") for x in models
-    ):
-        raise m.fail("models", f"expected a list of model names, got {models!r}")
-    device_id = _topic_level(m, "device_id", socket.gethostname() or "appliance")
-    tls = None
-    if isinstance(data.get("tls"), bool):  # tls: true = the system's trusted CAs
-        tls = MqttTls() if data["tls"] else None
-    elif (t := m.sub("tls")) is not None:
-        t.check_keys({"ca_file", "cert_file", "key_file"})
-        files = [_file(t, key, path) for key in ("ca_file", "cert_file", "key_file")]
-        tls = MqttTls(*files)
-        if (tls.cert_file is None) != (tls.key_file is None):
-            raise t.fail("cert_file", "a client certificate needs both cert_file and key_file")
-    low = _seconds(m, "reconnect_min_s", 0.5, 0.01)
-    high = _seconds(m, "reconnect_max_s", max(2.0, low), low)
-    shared = data.get("shared_group") or ""
-    return MqttConfig(
-        host=host,
-        port=port,
-        device_id=device_id,
-        client_id=m.text("client_id", device_id) or device_id,
-        topic_prefix=_topic_level(m, "topic_prefix", "appliance", allow_slash=True),
-        qos=qos,
-        models=tuple(models),
-        shared_group=_topic_level(m, "shared_group", shared) if shared else "",
-        username=m.text("username"),
-        password=m.text("password"),
-        tls=tls,
-        keepalive_s=m.integer("keepalive_s", 30, minimum=5),
-        session_expiry_s=m.integer("session_expiry_s", 300),
-        max_pending=m.integer("max_pending", 64, minimum=1),
-        dedup_window_s=_seconds(m, "dedup_window_s", 60.0, 0.0),
-        dedup_max_entries=m.integer("dedup_max_entries", 10000, minimum=1),
-        reconnect_min_s=low,
-        reconnect_max_s=high,
-        file_directory=_file(m, "file_directory", path, directory=True),
-    )
-
-
 # ---- model control, memory budget, access (lifecycle.py, memory.py, access.py) --------
 
 
@@ -378,11 +220,11 @@ def _control(f: Fields, path: Path | None) -> dict[str, Any]:
     if not isinstance(poll, (int, float)) or isinstance(poll, bool) or poll <= 0:
         raise f.fail("repository_poll_secs", f"expected a number of seconds > 0, got {poll!r}")
     require = f.flag("require_admin_token", False)
-    cert, key = _file(f, "tls_cert", path), _file(f, "tls_key", path)
+    cert, key = existing_path(f, "tls_cert", path), existing_path(f, "tls_key", path)
     if (cert is None) != (key is None):
         missing = "tls_cert" if cert is None else "tls_key"
         raise f.fail(missing, "HTTPS needs both tls_cert and tls_key")
-    client_ca = _file(f, "tls_client_ca", path)
+    client_ca = existing_path(f, "tls_client_ca", path)
     if client_ca is not None and cert is None:
         raise f.fail("tls_client_ca", "mutual TLS needs tls_cert and tls_key too")
     key_file = _key_file(f, path)
@@ -407,7 +249,7 @@ def _key_file(f: Fields, path: Path | None) -> Path | None:
     value = f.data.get("model_key_file")
     if isinstance(value, str):
         f = Fields(f.source, {**f.data, "model_key_file": os.path.expandvars(value)}, f.path)
-    key = _file(f, "model_key_file", path)
+    key = existing_path(f, "model_key_file", path)
     if key is not None and key.stat().st_mode & 0o077:
         raise f.fail(
             "model_key_file",
@@ -425,13 +267,13 @@ def _limits(f: Fields) -> dict[str, Any]:
         "max_request_elements": f.integer(
             "max_request_elements", DEFAULT_MAX_REQUEST_ELEMENTS, minimum=1
         ),
-        "http_header_timeout_s": _seconds(f, "http_header_timeout_s", 30.0, 0.01),
-        "http_body_timeout_s": _seconds(f, "http_body_timeout_s", 60.0, 0.01),
+        "http_header_timeout_s": seconds(f, "http_header_timeout_s", 30.0, 0.01),
+        "http_body_timeout_s": seconds(f, "http_body_timeout_s", 60.0, 0.01),
         "grpc_max_connections": f.integer("grpc_max_connections", 256, minimum=1),
         "grpc_max_concurrent_streams": _bounded(f, "grpc_max_concurrent_streams", 100, 2**31 - 1),
         "grpc_max_header_list_size": _header_list(f),
-        "grpc_idle_timeout_s": _seconds(f, "grpc_idle_timeout_s", 300.0, 0.01),
-        "grpc_read_timeout_s": _seconds(f, "grpc_read_timeout_s", 30.0, 0.01),
+        "grpc_idle_timeout_s": seconds(f, "grpc_idle_timeout_s", 300.0, 0.01),
+        "grpc_read_timeout_s": seconds(f, "grpc_read_timeout_s", 30.0, 0.01),
     }
 
 

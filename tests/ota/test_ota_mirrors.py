@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.config.server_config import MqttConfig
+from appliance.config.mqtt_config import MqttConfig
 from tests.mosquitto import Broker
 from tests.ota_helpers import Fleet, LocalDevice, files_under, retained_report
 

@@ -17,7 +17,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from appliance.cli import build_parser, main
-from appliance.config.server_config import MqttConfig
+from appliance.config.mqtt_config import MqttConfig
 from ota import devicekey, repo, report
 from ota.agent import Agent
 from ota.report import Reporter
