@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from appliance import bls, startup_report
-from appliance.adapters import grpc_libraries, http_api, http_limits, metrics
+from appliance.adapters import grpc_libraries, http_api, http_front, http_limits, metrics
 from appliance.adapters.access import AccessPolicy, is_loopback
 from appliance.adapters.http_drain import close_http
 from appliance.adapters.tls import http_context
@@ -57,7 +57,7 @@ class Server:
         self.dataplane = DataPlane(
             self.lifecycle, SharedMemoryRegistry(enabled=config.shared_memory == "system")
         )
-        self._http: web.AppRunner | None = None
+        self._http: http_front.Listener | None = None
         self._grpc: GrpcEndpoint | None = None
         self._metrics: web.AppRunner | None = None
         self.mqtt: MqttBridge | None = None
@@ -77,19 +77,18 @@ class Server:
         self.grpc_port = 0
         self.metrics_port = 0
 
-    async def _site(
-        self,
-        app: web.Application,
-        port: int,
-        shutdown_timeout: float,
-        ssl_context: ssl.SSLContext | None = None,
-        **handler_options: Any,
-    ) -> tuple[web.AppRunner, int]:
+    async def _runner(
+        self, app: web.Application, shutdown_timeout: float, **handler_options: Any
+    ) -> web.AppRunner:
         runner = web.AppRunner(
             app, access_log=None, shutdown_timeout=shutdown_timeout, **handler_options
         )
         await runner.setup()
-        # bind the socket ourselves so port 0 (tests) reports the port actually bound
+        return runner
+
+    def _bind(self, port: int) -> socket.socket:
+        """The listening socket, bound here so that port 0 (tests) reports the port
+        actually bound."""
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -97,36 +96,60 @@ class Server:
             sock.bind((self.config.host, port))
         except OSError as exc:
             sock.close()
-            await runner.cleanup()
             raise ConfigError(
                 "<server>", "port", f"cannot listen on {self.config.host}:{port}: {exc.strerror}"
             ) from None
-        site = web.SockSite(runner, sock, ssl_context=ssl_context)
-        await site.start()
+        return sock
+
+    async def _site(self, app: web.Application, port: int) -> tuple[web.AppRunner, int]:
+        """An aiohttp-only endpoint (metrics)."""
+        runner = await self._runner(app, 1.0)
+        try:
+            sock = self._bind(port)
+        except ConfigError:
+            await runner.cleanup()
+            raise
+        await web.SockSite(runner, sock).start()
         return runner, int(sock.getsockname()[1])
+
+    async def _start_http(self, tls: ssl.SSLContext | None) -> None:
+        """The KServe v2 endpoint: :mod:`appliance.adapters.http_front` on the socket,
+        serving inference itself and handing every other request's connection to the
+        aiohttp application behind it."""
+        config = self.config
+        app = http_api.create_app(
+            self.dataplane, config.max_request_size, self.access, config.http_body_timeout_s
+        )
+        runner = await self._runner(
+            app, config.drain_timeout_s, **http_limits.runner_options(config)
+        )
+        try:
+            sock = self._bind(config.http_port)
+        except ConfigError:
+            await runner.cleanup()
+            raise
+        self._http = await http_front.listen(
+            runner,
+            sock,
+            tls,
+            self.dataplane,
+            self.access,
+            config.max_request_size,
+            config.http_header_timeout_s,
+            config.http_body_timeout_s,
+        )
+        self.http_port = int(sock.getsockname()[1])
 
     async def start(self) -> None:
         """Bind the endpoints, then load the model repository."""
         started = time.perf_counter()
         tls = http_context(self.config)
         if self.config.http_port >= 0:
-            app = http_api.create_app(
-                self.dataplane,
-                self.config.max_request_size,
-                self.access,
-                self.config.http_body_timeout_s,
-            )
-            self._http, self.http_port = await self._site(
-                app,
-                self.config.http_port,
-                self.config.drain_timeout_s,
-                tls,
-                **http_limits.runner_options(self.config),
-            )
+            await self._start_http(tls)
         if self.config.metrics_port >= 0:
             mapp = web.Application()
             mapp.router.add_get("/metrics", self._render_metrics)
-            self._metrics, self.metrics_port = await self._site(mapp, self.config.metrics_port, 1.0)
+            self._metrics, self.metrics_port = await self._site(mapp, self.config.metrics_port)
         if self.config.grpc_port >= 0:
             await self._start_grpc()
         host = self.config.host

@@ -99,8 +99,12 @@ def run_appliance() -> Iterator[Callable[..., Running]]:
         options.setdefault("grpc_port", 0)
         options.setdefault("drain_timeout_s", 10)
         options["model_repository"] = repository
+        # the loop the server runs on (asyncio's unless a test asks for another: uvloop)
+        new_loop: Callable[[], asyncio.AbstractEventLoop] = options.pop(
+            "new_loop", asyncio.new_event_loop
+        )
         config = load_server_config(None, options)
-        loop = asyncio.new_event_loop()
+        loop = new_loop()
         loop.set_debug(True)  # asyncio's own checks (calls from the wrong thread, ...)
         loop.slow_callback_duration = 3600  # its wall-time warning: the detector measures
         detector.watch(loop)

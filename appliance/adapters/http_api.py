@@ -13,7 +13,6 @@ model through that ticket before any tensor in it is decoded.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -22,10 +21,10 @@ import orjson
 from aiohttp import web, web_protocol
 from aiohttp.typedefs import Middleware
 
-from appliance.adapters import http_codec, http_limits, http_shadow, offload, request_form
+from appliance.adapters import http_codec, http_infer, http_limits, http_shadow
 from appliance.adapters.access import AccessPolicy, Scope
 from appliance.core.dataplane import DataPlane
-from appliance.errors import ApplianceError, Code, invalid
+from appliance.errors import ApplianceError, invalid
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +33,7 @@ MAX_REQUEST_SIZE = web.AppKey("max_request_size", int)
 ACCESS = web.AppKey("access", AccessPolicy)
 # every registered route -> who may call it (declared with the route in create_app)
 SCOPES = web.AppKey("scopes", dict)
-STATUS = {
-    Code.INVALID_ARG: 400,
-    Code.NOT_FOUND: 404,
-    Code.UNAVAILABLE: 503,
-    Code.TOO_LARGE: 413,
-    Code.INTERNAL: 500,
-}
+STATUS = http_infer.STATUS
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -172,65 +165,28 @@ async def model_stats(request: web.Request) -> web.Response:
 
 
 async def infer(request: web.Request) -> web.Response:
+    """An inference on a connection aiohttp serves (one handed over by
+    :mod:`appliance.adapters.http_front`, which serves the ordinary ones itself)."""
     dataplane = request.app[DATAPLANE]
     model, version = _model(request)
     # one admission, before the body is read: the model version, its rules and a hold
     # on the queued bytes the request declares (an overloaded model or server answers
     # 503 without taking the payload into memory: appliance.core.queue_bytes)
     ticket = dataplane.admit(model, version, request.content_length or 0)
-    shm = dataplane.shared_memory
-    # one coroutine for the whole request, and the offload rule (appliance.adapters.
-    # offload) applied inline: big or object-heavy work goes to a thread, the rest
-    # runs here without a coroutine of its own
     try:
         body = await http_limits.body(request)
-        header_length = http_codec.parse_header_length(
-            request.headers.get(http_codec.HEADER_LENGTH), len(body)
+        parts, length = await http_infer.answer(
+            dataplane, ticket, model, version, body, request.headers.get(http_codec.HEADER_LENGTH)
         )
-        json_bytes = len(body) if header_length is None else header_length
-        if json_bytes > offload.OFFLOAD_BYTES:
-            inference, fmt = await asyncio.to_thread(
-                http_codec.decode_request, body, header_length, model, version, shm, ticket
-            )
-        else:
-            form = http_codec.parse_request(body, header_length, model, version)
-            # every declaration checked against the model before any data is decoded
-            request_form.declare(form, ticket, shm)
-            fmt = form.fmt
-            if form.object_elements > offload.LOOP_OBJECTS:
-                inference = await asyncio.to_thread(request_form.build, form, shm)
-            else:
-                inference = request_form.build(form, shm)
-        response = await dataplane.infer(inference, "HTTP end point", ticket)
-        if _heavy_response(response.outputs, fmt):
-            out, length = await asyncio.to_thread(http_codec.encode_response, response, fmt, shm)
-        else:
-            out, length = http_codec.encode_response(response, fmt, shm)
     finally:
         ticket.release()
+    out = parts[0] if len(parts) == 1 else b"".join(parts)
     if length is None:
-        return web.Response(body=out, content_type="application/json")
+        return web.Response(body=out, content_type=http_infer.JSON)
     return web.Response(
         body=out,
-        content_type="application/octet-stream",
+        content_type=http_infer.BINARY,
         headers={http_codec.HEADER_LENGTH: str(length)},
-    )
-
-
-def _heavy_response(outputs: dict[str, Any], fmt: request_form.OutputFormat) -> bool:
-    """Whether encoding ``outputs`` belongs on a worker thread (the offload rule)."""
-    text_bytes = copy_bytes = objects = 0
-    for name, arr in outputs.items():
-        if name in fmt.shared_memory:
-            copy_bytes += arr.nbytes
-        elif not fmt.is_binary(name):
-            text_bytes += arr.nbytes
-        if arr.dtype.kind in "OUS":  # BYTES: serialized element by element
-            objects += arr.size
-    return (
-        text_bytes > offload.OFFLOAD_BYTES
-        or copy_bytes > offload.OFFLOAD_COPY_BYTES
-        or objects > offload.LOOP_OBJECTS
     )
 
 

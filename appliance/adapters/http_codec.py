@@ -29,7 +29,14 @@ from appliance.core.shared_memory import SharedMemoryRef, SharedMemoryRegistry
 from appliance.errors import internal, invalid
 from appliance.request import InferenceRequest, InferenceResponse, check_sequence_id
 
-__all__ = ["HEADER_LENGTH", "OutputFormat", "decode_request", "encode_response", "parse_request"]
+__all__ = [
+    "HEADER_LENGTH",
+    "OutputFormat",
+    "decode_request",
+    "encode_parts",
+    "encode_response",
+    "parse_request",
+]
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # MQTT: an input whose data is a file on the device (see appliance.adapters.mqtt_protocol)
@@ -223,7 +230,23 @@ def encode_response(
     fmt: OutputFormat,
     shared_memory: SharedMemoryRegistry | None = None,
 ) -> tuple[bytes, int | None]:
-    """Response -> (body, JSON header length when binary outputs follow, else None).
+    """Response -> (body, JSON header length when binary outputs follow, else None):
+    :func:`encode_parts` joined into one body."""
+    parts, length = encode_parts(response, fmt, shared_memory)
+    header = parts[0]
+    if len(parts) == 1 and isinstance(header, bytes):
+        return header, length
+    return b"".join(parts), length
+
+
+def encode_parts(
+    response: InferenceResponse,
+    fmt: OutputFormat,
+    shared_memory: SharedMemoryRegistry | None = None,
+) -> tuple[list[bytes | memoryview], int | None]:
+    """Response -> (the body's parts: the JSON header, then each binary output's raw
+    bytes, views of the arrays where they allow; the JSON header's length when binary
+    outputs follow, else None). A transport writes the parts as they are.
 
     Outputs in ``fmt.shared_memory`` are written into their regions first; their
     entries carry name, datatype and shape only (Triton's form). An output larger
@@ -261,8 +284,8 @@ def encode_response(
         doc["id"] = response.id
     header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
     if not chunks:
-        return header, None
-    return b"".join([header, *chunks]), len(header)
+        return [header], None
+    return [header, *chunks], len(header)
 
 
 def error_body(message: str) -> bytes:

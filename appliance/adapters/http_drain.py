@@ -30,14 +30,15 @@ import termios
 
 from aiohttp import web
 
+from appliance.adapters.http_front import Listener
+
 log = logging.getLogger(__name__)
 
 POLL_S = 0.005  # how often the drain looks at the connections (shutdown only)
 
 
-def _unread_bytes(conn: web.RequestHandler) -> int:
+def unread_bytes(transport: asyncio.BaseTransport | None) -> int:
     """Bytes the kernel holds for this connection that the loop has not read yet."""
-    transport = conn.transport
     sock = transport.get_extra_info("socket") if transport is not None else None
     if sock is None or sock.fileno() < 0:
         return 0
@@ -64,23 +65,30 @@ def _open(server: web.Server) -> list[web.RequestHandler]:
     return [c for c in server.connections if c.transport is not None]
 
 
-async def close_http(runner: web.AppRunner, timeout_s: float) -> None:
-    """Stop listening, answer what was received, close idle connections, clean up."""
-    for site in list(runner.sites):
-        await site.stop()
-    server = runner.server
-    if server is not None:
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout_s
-        while _open(server) and loop.time() < end:
-            for conn in _open(server):
-                if _idle(conn) and not _unread_bytes(conn):
-                    conn.force_close()
-            await asyncio.sleep(POLL_S)
-        if _open(server):
-            log.warning(
-                "%d HTTP connection(s) still busy after %.0fs; closing them",
-                len(_open(server)),
-                timeout_s,
-            )
-    await runner.cleanup()
+async def close_http(listener: Listener, timeout_s: float) -> None:
+    """Stop listening, answer what was received, close idle connections, clean up:
+    the front's own connections (:mod:`appliance.adapters.http_front`) and those it
+    handed to aiohttp alike."""
+    listener.server.close()
+    server, front = listener.runner.server, listener.front
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+
+    def still_open() -> int:
+        return len(front.connections) + (len(_open(server)) if server is not None else 0)
+
+    while still_open() and loop.time() < end:
+        for conn in list(front.connections):
+            if conn.idle and not unread_bytes(conn.transport):
+                conn.close()
+        for handler in _open(server) if server is not None else []:
+            if _idle(handler) and not unread_bytes(handler.transport):
+                handler.force_close()
+        await asyncio.sleep(POLL_S)
+    if still_open():
+        log.warning(
+            "%d HTTP connection(s) still busy after %.0fs; closing them", still_open(), timeout_s
+        )
+        for conn in list(front.connections):
+            conn.close()
+    await listener.runner.cleanup()

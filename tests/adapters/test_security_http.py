@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from http_helpers import read_response, simple_body
 
 from appliance.config.server_config import load_server_config
 
@@ -31,27 +32,6 @@ SAFETY_S = 20.0  # a bound on waiting for the server, never a pass/fail on time
 
 def _connect(srv: Any) -> socket.socket:
     return socket.create_connection(("127.0.0.1", srv.server.http_port), timeout=SAFETY_S)
-
-
-def _response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
-    """Read one HTTP response (status, lower-cased headers, body) off ``sock``."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, f"closed before a response: {data!r}"
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in lines[1:]:
-        key, _, value = line.partition(":")
-        headers[key.strip().lower()] = value.strip()
-    length = int(headers.get("content-length", "0"))
-    while len(body) < length:
-        chunk = sock.recv(65536)
-        assert chunk, "closed in the middle of the response body"
-        body += chunk
-    return int(lines[0].split()[1]), headers, body[:length]
 
 
 def _closed_by_server(sock: socket.socket, dribble: bytes = b"") -> bytes:
@@ -88,12 +68,6 @@ def _get(url: str) -> tuple[int, dict[str, str], bytes]:
         return exc.code, dict(exc.headers), exc.read()
 
 
-def _simple_body() -> bytes:
-    inputs = [{"name": n, "datatype": "INT32", "shape": [1, 16], "data": [1] * 16}
-              for n in ("INPUT0", "INPUT1")]
-    return json.dumps({"inputs": inputs}).encode()
-
-
 # ---- sizes ----------------------------------------------------------------------------
 
 
@@ -108,20 +82,20 @@ def test_a_declared_oversized_body_is_refused_before_it_is_read(
         if expect:
             head += "Expect: 100-continue\r\n"
         sock.sendall(head.encode() + b"\r\n" + (b"" if expect else b"{}"))
-        status, headers, body = _response(sock)  # without the other 2 GB being sent
+        status, headers, body = read_response(sock)  # without the other 2 GB being sent
         assert status == 413, body
         assert "max_request_size" in json.loads(body)["error"]
         assert headers.get("connection", "").lower() == "close"
     # a body within the limit is still served, with and without Expect
     with _connect(srv) as sock:
-        payload = _simple_body()
+        payload = simple_body()
         sock.sendall(
             b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\n"
             + f"Content-Length: {len(payload)}\r\n\r\n".encode()
         )
         assert sock.recv(64).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
         sock.sendall(payload)
-        status, _, body = _response(sock)
+        status, _, body = read_response(sock)
         assert status == 200, body
 
 
@@ -144,14 +118,14 @@ def test_an_idle_keep_alive_connection_is_closed_after_its_answer(run_appliance:
     srv = run_appliance(http_header_timeout_s=0.3)
     with _connect(srv) as sock:
         sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: t\r\n\r\n")
-        status, headers, _ = _response(sock)
+        status, headers, _ = read_response(sock)
         assert status == 200 and headers.get("connection", "").lower() != "close"
         assert _closed_by_server(sock) == b""
 
 
 def test_a_client_dribbling_its_body_gets_408_and_is_closed(run_appliance: Any) -> None:
     srv = run_appliance(http_body_timeout_s=0.3)
-    payload = _simple_body()
+    payload = simple_body()
     with _connect(srv) as slow:
         slow.sendall(
             b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: t\r\n"
@@ -171,13 +145,13 @@ def test_normal_clients_are_served_with_the_default_timeouts(run_appliance: Any)
     assert srv.server.config.http_body_timeout_s == 60.0
     with _connect(srv) as sock:  # one keep-alive connection, several requests
         for _ in range(3):
-            payload = _simple_body()
+            payload = simple_body()
             sock.sendall(
                 b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: t\r\n"
                 + f"Content-Length: {len(payload)}\r\n\r\n".encode()
                 + payload
             )
-            status, _, body = _response(sock)
+            status, _, body = read_response(sock)
             assert status == 200, body
             assert json.loads(body)["outputs"][0]["data"] == [2] * 16
 

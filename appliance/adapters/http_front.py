@@ -1,0 +1,394 @@
+"""The HTTP/1.1 listener: inference requests served on the connection itself, every
+other request handed, with its connection, to aiohttp.
+
+aiohttp costs about 45 us of CPU a request before a route runs (its request and
+response objects, middleware chain, router, payload stream and writer; measured
+against a bare protocol on the same loop, docs/benchmarks.md), which on a 2-core
+device is a fifth of a whole inference. This front reads each request's head
+itself; an inference with an ordinary head (:mod:`appliance.adapters.http_head`
+decides, strictly) is admitted, its body collected, answered through
+:mod:`appliance.adapters.http_infer` (the same code the aiohttp route runs) and
+written with one ``writelines``. The first request that is not one (another route,
+``Expect: 100-continue``, a chunked body, anything unusual) hands the connection
+to aiohttp's request handler at that request's first byte, for good: aiohttp
+parses, routes and answers it, and the rest of the connection, exactly as if it
+had accepted the connection itself.
+
+What the peer may take is the same on both sides (:mod:`appliance.adapters.
+http_limits`): a declared body over ``max_request_size`` is answered 413 before it
+is read; a head must be complete within ``http_header_timeout_s`` of the connection
+opening or of the previous answer (an idle keep-alive connection is closed then); a
+body must arrive within ``http_body_timeout_s`` (else 408); a connection answered
+413/408 reads and drops what the client still sends for a while (lingering) before
+it closes. While one request is served, the next is buffered but not started
+(HTTP/1.1 answers in order); reading pauses while more than :data:`PAUSE_BYTES`
+wait, and a new request waits while the transport's write buffer is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Callable
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import cast
+
+from aiohttp import web
+
+from appliance.adapters import http_codec, http_head, http_infer
+from appliance.adapters.access import AccessPolicy, Scope
+from appliance.core.admission import Ticket
+from appliance.core.dataplane import DataPlane
+from appliance.errors import ApplianceError
+
+log = logging.getLogger(__name__)
+
+PAUSE_BYTES = 1 << 20  # buffered bytes of later requests before reading pauses
+_MAX_LINGER_S = 10.0  # aiohttp's lingering default
+
+
+class Front:
+    """What every connection of one listener shares."""
+
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        access: AccessPolicy,
+        aiohttp_server: web.Server,
+        max_request_size: int,
+        header_timeout_s: float,
+        body_timeout_s: float,
+    ) -> None:
+        self.dataplane = dataplane
+        self.access = access
+        self.aiohttp_server = aiohttp_server
+        self.max_request_size = max_request_size
+        self.header_timeout_s = header_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.linger_s = min(_MAX_LINGER_S, body_timeout_s)
+        self.connections: set[Connection] = set()
+        self._date = b""
+        self._date_second = -1
+
+    def date(self) -> bytes:
+        """The ``Date`` header line, formatted once a second."""
+        now = int(time.time())
+        if now != self._date_second:
+            self._date_second = now
+            self._date = b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
+        return self._date
+
+    def protocol(self) -> Connection:
+        return Connection(self)
+
+
+def _status_line(status: int) -> bytes:
+    return f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()
+
+
+class Connection(asyncio.Protocol):
+    """One client connection until it is closed or handed to aiohttp."""
+
+    def __init__(self, front: Front) -> None:
+        self.front = front
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()  # received, not yet taken by a request
+        self.head: http_head.Head | None = None  # parsed, its body still arriving
+        self.head_size = 0
+        self.busy = False  # a request is being answered
+        self.lingering = False  # answered 413/408: dropping the rest, then closing
+        self.write_paused = False
+        self.read_paused = False
+        self.timer: asyncio.TimerHandle | None = None
+        self.scanned = 0  # buffer bytes already searched for the end of a head
+        self.ticket: Ticket | None = None  # the admission of the request in ``head``
+        self.skip = 0  # body bytes of a request answered early, still to drop
+        self.eof = False  # the client closed its side
+
+    # ---- asyncio.Protocol ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.front.connections.add(self)
+        self._arm(self.front.header_timeout_s, self._head_late)
+
+    def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return
+        self.buffer += data
+        if not self.busy:
+            self._advance()
+        elif len(self.buffer) > PAUSE_BYTES and not self.read_paused:
+            self.read_paused = True
+            self._transport().pause_reading()
+
+    def eof_received(self) -> bool | None:
+        self.eof = True
+        if not self.busy:
+            self.close()  # nothing to answer, or a body that can no longer complete
+        return True  # half-closed: a request being answered still gets its answer
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self.front.connections.discard(self)
+        if self.head is not None:
+            log.debug("client left in the middle of a request body: %s", exc)
+        self._drop_request()
+        self.transport = None
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if not self.busy:
+            self._advance()
+
+    # ---- requests --------------------------------------------------------------------
+
+    def _advance(self) -> None:
+        """Take what has arrived: drop a refused request's body, start the next
+        request whose head and body are here, or hand the connection over."""
+        if self.transport is None or self.write_paused:
+            return
+        if self.skip:
+            dropped = min(self.skip, len(self.buffer))
+            del self.buffer[:dropped]
+            self.skip -= dropped
+            if self.skip:
+                return
+            self._arm(self.front.header_timeout_s, self._head_late)
+        if self.head is None and not self._take_head():
+            return
+        head = self.head
+        assert head is not None
+        size = self.head_size + head.content_length
+        if len(self.buffer) < size:
+            return  # the body is still arriving
+        self._disarm()
+        body = bytes(memoryview(self.buffer)[self.head_size : size])
+        del self.buffer[:size]
+        ticket, self.head, self.ticket = self.ticket, None, None
+        assert ticket is not None
+        self.busy = True
+        self.loop.create_task(self._answer(head, ticket, body))
+
+    def _take_head(self) -> bool:
+        """Parse the next head and admit its request; False when it is not complete,
+        was answered at once, or the connection went to aiohttp."""
+        end = self.buffer.find(b"\r\n\r\n", max(0, self.scanned - 3), http_head.MAX_HEAD)
+        if end < 0:
+            self.scanned = len(self.buffer)
+            if len(self.buffer) >= http_head.MAX_HEAD:
+                self._hand_over()
+            return False
+        self.scanned = 0
+        head = http_head.parse(bytes(self.buffer[: end + 4]))
+        if head is None:
+            self._hand_over()
+            return False
+        front = self.front
+        if head.content_length > front.max_request_size:
+            self._refuse(
+                413,
+                f"request body of {head.content_length} bytes (Content-Length) exceeds the "
+                f"server's limit of {front.max_request_size} bytes (max_request_size)",
+            )
+            return False
+        # who may call, and one admission, before the body is taken into memory
+        denial = front.access.check_all(Scope.INFERENCE, head.authorizations)
+        try:
+            if denial is None:
+                self.ticket = front.dataplane.admit(head.model, head.version, head.content_length)
+        except ApplianceError as exc:
+            self._early(head, end + 4, http_infer.STATUS[exc.code], exc.message)
+            return False
+        if denial is not None:
+            self._early(head, end + 4, 403 if denial.forbidden else 401, denial.message)
+            return False
+        self.head, self.head_size = head, end + 4
+        self._arm(front.body_timeout_s, self._body_late)
+        return True
+
+    def _early(self, head: http_head.Head, head_size: int, status: int, message: str) -> None:
+        """Answer before the body is read; the body is then dropped as it arrives (for
+        at most the lingering time), and the connection stays open for the next one."""
+        del self.buffer[:head_size]
+        keep = head.keep_alive and self.front.dataplane.accepting
+        self._write(status, [http_codec.error_body(message)], None, keep)
+        if not keep:
+            self.close()
+            return
+        self.skip = head.content_length
+        if self.skip:
+            self._arm(self.front.linger_s, self.close)
+        else:
+            self._arm(self.front.header_timeout_s, self._head_late)
+        self._advance()
+
+    async def _answer(self, head: http_head.Head, ticket: Ticket, body: bytes) -> None:
+        front = self.front
+        status, length = 200, None
+        parts: list[bytes | memoryview]
+        try:
+            parts, length = await http_infer.answer(
+                front.dataplane, ticket, head.model, head.version, body, head.header_length
+            )
+        except ApplianceError as exc:
+            status, parts = http_infer.STATUS[exc.code], [http_codec.error_body(exc.message)]
+        except Exception as exc:  # a bug: answer 500 and keep serving
+            log.exception("unhandled error on POST /v2/models/%s/infer", head.model)
+            status, parts = 500, [http_codec.error_body(f"internal error: {exc}")]
+        finally:
+            ticket.release()
+        self.busy = False
+        keep = head.keep_alive and front.dataplane.accepting and not self.eof
+        if self.transport is None:  # the client left; its answer has nowhere to go
+            return
+        self._write(status, parts, length, keep)
+        if not keep:
+            self.close()
+            return
+        if self.read_paused:
+            self.read_paused = False
+            self.transport.resume_reading()
+        self._arm(front.header_timeout_s, self._head_late)
+        if self.buffer:
+            self._advance()
+
+    def _write(
+        self, status: int, parts: list[bytes | memoryview], length: int | None, keep: bool
+    ) -> None:
+        """One answer: its head and body parts in one ``writelines``."""
+        lines = [_status_line(status)]
+        if length is None:
+            lines.append(b"Content-Type: application/json\r\n")
+        else:
+            lines.append(b"Content-Type: application/octet-stream\r\n")
+            lines.append(b"Inference-Header-Content-Length: %d\r\n" % length)
+        lines.append(b"Content-Length: %d\r\n" % sum(len(p) for p in parts))
+        lines.append(self.front.date())
+        if status == 401:
+            lines.append(b"WWW-Authenticate: Bearer\r\n")
+        if not keep:
+            lines.append(b"Connection: close\r\n")
+        lines.append(b"\r\n")
+        self._transport().writelines([b"".join(lines), *parts])
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` and close after lingering (the client may still be sending
+        the body it announced; closing at once could reset the answer away)."""
+        self._drop_request()
+        self.lingering = True
+        self.buffer.clear()
+        self._write(status, [http_codec.error_body(message)], None, keep=False)
+        transport = self._transport()
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._arm(self.front.linger_s, self.close)
+
+    def _drop_request(self) -> None:
+        """Forget the request whose body was awaited, and its admission."""
+        self.head = None
+        if self.ticket is not None:
+            self.ticket.release()
+            self.ticket = None
+
+    # ---- timers and hand-over --------------------------------------------------------
+
+    def _head_late(self) -> None:
+        """No complete head within the header timeout: closed without an answer, as
+        aiohttp's keep-alive timer does."""
+        if not self.busy:
+            self.close()
+
+    def _body_late(self) -> None:
+        if self.head is None:
+            return
+        log.debug("body not complete in %.1fs", self.front.body_timeout_s)
+        self._refuse(
+            408,
+            f"the request body did not arrive within {self.front.body_timeout_s:g}s "
+            f"(http_body_timeout_s)",
+        )
+
+    def _arm(self, delay: float, callback: Callable[[], None]) -> None:
+        self._disarm()
+        self.timer = self.loop.call_later(delay, callback)
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _hand_over(self) -> None:
+        """aiohttp serves this connection from the first byte of the current request on."""
+        self._disarm()
+        self._drop_request()
+        self.front.connections.discard(self)
+        transport = self._transport()
+        self.transport = None
+        handler = self.front.aiohttp_server()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        if self.read_paused:
+            transport.resume_reading()
+        data, self.buffer = bytes(self.buffer), bytearray()
+        if data:
+            handler.data_received(data)
+
+    @property
+    def idle(self) -> bool:
+        """Waiting for a request, nothing of one received (shutdown closes these)."""
+        return not (self.busy or self.head or self.buffer or self.skip) and bool(self.transport)
+
+    def close(self) -> None:
+        self._disarm()
+        self._drop_request()
+        if self.transport is not None:
+            self.transport.close()
+
+    def _transport(self) -> asyncio.Transport:
+        assert self.transport is not None
+        return self.transport
+
+
+class Listener:
+    """The HTTP endpoint: this front on the listening socket, aiohttp's runner behind
+    it (for the connections handed over, and their routes)."""
+
+    def __init__(self, runner: web.AppRunner, server: asyncio.Server, front: Front) -> None:
+        self.runner = runner
+        self.server = server
+        self.front = front
+
+
+async def listen(
+    runner: web.AppRunner,
+    sock: socket.socket,
+    ssl_context: ssl.SSLContext | None,
+    dataplane: DataPlane,
+    access: AccessPolicy,
+    max_request_size: int,
+    header_timeout_s: float,
+    body_timeout_s: float,
+) -> Listener:
+    """Serve ``sock`` (bound) with this front; ``runner`` is set up."""
+    assert runner.server is not None, "runner.setup() first"
+    front = Front(
+        dataplane, access, runner.server, max_request_size, header_timeout_s, body_timeout_s
+    )
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(front.protocol, sock=sock, ssl=ssl_context, backlog=128)
+    return Listener(runner, server, front)
