@@ -17,7 +17,9 @@ idle (waiting for a next request, nothing unread in its socket); leave the other
 be: their requests finish, and their answers say ``Connection: close`` (see
 ``http_api``), so the client does not send another one and aiohttp closes them
 after the answer -> ``runner.cleanup()`` for whatever is left. Shutdown takes as
-long as the requests in flight, not the drain timeout.
+long as the requests in flight, not the drain timeout. The connections
+:mod:`appliance.adapters.http_front` serves itself are drained the same way, by the
+same test (idle, nothing unread), beside those it handed to aiohttp.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """The HTTP/1.1 listener: inference requests served on the connection itself, every
 other request handed, with its connection, to aiohttp.
 
-aiohttp costs about 45 us of CPU a request before a route runs (its request and
-response objects, middleware chain, router, payload stream and writer; measured
-against a bare protocol on the same loop, docs/benchmarks.md), which on a 2-core
-device is a fifth of a whole inference. This front reads each request's head
-itself; an inference with an ordinary head (:mod:`appliance.adapters.http_head`
+aiohttp's request handling (its request and response objects, middleware chain,
+router, payload stream and writer) was about an eighth of the server's CPU samples
+on the inference path, and HTTP cost more CPU per request than Triton's C++ front
+(docs/benchmarks.md). This front reads each request's head itself; an inference with an ordinary head (:mod:`appliance.adapters.http_head`
 decides, strictly) is admitted, its body collected, answered through
 :mod:`appliance.adapters.http_infer` (the same code the aiohttp route runs) and
 written at once. The first request that is not one (another route,
@@ -20,7 +19,9 @@ is read; a head must be complete within ``http_header_timeout_s`` of the connect
 opening or of the previous answer (an idle keep-alive connection is closed then); a
 body must arrive within ``http_body_timeout_s`` (else 408); a connection answered
 413/408 reads and drops what the client still sends for a while (lingering) before
-it closes. While one request is served, the next is buffered but not started
+it closes. (A connection handed over in the middle of a head gets aiohttp's timer
+from then on: at most one header timeout more, once per connection.) While one
+request is served, the next is buffered but not started
 (HTTP/1.1 answers in order); reading pauses while more than :data:`PAUSE_BYTES`
 wait, and a new request waits while the transport's write buffer is full.
 """

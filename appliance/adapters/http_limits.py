@@ -14,6 +14,9 @@
   sends for at most the same time ("lingering", so the client sees the answer)
   before it closes.
 
+:mod:`appliance.adapters.http_front` applies the same limits, with the same answers,
+to the inference requests it serves itself (its connections never reach aiohttp).
+
 Protocol-specific by nature, so it lives next to the adapter; the limits
 themselves are plain server-config numbers.
 """
