@@ -2,42 +2,39 @@
 other request handed, with its connection, to aiohttp.
 
 aiohttp's request handling (its request and response objects, middleware chain,
-router, payload stream and writer) was about an eighth of the server's CPU samples
-on the inference path, and HTTP cost more CPU per request than Triton's C++ front
-(docs/benchmarks.md). This front reads each request's head itself; an inference with an ordinary head (:mod:`appliance.adapters.http_head`
-decides, strictly) is admitted, its body collected, answered through
-:mod:`appliance.adapters.http_infer` (the same code the aiohttp route runs) and
-written at once. The first request that is not one (another route,
-``Expect: 100-continue``, a chunked body, anything unusual) hands the connection
-to aiohttp's request handler at that request's first byte, for good: aiohttp
-parses, routes and answers it, and the rest of the connection, exactly as if it
-had accepted the connection itself.
+router, payload stream and writer) was about an eighth of the server's CPU samples on
+the inference path, and HTTP cost more CPU per request than Triton's C++ front
+(docs/benchmarks.md). This front reads each request's head itself. An inference with
+an ordinary head (:mod:`appliance.adapters.http_head` decides, strictly) is checked
+for its token and admitted before its body is read, its body collected, answered
+through :mod:`appliance.adapters.http_infer` (the code the aiohttp route runs too) and
+written at once. The first request that is not one (another route, ``Expect:
+100-continue``, a chunked body, anything unusual) hands the connection to aiohttp's
+request handler at that request's first byte, for good: aiohttp parses, routes and
+answers it and the rest of the connection, as if it had accepted the connection.
 
-What the peer may take is the same on both sides (:mod:`appliance.adapters.
-http_limits`): a declared body over ``max_request_size`` is answered 413 before it
-is read; a head must be complete within ``http_header_timeout_s`` of the connection
-opening or of the previous answer (an idle keep-alive connection is closed then); a
-body must arrive within ``http_body_timeout_s`` (else 408); a connection answered
-413/408 reads and drops what the client still sends for a while (lingering) before
-it closes. (A connection handed over in the middle of a head gets aiohttp's timer
-from then on: at most one header timeout more, once per connection.) While one
-request is served, the next is buffered but not started
-(HTTP/1.1 answers in order); reading pauses while more than :data:`PAUSE_BYTES`
-wait, and a new request waits while the transport's write buffer is full.
+What a peer may take is the same on both sides (:mod:`appliance.adapters.http_limits`):
+a declared body over ``max_request_size`` is answered 413 before it is read; a head
+must be complete within ``http_header_timeout_s`` of the connection opening or of the
+previous answer (an idle keep-alive connection is closed then); a body must arrive
+within ``http_body_timeout_s`` (else 408); a connection answered 413/408 drops what
+the client still sends for a while (lingering) before it closes. A connection handed
+over in the middle of a head gets aiohttp's timer from then on (at most one header
+timeout more, once per connection). A request refused before its body (a token, an
+unknown model, a full queue) is answered at once and its body dropped as it arrives.
+While one request is served, the next is buffered but not started (HTTP/1.1 answers
+in order); reading pauses while more than :data:`PAUSE_BYTES` wait, and a new request
+waits while the transport's write buffer is full.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import socket
 import ssl
-import time
 from collections.abc import Callable
-from email.utils import formatdate
-from http import HTTPStatus
 from typing import cast
 
 from aiohttp import web
@@ -53,6 +50,7 @@ log = logging.getLogger(__name__)
 PAUSE_BYTES = 1 << 20  # buffered bytes of later requests before reading pauses
 _MAX_LINGER_S = 10.0  # aiohttp's lingering default
 _JOIN_BYTES = 64 * 1024  # answers up to this size are copied into one buffer
+_DIRECT_BYTES = 64 * 1024  # bodies above this size are received into their own buffer
 
 
 class Front:
@@ -75,24 +73,9 @@ class Front:
         self.body_timeout_s = body_timeout_s
         self.linger_s = min(_MAX_LINGER_S, body_timeout_s)
         self.connections: set[Connection] = set()
-        self._date = b""
-        self._date_second = -1
-
-    def date(self) -> bytes:
-        """The ``Date`` header line, formatted once a second."""
-        now = int(time.time())
-        if now != self._date_second:
-            self._date_second = now
-            self._date = b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
-        return self._date
 
     def protocol(self) -> Connection:
         return Connection(self)
-
-
-@functools.lru_cache(maxsize=64)
-def _status_line(status: int) -> bytes:
-    return f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()
 
 
 class Connection(asyncio.Protocol):
@@ -114,6 +97,8 @@ class Connection(asyncio.Protocol):
         self.ticket: Ticket | None = None  # the admission of the request in ``head``
         self.skip = 0  # body bytes of a request answered early, still to drop
         self.eof = False  # the client closed its side
+        self.body: bytearray | None = None  # a big body being received, and how far
+        self.filled = 0
 
     # ---- asyncio.Protocol ------------------------------------------------------------
 
@@ -130,7 +115,15 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.lingering:
             return
-        self.buffer += data
+        if self.body is not None:  # a big body: straight into its own buffer
+            room = len(self.body) - self.filled
+            taken = min(room, len(data))
+            self.body[self.filled : self.filled + taken] = memoryview(data)[:taken]
+            self.filled += taken
+            if taken < len(data):
+                self.buffer += memoryview(data)[taken:]
+        else:
+            self.buffer += data
         if not self.busy:
             self._advance()
         elif len(self.buffer) > PAUSE_BYTES and not self.read_paused:
@@ -141,7 +134,8 @@ class Connection(asyncio.Protocol):
         self.eof = True
         if not self.busy:
             self.close()  # nothing to answer, or a body that can no longer complete
-        return True  # half-closed: a request being answered still gets its answer
+            return False
+        return True  # half-closed: the request being answered still gets its answer
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -177,12 +171,18 @@ class Connection(asyncio.Protocol):
             return
         head = self.head
         assert head is not None
-        size = self.head_size + head.content_length
-        if len(self.buffer) < size:
-            return  # the body is still arriving
+        body: bytes | bytearray
+        if self.body is not None:
+            if self.filled < len(self.body):
+                return  # the body is still arriving
+            body, self.body = self.body, None
+        else:
+            size = self.head_size + head.content_length
+            if len(self.buffer) < size:
+                return  # the body is still arriving
+            body = bytes(memoryview(self.buffer)[self.head_size : size])
+            del self.buffer[:size]
         self._disarm()
-        body = bytes(memoryview(self.buffer)[self.head_size : size])
-        del self.buffer[:size]
         ticket, self.head, self.ticket = self.ticket, None, None
         assert ticket is not None
         self.busy = True
@@ -222,6 +222,17 @@ class Connection(asyncio.Protocol):
             self._early(head, end + 4, 403 if denial.forbidden else 401, denial.message)
             return False
         self.head, self.head_size = head, end + 4
+        if head.content_length > _DIRECT_BYTES:
+            # a big body gets a buffer of its size, each received chunk copied once
+            # (collected in ``buffer`` and cut out, 64 MiB would be copied again in
+            # one piece on the event loop)
+            self.body = bytearray(head.content_length)
+            here = memoryview(self.buffer)[end + 4 : end + 4 + head.content_length]
+            self.filled = len(here)
+            self.body[: self.filled] = here
+            here.release()
+            del self.buffer[: end + 4 + self.filled]
+            self.head_size = 0
         self._arm(front.body_timeout_s, self._body_late)
         return True
 
@@ -241,7 +252,9 @@ class Connection(asyncio.Protocol):
             self._arm(self.front.header_timeout_s, self._head_late)
         self._advance()
 
-    async def _answer(self, head: http_head.Head, ticket: Ticket, body: bytes) -> None:
+    async def _answer(
+        self, head: http_head.Head, ticket: Ticket, body: bytes | bytearray
+    ) -> None:
         front = self.front
         status, length = 200, None
         parts: list[bytes | memoryview]
@@ -277,23 +290,11 @@ class Connection(asyncio.Protocol):
         """One answer: its head and body parts in one write (joined when small: one
         ``write`` goes out at once, ``writelines`` waits for the loop's turn)."""
         size = sum(map(len, parts))
-        lines = [_status_line(status)]
-        if length is None:
-            lines.append(b"Content-Type: application/json\r\n")
-        else:
-            lines.append(b"Content-Type: application/octet-stream\r\n")
-            lines.append(b"Inference-Header-Content-Length: %d\r\n" % length)
-        lines.append(b"Content-Length: %d\r\n" % size)
-        lines.append(self.front.date())
-        if status == 401:
-            lines.append(b"WWW-Authenticate: Bearer\r\n")
-        if not keep:
-            lines.append(b"Connection: close\r\n")
-        lines.append(b"\r\n")
+        head = http_head.answer(status, size, length, keep)
         if size <= _JOIN_BYTES:
-            self._transport().write(b"".join([*lines, *parts]))
+            self._transport().write(b"".join([head, *parts]))
         else:
-            self._transport().writelines([b"".join(lines), *parts])
+            self._transport().writelines([head, *parts])
 
     def _refuse(self, status: int, message: str) -> None:
         """Answer ``status`` and close after lingering (the client may still be sending
@@ -309,7 +310,7 @@ class Connection(asyncio.Protocol):
 
     def _drop_request(self) -> None:
         """Forget the request whose body was awaited, and its admission."""
-        self.head = None
+        self.head = self.body = None
         if self.ticket is not None:
             self.ticket.release()
             self.ticket = None

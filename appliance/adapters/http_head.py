@@ -1,5 +1,7 @@
-"""Which HTTP/1.1 requests :mod:`appliance.adapters.http_front` serves itself: an
-inference (``POST /v2/models/<m>[/versions/<v>]/infer``) with an ordinary head.
+"""HTTP/1.1 heads as :mod:`appliance.adapters.http_front` reads and writes them: which
+requests it serves itself (:func:`parse`: an inference, ``POST
+/v2/models/<m>[/versions/<v>]/infer``, with an ordinary head), and the heads of its
+answers (:func:`answer`).
 
 The rule is strict on purpose: a head is taken only when every byte of it has one
 obvious meaning (a request line of exactly that form, HTTP/1.1, well-formed header
@@ -14,8 +16,12 @@ can mean one thing here and another there.
 
 from __future__ import annotations
 
+import functools
 import re
+import time
 from dataclasses import dataclass
+from email.utils import formatdate
+from http import HTTPStatus
 
 MAX_HEAD = 8192  # bytes of request line and headers this front reads at most
 
@@ -88,3 +94,33 @@ def parse(head: bytes) -> Head | None:
         tuple(authorizations),
         keep_alive,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _status_line(status: int) -> bytes:
+    return f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()
+
+
+@functools.lru_cache(maxsize=2)
+def _date_line(second: int) -> bytes:
+    return b"Date: " + formatdate(second, usegmt=True).encode() + b"\r\n"
+
+
+def answer(status: int, size: int, header_length: int | None, keep_alive: bool) -> bytes:
+    """The head of an answer of ``size`` body bytes: JSON, or binary outputs after a
+    JSON header of ``header_length`` bytes; ``Connection: close`` unless
+    ``keep_alive``; a 401 names the scheme it wants (Bearer)."""
+    lines = [_status_line(status)]
+    if header_length is None:
+        lines.append(b"Content-Type: application/json\r\n")
+    else:
+        lines.append(b"Content-Type: application/octet-stream\r\n")
+        lines.append(b"Inference-Header-Content-Length: %d\r\n" % header_length)
+    lines.append(b"Content-Length: %d\r\n" % size)
+    lines.append(_date_line(int(time.time())))
+    if status == 401:
+        lines.append(b"WWW-Authenticate: Bearer\r\n")
+    if not keep_alive:
+        lines.append(b"Connection: close\r\n")
+    lines.append(b"\r\n")
+    return b"".join(lines)

@@ -138,7 +138,8 @@ def test_a_binary_request_of_many_segments_is_served(
     with _connect(srv) as sock:
         responses = Responses(sock)
         for _ in range(2):  # the second on the same connection
-            sock.sendall(_infer(body, "classifier", extra))
+            # a small request right behind the big body, in the same send
+            sock.sendall(_infer(body, "classifier", extra) + _infer(_simple(4)))
             status, headers, answer = responses.read()
             assert status == 200, answer
             assert "server" not in headers
@@ -147,6 +148,8 @@ def test_a_binary_request_of_many_segments_is_served(
             assert header["outputs"][0]["shape"] == [1, 1000]
             scores = np.frombuffer(answer[length:], dtype=np.float32)
             assert scores.shape == (1000,) and np.isfinite(scores).all()
+            status, _, answer = responses.read()
+            assert status == 200 and _sum(answer) == [8] * 16
 
 
 def test_a_request_refused_before_its_body_keeps_the_connection(
