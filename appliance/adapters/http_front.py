@@ -243,7 +243,7 @@ class Connection(asyncio.Protocol):
         keep = head.keep_alive and self.front.dataplane.accepting
         self._write(status, [http_codec.error_body(message)], None, keep)
         if not keep:
-            self.close()
+            self._linger()
             return
         self.skip = head.content_length
         if self.skip:
@@ -300,9 +300,14 @@ class Connection(asyncio.Protocol):
         """Answer ``status`` and close after lingering (the client may still be sending
         the body it announced; closing at once could reset the answer away)."""
         self._drop_request()
+        self._write(status, [http_codec.error_body(message)], None, keep=False)
+        self._linger()
+
+    def _linger(self) -> None:
+        """After a last answer: drop what the client still sends, close when it has
+        closed its side or after the lingering time."""
         self.lingering = True
         self.buffer.clear()
-        self._write(status, [http_codec.error_body(message)], None, keep=False)
         transport = self._transport()
         if transport.can_write_eof():
             transport.write_eof()
