@@ -29,12 +29,16 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import tritonclient.http as httpclient
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))  # run from a checkout without installing
 sys.path.insert(0, str(HERE / "tests"))  # the wheel fetcher the tests use
+
+# appliance first: it switches ONNX Runtime's telemetry off before the engine is
+# imported (docs/security.md), here too, for the in-process baseline
+import appliance  # noqa: E402, F401, I001
+import onnxruntime as ort  # noqa: E402
 
 from machine import describe  # noqa: E402
 from probes import free_port  # noqa: E402
