@@ -153,6 +153,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``appliance`` command; its exit status. Output into a pipe that closes early
+    (``appliance bundle inspect B | head``) ends the command quietly, status 1."""
+    try:
+        return _run(argv)
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that flush
+        # cannot fail a second time (the recipe of Python's signal documentation)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("fleet", "bundle", "ota"):
         return ota_cli.run(args)

@@ -47,13 +47,16 @@ def _fleet(args: argparse.Namespace) -> int:
         target = repo.publish(
             args.repo, args.keys, args.file, rollout, delta_from=tuple(args.delta_from)
         )
-        print(f"published {target.path} ({target.length} bytes) to {rollout.to_json()}")
+        print(
+            f"published {target.path} ({target.length} bytes) to "
+            f"{json.dumps(rollout.to_json(), sort_keys=True)}"
+        )
         for base, info in sorted(repo.deltas_of(target).items()):
             print(f"  delta from version {base}: {info['length']} bytes ({info['path']})")
     elif cmd == "rollout":
         halted = True if args.halt else (False if args.resume else None)
         new = repo.set_rollout(args.repo, args.keys, args.model, args.version, args.percent, halted)
-        print(f"{args.model}: {new.to_json()}")
+        print(f"{args.model}: {json.dumps(new.to_json(), sort_keys=True)}")
     elif cmd == "refresh":
         ts = repo.refresh(args.repo, args.keys)
         print(f"timestamp version {ts.version} signed; it expires {ts.expires.isoformat()}")

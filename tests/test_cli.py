@@ -146,3 +146,23 @@ def test_every_option_and_argument_of_every_command_has_help() -> None:
 
     walk(build_parser(), "appliance")
     assert missing == []
+
+
+def test_output_into_a_closed_pipe_ends_quietly() -> None:
+    """`appliance doctor | head` closes the pipe early: the command ends with status 1
+    and no traceback (before: BrokenPipeError's traceback). (argparse's --help ignores
+    a closed pipe by itself, so the command is one that prints a report.)"""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # closed before the command writes anything: every write fails
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "appliance", "doctor"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == 1, result.stderr.decode()
+    assert b"Traceback" not in result.stderr and b"BrokenPipe" not in result.stderr

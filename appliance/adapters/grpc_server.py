@@ -208,13 +208,12 @@ class Health:
             base + "Check": Method(grpc_calls.UNARY, self.check, parse, write),
             base + "Watch": Method(grpc_calls.SERVER_STREAM, self.watch, parse, write),
         }
-        if hasattr(health_pb2, "HealthListRequest"):  # grpcio-health-checking >= 1.70
-            methods[base + "List"] = Method(
-                grpc_calls.UNARY,
-                self.list,
-                grpc_wire.parse_or_undecodable(health_pb2.HealthListRequest),
-                health_pb2.HealthListResponse.SerializeToString,
-            )
+        methods[base + "List"] = Method(
+            grpc_calls.UNARY,
+            self.list,
+            grpc_wire.parse_or_undecodable(health_pb2.HealthListRequest),
+            health_pb2.HealthListResponse.SerializeToString,
+        )
         return methods
 
 

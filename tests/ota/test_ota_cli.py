@@ -63,7 +63,11 @@ def _publish(fleet: Path, model_dir: Path, version: int, *extra: str) -> None:
     )  # fmt: skip
     shown = json.loads(cli("bundle", "inspect", str(out)))
     assert shown["version"] == version
-    cli("fleet", "publish", str(fleet / "repo"), str(out), "--keys", str(fleet / "keys"), *extra)
+    said = cli(
+        "fleet", "publish", str(fleet / "repo"), str(out), "--keys", str(fleet / "keys"), *extra
+    )  # fmt: skip
+    rollout = json.loads(said.splitlines()[0].split(" to ", 1)[1])  # JSON, not a Python dict
+    assert isinstance(rollout, dict) and rollout
 
 
 def test_commands_end_to_end_and_boot_loop_protection(
@@ -78,8 +82,9 @@ def test_commands_end_to_end_and_boot_loop_protection(
     agent = ("ota", "agent", "--once", "--config", str(device.config))
     assert appliance(*agent).returncode == 0  # 0 %: nothing for this device yet
     assert not (device.models / "simple").exists()
-    cli("fleet", "rollout", str(fleet / "repo"), "simple", "--percent", "100",
-        "--keys", str(fleet / "keys"))  # fmt: skip
+    said = cli("fleet", "rollout", str(fleet / "repo"), "simple", "--percent", "100",
+               "--keys", str(fleet / "keys"))  # fmt: skip
+    assert json.loads(said.split(": ", 1)[1])["basis_points"] == 10000
     appliance(*agent)
     assert device.version() == "1"
 
