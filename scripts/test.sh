@@ -59,8 +59,13 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 step "ruff" python3 -m ruff check --no-cache appliance backends ota devtools tests benchmarks
 step "mypy" python3 -m mypy --cache-dir "$scratch/mypy"
-step "pytest ($(python3 -c 'import platform; print(platform.python_version())'))" \
-    python3 -m pytest -q -p no:cacheprovider
+# the suite in two worker processes (pytest-xdist; CI has two cores), a test file per
+# worker so that a module's shared server and fixtures stay in one process; then the
+# tests marked serial (a network namespace, CPU time read) alone, nothing beside them
+version=$(python3 -c 'import platform; print(platform.python_version())')
+step "pytest ($version, 2 workers)" \
+    python3 -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not serial"
+step "pytest ($version, serial)" python3 -m pytest -q -p no:cacheprovider -m serial
 
 # Python 3.10 (JetPack 6's): a fresh venv with the same constraints (their environment
 # markers pick the 3.10 releases: numpy 2.2, Pillow 12, ONNX Runtime 1.23, which reads

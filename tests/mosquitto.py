@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import random
 import shutil
 import signal
 import socket
@@ -41,9 +42,36 @@ def find_mosquitto() -> str | None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port that is free now, for a process the test starts next (which binds
+    it itself, a moment later).
+
+    Taken at random below the kernel's ephemeral range (``ip_local_port_range``) where
+    that leaves room: no ``bind(("127.0.0.1", 0))`` or outgoing connection of any other
+    process (the other test worker starts servers on port 0 all the time) is handed it
+    meanwhile, nor while a broker restarts on it; only another ``free_port()`` could
+    pick the same one, one chance in thousands, and each checks that it is free."""
+    low = _ephemeral_low()
+    for _ in range(200):  # bounded; ports in use (another service's) are passed over
+        port = _pick.randrange(_FIRST_PORT, low) if low - _FIRST_PORT >= 1000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise AssertionError("no free loopback port found")
+
+
+_FIRST_PORT = 10000
+_pick = random.Random()  # seeded from the OS: each test worker draws its own ports
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 by default, also elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def wait_until(predicate: Any, timeout: float = 10.0, what: str = "condition") -> Any:

@@ -8,7 +8,11 @@ import asyncio
 import threading
 import time
 
+import pytest
 from loop_detector import BlockingDetector
+
+# the thread CPU time of a busy loop is read: alone, beside no other test worker
+pytestmark = pytest.mark.serial
 
 
 def _run_on_a_watched_loop(detector: BlockingDetector, callback: object) -> None:

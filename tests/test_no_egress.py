@@ -29,9 +29,10 @@ _missing = sealed_network.unavailable() or (
     None if find_mosquitto() else "needs mosquitto (scripts/test.sh installs it)"
 )
 # CI runs as root and scripts/test.sh installs both: there a missing piece fails the test
-pytestmark = pytest.mark.skipif(
-    _missing is not None and not os.environ.get("CI"), reason=str(_missing)
-)
+pytestmark = [
+    pytest.mark.skipif(_missing is not None and not os.environ.get("CI"), reason=str(_missing)),
+    pytest.mark.serial,  # its own network namespace, strace: alone (scripts/test.sh)
+]
 pytest.importorskip("openvino", reason="the test extra installs OpenVINO")
 
 SCENARIO = Path(__file__).with_name("egress_scenario.py")

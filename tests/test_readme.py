@@ -24,7 +24,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from mosquitto import free_port
 
 from appliance.cli import build_parser
 
@@ -57,12 +57,6 @@ def test_every_block_is_marked_with_a_known_kind() -> None:
     assert {kind for kind, _, _ in BLOCKS} <= KINDS
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def quick_start() -> Iterator[int]:
     """The quick-start server, started as the README says, on free ports."""
@@ -71,8 +65,8 @@ def quick_start() -> Iterator[int]:
     assert install == "python3 -m pip install ."
     argv = shlex.split(serve)
     assert argv[:3] == ["python3", "-m", "appliance"]
-    port = _free_port()
-    ports = ["--http-port", str(port), "--grpc-port", "-1", "--metrics-port", str(_free_port())]
+    port = free_port()
+    ports = ["--http-port", str(port), "--grpc-port", "-1", "--metrics-port", str(free_port())]
     proc = subprocess.Popen(
         [sys.executable, *argv[1:], *ports], env=_env(), stderr=subprocess.PIPE, text=True
     )

@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from mosquitto import free_port
 from sd_listener import Listener
 
 from appliance.sdnotify import Notifier, SystemdLink, socket_address, watchdog_interval
@@ -112,18 +113,12 @@ def _http(port: int, path: str, body: dict[str, object] | None = None) -> int:
         return int(exc.code)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_ready_only_once_the_models_are_watchdog_pings_and_stopping(
     listener: Listener, tmp_path: Path
 ) -> None:
     modelgen.write_model(tmp_path, "good", modelgen.simple_add_sub())
     broken = modelgen.write_model(tmp_path, "late", modelgen.simple_add_sub(), "max_batch_size: x")
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
