@@ -96,8 +96,9 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def prepared(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future]]:
     """Every install of the matrix and every resolution, started at once (three at a
-    time; the extras once the default install is there); a test takes its own with
-    ``.result()``, which raises what went wrong there."""
+    time: the default install and the resolutions first, then the extras, layered over the
+    default install); a test takes its own with ``.result()``, which raises what went
+    wrong there."""
 
     def venv(extra: str) -> Venv:
         folder = tmp_path_factory.mktemp(f"venv-{extra or 'base'}")
@@ -105,10 +106,12 @@ def prepared(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
     with ThreadPoolExecutor(max_workers=3) as pool:
         jobs: dict[str, Future] = {}
-        for extra in EXTRAS:
-            jobs[extra] = pool.submit(venv, extra)
+        jobs[""] = pool.submit(venv, "")
+        # the resolutions beside the default install: an extra's job would only wait for it
         for python in PYTHONS:
             jobs[python] = pool.submit(_resolve, python, wheel, tmp_path_factory.mktemp("resolve"))
+        for extra in EXTRAS[1:]:
+            jobs[extra] = pool.submit(venv, extra)
         yield jobs
         for job in jobs.values():
             job.cancel()
