@@ -3,9 +3,9 @@
 # check: ruff, mypy and the whole pytest suite; then, each as its own step, what differs
 # on Python 3.10 (JetPack 6's) where such an interpreter is present, the x86 container
 # image where podman and its local base image are, and the install matrix (every
-# documented install alone, in fresh venvs; in the background beside the last two). Each
-# step's time is printed as it ends and all of them once more at the end. This is the
-# README's test command.
+# documented install alone, in fresh venvs; in the background beside the last two, as
+# the 3.10 venv's install is beside the main suite). Each step's time is printed as it
+# ends and all of them once more at the end. This is the README's test command.
 #
 # Nothing is written into the checkout, so it may be read-only: the package is built
 # from a copy in a temporary directory (setuptools would put egg-info and build/ next
@@ -18,6 +18,9 @@ scratch=$(mktemp -d)
 times=()
 summary() {  # every step's time once more at the end, also when one failed
     local line
+    if [ -n "${install310_pid:-}" ]; then  # a step failed beside the 3.10 install
+        wait "$install310_pid" || true
+    fi
     if [ -n "${matrix_pid:-}" ]; then  # a step failed beside the install matrix: its end
         wait "$matrix_pid" || true
         cat "$matrix_log"
@@ -64,23 +67,6 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 step "ruff" python3 -m ruff check --no-cache appliance backends ota devtools tests benchmarks
 step "mypy" python3 -m mypy --cache-dir "$scratch/mypy"
-# the suite in two worker processes (pytest-xdist; CI has two cores), a test file per
-# worker so that a module's shared server and fixtures stay in one process; then the
-# tests marked serial (a network namespace, CPU time read) alone, nothing beside them
-version=$(python3 -c 'import platform; print(platform.python_version())')
-step "pytest ($version, 2 workers)" \
-    python3 -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not serial"
-step "pytest ($version, serial)" python3 -m pytest -q -p no:cacheprovider -m serial
-
-# every documented install on its own, each in a fresh venv (tests/test_install_matrix.py),
-# in the background beside the steps that follow (the 3.10 suite is one process, podman
-# mostly waits): its log and its time come after them
-matrix_log="$scratch/install-matrix.log"
-matrix_started=$SECONDS
-env APPLIANCE_INSTALL_MATRIX=1 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_install_matrix.py >"$matrix_log" 2>&1 &
-matrix_pid=$!
-
 # Python 3.10 (JetPack 6's): a fresh venv with the same constraints (their environment
 # markers pick the 3.10 releases: numpy 2.2, Pillow 12, ONNX Runtime 1.23, which reads
 # ONNX IR <= 11), then what differs between Pythons, not the whole suite again: every
@@ -89,7 +75,8 @@ matrix_pid=$!
 # Python model namespaces, SIGTERM, and doctor against the installed engine. 3.11-only
 # standard library calls are mypy's to catch (python_version = "3.10"). The deployment
 # set with the OTA tools, pytest and onnx (no OpenVINO, linters or test-only extras):
-# pyenv's 3.10, python3.10, or APPLIANCE_PYTHON310.
+# pyenv's 3.10, python3.10, or APPLIANCE_PYTHON310. Its venv is installed in the background
+# beside the 2-worker step (their tests leave a core waiting on servers and subprocesses).
 PY310_TESTS=(
     tests/test_every_python.py tests/config tests/test_readme.py tests/test_modelgen.py
     tests/test_datatypes.py tests/adapters/test_http_e2e.py tests/adapters/test_grpc_e2e.py
@@ -109,17 +96,55 @@ for candidate in "${APPLIANCE_PYTHON310:-}" "$HOME"/.pyenv/versions/3.10*/bin/py
         break
     fi
 done
+if [ -z "$py310" ]; then
+    echo "test.sh: no Python 3.10 found (pyenv's, python3.10, APPLIANCE_PYTHON310): not run on 3.10" >&2
+fi
+
+install310() {
+    "$py310" -m venv "$scratch/py310"
+    "$scratch/py310/bin/python" -m pip install --quiet --disable-pip-version-check \
+        --no-compile "${constraints[@]}" "$scratch[grpc,uvloop,client,ota]" pytest onnx
+}
+install310_pid=""
 if [ -n "$py310" ]; then
-    install310() {
-        "$py310" -m venv "$scratch/py310"
-        "$scratch/py310/bin/python" -m pip install --quiet --disable-pip-version-check \
-            --no-compile "${constraints[@]}" "$scratch[grpc,uvloop,client,ota]" pytest onnx
-    }
-    step "install (3.10)" install310
+    install310_started=$SECONDS
+    install310 >"$scratch/install310.log" 2>&1 &
+    install310_pid=$!
+fi
+
+# the suite in two worker processes (pytest-xdist; CI has two cores), a test file per
+# worker so that a module's shared server and fixtures stay in one process; then the
+# tests marked serial (a network namespace, CPU time read) alone, nothing beside them
+version=$(python3 -c 'import platform; print(platform.python_version())')
+step "pytest ($version, 2 workers)" \
+    python3 -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not serial"
+if [ -n "$install310_pid" ]; then
+    install310_status=0
+    wait "$install310_pid" || install310_status=$?
+    install310_pid=""
+    cat "$scratch/install310.log"
+    install310_time="install (3.10, beside the 2-worker step): $((SECONDS - install310_started)) s"
+    echo "test.sh: $install310_time"
+    if [ "$install310_status" != 0 ]; then
+        times+=("$install310_time (failed, status $install310_status)")
+        exit "$install310_status"
+    fi
+    times+=("$install310_time")
+fi
+step "pytest ($version, serial)" python3 -m pytest -q -p no:cacheprovider -m serial
+
+# every documented install on its own, each in a fresh venv (tests/test_install_matrix.py),
+# in the background beside the steps that follow (the 3.10 suite is one process, podman
+# mostly waits): its log and its time come after them
+matrix_log="$scratch/install-matrix.log"
+matrix_started=$SECONDS
+env APPLIANCE_INSTALL_MATRIX=1 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_install_matrix.py >"$matrix_log" 2>&1 &
+matrix_pid=$!
+
+if [ -n "$py310" ]; then
     step "pytest ($("$py310" -c 'import platform; print(platform.python_version())'))" \
         "$scratch/py310/bin/python" -m pytest -q -p no:cacheprovider "${PY310_TESTS[@]}"
-else
-    echo "test.sh: no Python 3.10 found (pyenv's, python3.10, APPLIANCE_PYTHON310): not run on 3.10" >&2
 fi
 
 # Dockerfile.x86 built and run with podman, where podman and the local Debian base
