@@ -44,14 +44,10 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from appliance.adapters import http_codec, offload
-from appliance.adapters.mqtt_client import (
-    connect_properties,
-    inbound_message,
-    make_client,
-    reply_properties,
-)
+from appliance.adapters.mqtt_client import connect_properties, make_client, reply_properties
 from appliance.adapters.mqtt_codec import decode_payload
 from appliance.adapters.mqtt_link import LoopDriver
+from appliance.adapters.mqtt_packets import PacketError, packet_limit
 from appliance.adapters.mqtt_protocol import (
     DedupWindow,
     Inbound,
@@ -102,7 +98,6 @@ class MqttBridge:
             self._outbox_limit,
             on_connect=self._on_connect,
             on_disconnect=self._on_disconnect,
-            on_message=self._on_message,
             on_subscribe=self._on_subscribe,
         )
 
@@ -111,7 +106,10 @@ class MqttBridge:
     async def start(self) -> None:
         """Start the connection task; returns at once (the broker may be down)."""
         self._loop = asyncio.get_running_loop()
-        self._driver = LoopDriver(self._client, self._loop)
+        limit = packet_limit(self.max_request_size)
+        self._driver = LoopDriver(
+            self._client, self._loop, limit, self._on_publish, self._on_refused
+        )
         self._room.open()
         cfg = self.config
         self._driver.start(
@@ -158,7 +156,7 @@ class MqttBridge:
         return {
             "keepalive": self.config.keepalive_s,
             "clean_start": False,
-            "properties": connect_properties(self.config),
+            "properties": connect_properties(self.config, packet_limit(self.max_request_size)),
         }
 
     def _on_connect(
@@ -201,20 +199,20 @@ class MqttBridge:
         self._socket_up = self._link_up = False  # stop direct publishes at once
         self._later(self._link_changed, self._generation, False)
 
-    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
-        """Admit one request: duplicate -> ack and drop; no room -> "overloaded" reply;
-        else start its task. Never blocks, never buffers."""
-        try:
-            inbound = inbound_message(message, self._generation)
-        except Exception as exc:  # e.g. a topic that is not UTF-8
-            log.warning("mqtt: unreadable message dropped: %s", exc)
-            client.ack(message.mid, message.qos)
-            return
+    def _on_refused(self, error: PacketError) -> None:
+        """The driver refused a packet from the broker and closes the connection."""
+        self.stats.add("dropped_malformed")
+
+    def _on_publish(self, inbound: Inbound) -> None:
+        """Admit one request (decoded by the driver): duplicate -> ack and drop; no
+        room -> "overloaded" reply; else start its task. Never blocks, never buffers."""
+        client = self._client
+        inbound.generation = self._generation
         self.stats.add("received")
         key = inbound.dedup_key()
         if key is not None and self._dedup.seen(key):
             self.stats.add("duplicates")
-            client.ack(message.mid, message.qos)
+            client.ack(inbound.mid, inbound.qos)
             return
         accepting, admitted = self._room.take(inbound.generation, inbound.qos)
         if not accepting:  # stopping: leave it unacknowledged, the broker keeps it
@@ -231,7 +229,7 @@ class MqttBridge:
             topic, payload, props = self._error_reply(inbound, "", error)
             client.publish(topic, payload, self.config.qos, properties=props)
             self.stats.add("errors")
-            client.ack(message.mid, message.qos)
+            client.ack(inbound.mid, inbound.qos)
             return
         self._admit(inbound)
 
@@ -386,4 +384,3 @@ class MqttBridge:
         # redelivers the message under its own packet id and that copy is acked
         if msg.qos and self._link_up and msg.generation == self._generation:
             self._client.ack(msg.mid, msg.qos)
-

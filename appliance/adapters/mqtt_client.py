@@ -1,5 +1,6 @@
-"""The paho client as the MQTT bridge uses it: construction, the CONNECT and
-PUBLISH properties, and inbound messages turned into :class:`Inbound` values.
+"""The paho client as the MQTT bridge uses it: construction, and the CONNECT and
+PUBLISH properties. Incoming PUBLISH packets never reach paho: the bridge reads them
+(:mod:`appliance.adapters.mqtt_packets`, through the socket built here).
 
 Everything paho-specific lives here and in :mod:`appliance.adapters.mqtt_link` (the
 connection on the event loop), so :mod:`appliance.adapters.mqtt_bridge` reads as the
@@ -20,6 +21,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from appliance.adapters.mqtt_link import BufferedSocket
+from appliance.adapters.mqtt_packets import encode_varint
 from appliance.adapters.mqtt_protocol import HEADER_LENGTH, Inbound
 from appliance.config.mqtt_config import MqttConfig
 
@@ -33,12 +35,12 @@ def make_client(
     *,
     on_connect: Callable[..., None],
     on_disconnect: Callable[..., None],
-    on_message: Callable[..., None],
     on_subscribe: Callable[..., None],
 ) -> mqtt.Client:
     """A paho MQTT v5 client: manual acknowledgements, no reconnects of its own (the
     bridge reconnects, with jitter), the ``offline`` will, TLS and credentials from the
-    config. Its socket is driven by a :class:`appliance.adapters.mqtt_link.LoopDriver`."""
+    config. Its socket is driven by a :class:`appliance.adapters.mqtt_link.LoopDriver`,
+    which reads the incoming packets itself (no ``on_message``: paho sees no PUBLISH)."""
     client = _Client(
         CallbackAPIVersion.VERSION2,
         client_id=cfg.client_id,
@@ -61,30 +63,32 @@ def make_client(
     client.max_queued_messages_set(queue_limit)
     client.on_connect = on_connect
     client.on_disconnect = on_disconnect
-    client.on_message = on_message
     client.on_subscribe = on_subscribe
     client.on_socket_open = _no_delay
     return client
 
 
 class _Client(mqtt.Client):
-    """paho's client on a :class:`BufferedSocket`: paho reads each packet a byte or two
-    at a time (a ``recv`` per fixed-header byte, then one for the rest), the buffer
-    turns that into one ``recv`` for whatever the kernel holds. paho builds every
-    connection's socket in ``_create_socket``; if a later paho stops calling it, the
-    client works as it is, unbuffered (paho is pinned in constraints.txt)."""
+    """paho's client on a :class:`BufferedSocket`, which reads paho only the packets
+    the driver hands it. paho builds every connection's socket in ``_create_socket``
+    (the one paho method overridden; paho is pinned in constraints.txt and
+    tests/adapters/test_mqtt_packets.py fails if the hook stops being called); a paho
+    that stops calling it gets no connection: the driver refuses its bare socket."""
 
     def _create_socket(self) -> Any:
         return BufferedSocket(super()._create_socket())
 
 
-def connect_properties(cfg: MqttConfig) -> Properties:
+def connect_properties(cfg: MqttConfig, packet_limit: int) -> Properties:
     """CONNECT: keep the session for ``session_expiry_s``; announce ``max_pending`` as
     the Receive Maximum, so the broker sends no more unacknowledged QoS 1 requests
-    than we serve at once (we acknowledge once answered) and holds a backlog for us."""
+    than we serve at once (we acknowledge once answered) and holds a backlog for us;
+    announce ``packet_limit`` as the Maximum Packet Size, so the broker discards a
+    larger message instead of sending it (one that comes all the same is refused)."""
     properties = _new_properties(PacketTypes.CONNECT)
     properties.SessionExpiryInterval = cfg.session_expiry_s
     properties.ReceiveMaximum = min(cfg.max_pending, RECEIVE_MAXIMUM_LIMIT)
+    properties.MaximumPacketSize = packet_limit
     return properties
 
 
@@ -125,7 +129,7 @@ class PackedProperties(Properties):
         if correlation is not None:
             fields["CorrelationData"] = correlation
         fields["UserProperty"] = user
-        fields["_wire"] = _variable_int(len(wire)) + bytes(wire)
+        fields["_wire"] = encode_varint(len(wire)) + bytes(wire)
         self.__dict__.update(fields)  # paho's __setattr__ is what this class avoids
 
     def pack(self) -> bytes:
@@ -141,33 +145,6 @@ def _sized(data: bytes) -> bytes:
     if len(data) > 0xFFFF:
         raise ValueError(f"an MQTT property value has {len(data)} bytes, over 65535")
     return len(data).to_bytes(2, "big") + data
-
-
-def _variable_int(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        value, byte = divmod(value, 128)
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def inbound_message(message: mqtt.MQTTMessage, generation: int) -> Inbound:
-    """paho's message as the bridge's value, tagged with the connection it came on."""
-    props = message.properties
-    expiry = getattr(props, "MessageExpiryInterval", None)
-    return Inbound(
-        topic=message.topic,
-        payload=bytes(message.payload),
-        qos=message.qos,
-        mid=message.mid,
-        response_topic=getattr(props, "ResponseTopic", "") or "",
-        correlation=getattr(props, "CorrelationData", None),
-        content_type=getattr(props, "ContentType", "") or "",
-        expiry_s=int(expiry) if expiry is not None else None,
-        user_properties=dict(getattr(props, "UserProperty", None) or []),
-        generation=generation,
-    )
 
 
 def _no_delay(client: mqtt.Client, userdata: Any, sock: Any) -> None:

@@ -1,6 +1,8 @@
 """paho's connection on the asyncio event loop: :class:`LoopDriver` drives the client
-through paho's external-loop interface by the socket's readiness, and
-:class:`BufferedSocket` gives paho fewer, larger reads and writes.
+through paho's external-loop interface by the socket's readiness and reads the
+incoming packets itself (PUBLISH decoded by :mod:`appliance.adapters.mqtt_packets`,
+the rest handed to paho), and :class:`BufferedSocket` is the socket paho reads and
+writes through.
 
 With paho's own network thread every packet crossed between that thread and the event
 loop (a wake-up each way, a ``select`` per turn, the GIL handed back and forth): on a
@@ -15,25 +17,40 @@ import contextlib
 import logging
 import random
 import socket
+import ssl
 from collections.abc import Callable
 from typing import Any
 
 import paho.mqtt.client as mqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.reasoncodes import ReasonCode
 
-from appliance.adapters.mqtt_protocol import backoff_delay
+from appliance.adapters.mqtt_packets import (
+    PUBLISH,
+    Framer,
+    PacketError,
+    decode_publish,
+    encode_varint,
+)
+from appliance.adapters.mqtt_protocol import Inbound, backoff_delay
 
 log = logging.getLogger("appliance.adapters.mqtt_bridge")
 
 _CHUNK = 65536  # bytes asked of the kernel per read
+_REFUSAL_GRACE_S = 2.0  # a DISCONNECT for a refused packet gets this long to go out
+_NOT_YET = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
 class BufferedSocket:
-    """A connected socket (plain or TLS) as paho uses it, with its reads buffered and
-    the writes of one :meth:`LoopDriver` flush gathered into one ``send``.
+    """A connected socket (plain or TLS) as paho uses it: paho reads only the packets
+    :class:`LoopDriver` hands it, and the writes of one flush go out as one ``send``.
 
-    Reads: one ``recv`` takes whatever the kernel holds (up to 64 KiB, or all that was
-    asked for) and paho's small reads are served from it; :meth:`pending` counts what
-    is buffered (and what TLS has decrypted), which the selector cannot see.
+    Reads: the driver takes what the kernel holds (:meth:`read`, up to 64 KiB) and cuts
+    it into packets; the ones paho handles (all but PUBLISH) are handed over whole
+    (:meth:`hand`) and paho's small reads are served from them. Nothing handed: paho's
+    ``recv`` says "would block", or, once the driver saw the stream end
+    (:meth:`end`), what the socket said (b"" or the error), so paho closes it.
+    :meth:`pending` counts what TLS has decrypted, which the selector cannot see.
 
     Writes: between :meth:`gather` and :meth:`flush`, ``send`` only collects (paho
     writes each packet on its own); :meth:`flush` sends them as one write, and what the
@@ -41,33 +58,55 @@ class BufferedSocket:
     sends what is left if the kernel takes it at once (a DISCONNECT written last).
     """
 
-    __slots__ = ("_buf", "_gathering", "_out", "_pos", "_sock", "_tls")
+    __slots__ = ("_buf", "_ended", "_gathering", "_out", "_pos", "_sock", "_tls")
 
     def __init__(self, sock: Any) -> None:
         self._sock = sock
         self._buf = b""
         self._pos = 0
+        self._ended: OSError | bool = False  # True: the peer closed; an error: it failed
         self._out: list[bytes] = []
         self._gathering = False
         self._tls = hasattr(sock, "pending")
 
+    def read(self) -> bytes:
+        """One read from the kernel (b"": the peer closed); raises as ``recv`` does."""
+        data: bytes = self._sock.recv(_CHUNK)
+        return data
+
+    def hand(self, header: int, body: bytes) -> None:
+        """A whole packet for paho to read (its first byte, its body after the length)."""
+        packet = bytes((header,)) + encode_varint(len(body)) + body
+        rest = self._buf[self._pos :]
+        self._buf, self._pos = (rest + packet if rest else packet), 0
+
+    def end(self, error: OSError | None) -> None:
+        """The stream ended: paho reads it once what was handed is read."""
+        self._ended = error if error is not None else True
+
     def recv(self, size: int) -> bytes:
         buf, pos = self._buf, self._pos
         if pos >= len(buf):
-            data: bytes = self._sock.recv(max(size, _CHUNK))
-            if len(data) <= size:
-                return data  # all of it (a payload read straight through, or b"": closed)
-            self._buf, self._pos = data, size
-            return data[:size]
+            ended = self._ended
+            if isinstance(ended, OSError):
+                raise ended
+            if ended:
+                return b""
+            raise BlockingIOError  # nothing handed: as a non-blocking socket says
         end = min(pos + size, len(buf))
         self._pos = end
         if end >= len(buf):
             self._buf, self._pos = b"", 0
         return buf[pos:end]
 
+    @property
+    def tls(self) -> bool:
+        return self._tls
+
     def pending(self) -> int:
-        buffered = len(self._buf) - self._pos
-        return buffered + (self._sock.pending() if self._tls else 0)
+        """Bytes TLS has decrypted and not given out yet (0 on a plain socket)."""
+        held: int = self._sock.pending() if self._tls else 0
+        return held
 
     def send(self, data: bytes | bytearray) -> int:
         if self._gathering or self._out:
@@ -125,8 +164,13 @@ class LoopDriver:
     """paho's external-loop interface driven by the event loop's readiness callbacks: no
     network thread, no ``select``, no hand-off between threads per packet.
 
-    - ``loop_read`` runs when the socket is readable (paho's callbacks, and so the
-      bridge's admission, run right there, on the loop);
+    - when the socket is readable the driver reads it and cuts the bytes into
+      packets: a PUBLISH is decoded here and given to ``on_publish`` (the bridge's
+      admission runs right there, on the loop); any other packet is handed to paho
+      whole and ``loop_read`` runs for it (paho's callbacks run there). A packet the
+      decoder refuses (:class:`PacketError`) goes to ``on_refused`` and closes the
+      connection with the DISCONNECT reason code MQTT v5 prescribes; the bridge
+      reconnects;
     - what ``publish``/``ack`` queue is written by ``loop_write`` at the end of the
       loop iteration that queued it (one write for a reply and its PUBACK), and again
       whenever the socket is writable while a full send buffer holds the rest;
@@ -141,9 +185,21 @@ class LoopDriver:
 
     _TICK_S = 1.0
 
-    def __init__(self, client: mqtt.Client, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        client: mqtt.Client,
+        loop: asyncio.AbstractEventLoop,
+        packet_limit: int,
+        on_publish: Callable[[Inbound], None],
+        on_refused: Callable[[PacketError], None],
+    ) -> None:
         self._client = client
         self._loop = loop
+        self._packet_limit = packet_limit
+        self._on_publish = on_publish
+        self._on_refused = on_refused
+        self._framer = Framer(packet_limit)
+        self._refusing = False  # a packet was refused: the rest of this connection is dropped
         self._sock: Any = None  # attached to the loop: set only on the loop's thread
         self._hidden = False  # the socket may hold data the selector cannot see
         self._flush_pending = False
@@ -224,7 +280,11 @@ class LoopDriver:
         sock = self._client.socket()
         if sock is None:
             raise ConnectionError("the connection closed while it was opened")
-        self._sock, self._hidden = sock, hasattr(sock, "pending")
+        if not isinstance(sock, BufferedSocket):  # a paho that no longer calls _create_socket
+            self._client.disconnect()
+            raise RuntimeError("paho built its socket without _create_socket (paho is pinned)")
+        self._sock, self._hidden = sock, sock.tls
+        self._framer, self._refusing = Framer(self._packet_limit), False
         self._closed = self._loop.create_future()
         self._loop.add_reader(sock, self._guard, self._read)
         self._tick = self._loop.call_later(self._TICK_S, self._guard, self._misc)
@@ -256,11 +316,60 @@ class LoopDriver:
             self.abort()
 
     def _read(self) -> None:
-        self._client.loop_read()
-        # bytes already read (buffered, or decrypted by TLS) are unseen by the selector:
-        # read on at the next turn, after the callbacks waiting now
-        if self._hidden and self._sock is not None and self._sock.pending() > 0:
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            data = sock.read()
+        except _NOT_YET:
+            return
+        except OSError as exc:  # reset: paho reads the error and closes the connection
+            sock.end(exc)
+            self._client.loop_read()
+            return
+        if not data:  # the broker closed: paho reads the end and closes the connection
+            sock.end(None)
+            self._client.loop_read()
+            return
+        if not self._refusing:
+            self._take(sock, data)
+        # bytes TLS has decrypted already are unseen by the selector: read on at the
+        # next turn, after the callbacks waiting now
+        if self._hidden and self._sock is sock and sock.pending() > 0:
             self._loop.call_soon(self._guard, self._read)
+
+    def _take(self, sock: BufferedSocket, data: bytes) -> None:
+        """Each whole packet in order: PUBLISH to the bridge, the others to paho."""
+        framer = self._framer
+        framer.feed(data)
+        try:
+            while self._sock is sock and (packet := framer.next()) is not None:
+                header, body = packet
+                if header >> 4 == PUBLISH:
+                    self._on_publish(decode_publish(header, body))
+                else:
+                    sock.hand(header, body)
+                    self._client.loop_read()
+        except PacketError as exc:
+            self._refuse(sock, exc)
+
+    def _refuse(self, sock: BufferedSocket, exc: PacketError) -> None:
+        """MQTT v5 section 4.13: DISCONNECT with the reason code, then close; what
+        else comes on this connection is dropped unread."""
+        log.warning(
+            "mqtt: refused a packet from the broker (reason 0x%02x): %s; reconnecting",
+            exc.reason,
+            exc,
+        )
+        self._refusing = True
+        self._framer = Framer(self._packet_limit)
+        self._on_refused(exc)
+        self._client.disconnect(ReasonCode(PacketTypes.DISCONNECT, identifier=exc.reason))
+        self._loop.call_later(_REFUSAL_GRACE_S, self._guard, lambda: self._cut(sock))
+
+    def _cut(self, sock: BufferedSocket) -> None:
+        if self._sock is sock:  # the DISCONNECT did not get out: close without it
+            self.abort()
 
     def _want_write(self, client: mqtt.Client, userdata: Any, sock: Any) -> None:
         # also called on the connect's worker thread, before the socket is attached

@@ -194,7 +194,7 @@ MQTT_METRICS = [
     ("reconnects", "counter", "MQTT connections made after the first"),
     ("in_flight", "gauge", "MQTT requests being served now"),
 ]
-DROP_REASONS = ("expired", "overloaded", "reply_lost")
+DROP_REASONS = ("expired", "overloaded", "reply_lost", "malformed")
 
 
 class MqttStats:

@@ -1,5 +1,5 @@
-"""The MQTT bridge's connection layer without a broker: the buffered socket paho reads
-and writes through (over a real socket pair), and the reply properties packed in
+"""The MQTT bridge's connection layer without a broker: the socket paho reads and
+writes through (over a real socket pair), and the reply properties packed in
 advance, checked against paho's own packing and parsing."""
 
 from __future__ import annotations
@@ -25,26 +25,35 @@ def pair() -> Iterator[tuple[BufferedSocket, socket.socket]]:
     theirs.close()
 
 
-def test_small_reads_are_served_from_one_recv_in_order(
+def test_paho_reads_only_what_was_handed_in_order(
     pair: tuple[BufferedSocket, socket.socket],
 ) -> None:
     sock, peer = pair
     peer.sendall(b"\x30\x05hello\x40\x02\x00\x01")
-    assert sock.recv(1) == b"\x30"  # paho: the packet type
-    assert sock.pending() == 10  # read from the kernel already: the selector cannot see it
-    assert sock.recv(1) == b"\x05"  # the remaining length
-    assert sock.recv(5) == b"hello"
-    assert sock.recv(100) == b"\x40\x02\x00\x01"  # never more than was buffered
-    assert sock.pending() == 0
+    assert sock.read() == b"\x30\x05hello\x40\x02\x00\x01"  # the driver's one read
+    with pytest.raises(BlockingIOError):  # nothing handed yet: paho "would block"
+        sock.recv(1)
+    sock.hand(0x40, b"\x00\x01")  # a PUBACK, re-framed whole for paho
+    sock.hand(0x90, b"\x00\x01\x00")  # a SUBACK behind it
+    assert sock.recv(1) == b"\x40"  # paho: the packet type
+    assert sock.recv(1) == b"\x02"  # the remaining length
+    assert sock.recv(2) == b"\x00\x01"  # paho asks for the rest of its packet
+    assert sock.recv(100) == b"\x90\x03\x00\x01\x00"  # never more than was handed
+    assert sock.pending() == 0  # a plain socket: nothing hidden from the selector
     with pytest.raises(BlockingIOError):  # nothing left: as the socket itself says
         sock.recv(1)
-    peer.sendall(b"x" * 200_000)
-    got = b""
-    while len(got) < 200_000:  # a big payload read straight through, in order
-        got += sock.recv(200_000 - len(got))
-    assert got == b"x" * 200_000
+    big = b"x" * 200_000
+    sock.hand(0x30, big)  # a length of three bytes
+    assert sock.recv(4) == b"\x30\xc0\x9a\x0c" and sock.recv(200_000) == big
+    sock.hand(0xD0, b"")  # a PINGRESP handed before the end is read before it
+    sock.end(None)  # the driver read b"": the broker closed
+    assert sock.recv(2) == b"\xd0\x00"
+    assert sock.recv(1) == b""  # paho sees the end and closes
+    sock.end(ConnectionResetError("reset"))
+    with pytest.raises(ConnectionResetError):  # or the error the driver met
+        sock.recv(1)
     peer.close()
-    assert sock.recv(1) == b""  # the peer closed
+    assert sock.read() == b""
 
 
 def test_gathered_writes_go_out_as_one_in_order(
