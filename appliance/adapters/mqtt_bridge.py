@@ -39,7 +39,6 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import MQTTErrorCode
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
@@ -47,7 +46,8 @@ from appliance.adapters import http_codec, offload
 from appliance.adapters.mqtt_client import connect_properties, make_client, reply_properties
 from appliance.adapters.mqtt_codec import decode_payload
 from appliance.adapters.mqtt_link import LoopDriver
-from appliance.adapters.mqtt_packets import PacketError, packet_limit
+from appliance.adapters.mqtt_outbound import Outbound
+from appliance.adapters.mqtt_packets import PacketError, encode_puback, packet_limit
 from appliance.adapters.mqtt_protocol import (
     DedupWindow,
     Inbound,
@@ -90,12 +90,11 @@ class MqttBridge:
         self._link_up = False  # publish directly only when True (set a callback later)
         self._outbox: deque[tuple[str, bytes, Properties]] = deque()
         self._outbox_limit = 2 * config.max_pending + 16
-        self._inflight = 20  # unacknowledged QoS 1 publishes (paho's and mosquitto's default)
         self._driver: LoopDriver | None = None
+        self._outbound: Outbound | None = None  # our publishes: replies and the status
         self._client = make_client(
             config,
             self.topics.status,
-            self._outbox_limit,
             on_connect=self._on_connect,
             on_disconnect=self._on_disconnect,
             on_subscribe=self._on_subscribe,
@@ -108,8 +107,9 @@ class MqttBridge:
         self._loop = asyncio.get_running_loop()
         limit = packet_limit(self.max_request_size)
         self._driver = LoopDriver(
-            self._client, self._loop, limit, self._on_publish, self._on_refused
+            self._client, self._loop, limit, self._on_publish, self._on_puback, self._on_refused
         )
+        self._outbound = Outbound(self._driver.write, self._outbox_limit)
         self._room.open()
         cfg = self.config
         self._driver.start(
@@ -135,10 +135,11 @@ class MqttBridge:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        if self._link_up:
-            info = self._client.publish(self.topics.status, b"offline", qos=1, retain=True)
-            with contextlib.suppress(Exception):  # the loop carries the PUBACK meanwhile
-                await asyncio.to_thread(info.wait_for_publish, _GOODBYE_TIMEOUT_S)
+        if self._link_up and self._outbound is not None:
+            acked: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+            self._outbound.publish(self.topics.status, b"offline", 1, retain=True, done=acked)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(acked, _GOODBYE_TIMEOUT_S)
         await self._driver.stop(_GOODBYE_TIMEOUT_S)
         if self._outbox:
             self.stats.add("dropped_reply_lost", len(self._outbox))
@@ -150,9 +151,7 @@ class MqttBridge:
 
     def _connect_options(self) -> dict[str, Any]:
         """What each connection attempt sends (keep the session: queued QoS 1 requests
-        survive a reconnect), with paho's in-flight limit set beforehand."""
-        if self._client.max_inflight_messages != self._inflight:  # after a clean close
-            self._client.max_inflight_messages_set(self._inflight)
+        survive a reconnect)."""
         return {
             "keepalive": self.config.keepalive_s,
             "clean_start": False,
@@ -167,23 +166,17 @@ class MqttBridge:
             return
         self._generation += 1
         self._socket_up = True
-        # MQTT v5: never more unacknowledged QoS 1 publishes than the broker accepts.
-        # paho ignores the CONNACK's Receive Maximum and cannot change its limit on a
-        # live connection: a lower limit is taken by reconnecting at once.
-        limit = int(getattr(properties, "ReceiveMaximum", 65535))
-        if limit < self._inflight:
-            log.warning("mqtt: the broker accepts %d messages in flight; reconnecting", limit)
-            self._inflight = limit
-            client.disconnect()
-            return
         if self._driver is not None:
             self._driver.accepted()  # the next reconnect starts its backoff over
         options = SubscribeOptions(qos=self.config.qos)
         client.subscribe([(topic, options) for topic in self.topics.subscriptions()])
+        assert self._outbound is not None
+        # what the last connection left unacknowledged goes again first, never more
+        # at once than the broker's Receive Maximum (MQTT v5 section 4.9)
+        self._outbound.attach(int(getattr(properties, "ReceiveMaximum", 65535)))
         # after subscribing: a producer that sees "online" finds us subscribed
-        client.publish(self.topics.status, b"online", qos=1, retain=True)
-        # the outbox goes out after paho has resent what the last connection left
-        # unacknowledged (it does so once this callback returns)
+        self._outbound.publish(self.topics.status, b"online", 1, retain=True)
+        # then the outbox
         self._later(self._link_changed, self._generation, bool(flags.session_present))
 
     def _on_subscribe(
@@ -197,7 +190,16 @@ class MqttBridge:
         self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, properties: Any
     ) -> None:
         self._socket_up = self._link_up = False  # stop direct publishes at once
+        if self._outbound is not None:
+            self._outbound.detach()
         self._later(self._link_changed, self._generation, False)
+
+    def _on_puback(self, mid: int, reason: int) -> None:
+        """The broker acknowledged one of our publishes (a reason >= 0x80: refused)."""
+        assert self._outbound is not None
+        if self._outbound.acknowledged(mid, reason) and reason >= 0x80:
+            self.stats.add("dropped_reply_lost")
+            log.warning("mqtt: the broker refused a reply (reason 0x%02x)", reason)
 
     def _on_refused(self, error: PacketError) -> None:
         """The driver refused a packet from the broker and closes the connection."""
@@ -206,13 +208,12 @@ class MqttBridge:
     def _on_publish(self, inbound: Inbound) -> None:
         """Admit one request (decoded by the driver): duplicate -> ack and drop; no
         room -> "overloaded" reply; else start its task. Never blocks, never buffers."""
-        client = self._client
         inbound.generation = self._generation
         self.stats.add("received")
         key = inbound.dedup_key()
         if key is not None and self._dedup.seen(key):
             self.stats.add("duplicates")
-            client.ack(inbound.mid, inbound.qos)
+            self._send_ack(inbound.mid, inbound.qos)
             return
         accepting, admitted = self._room.take(inbound.generation, inbound.qos)
         if not accepting:  # stopping: leave it unacknowledged, the broker keeps it
@@ -227,9 +228,9 @@ class MqttBridge:
                 f"{self.config.max_pending} MQTT requests are already being served",
             )
             topic, payload, props = self._error_reply(inbound, "", error)
-            client.publish(topic, payload, self.config.qos, properties=props)
+            self._publish(topic, payload, props)
             self.stats.add("errors")
-            client.ack(inbound.mid, inbound.qos)
+            self._send_ack(inbound.mid, inbound.qos)
             return
         self._admit(inbound)
 
@@ -374,13 +375,23 @@ class MqttBridge:
         self._outbox.append((topic, payload, props))
 
     def _publish(self, topic: str, payload: bytes, props: Properties) -> None:
-        info = self._client.publish(topic, payload, self.config.qos, properties=props)
-        if info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
+        assert self._outbound is not None
+        try:
+            sent = self._outbound.publish(topic, payload, self.config.qos, props.pack())  # type: ignore[no-untyped-call]
+        except ValueError as exc:  # a response topic no PUBLISH may name
+            self.stats.add("dropped_reply_lost")
+            log.warning("mqtt: reply dropped: %s", exc)
+            return
+        if not sent:
             self.stats.add("dropped_reply_lost")
             log.warning("mqtt: reply to %s dropped: too many replies waiting for the broker", topic)
+
+    def _send_ack(self, mid: int, qos: int) -> None:
+        if qos and self._driver is not None:
+            self._driver.write(encode_puback(mid))
 
     def _ack(self, msg: Inbound) -> None:
         # only on the connection that delivered it: after a reconnect the broker
         # redelivers the message under its own packet id and that copy is acked
         if msg.qos and self._link_up and msg.generation == self._generation:
-            self._client.ack(msg.mid, msg.qos)
+            self._send_ack(msg.mid, msg.qos)

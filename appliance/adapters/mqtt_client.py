@@ -20,9 +20,9 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from appliance.adapters.mqtt_link import BufferedSocket
 from appliance.adapters.mqtt_packets import encode_varint
 from appliance.adapters.mqtt_protocol import HEADER_LENGTH, Inbound
+from appliance.adapters.mqtt_socket import BufferedSocket
 from appliance.config.mqtt_config import MqttConfig
 
 RECEIVE_MAXIMUM_LIMIT = 65535  # the largest value MQTT v5 allows
@@ -31,7 +31,6 @@ RECEIVE_MAXIMUM_LIMIT = 65535  # the largest value MQTT v5 allows
 def make_client(
     cfg: MqttConfig,
     status_topic: str,
-    queue_limit: int,
     *,
     on_connect: Callable[..., None],
     on_disconnect: Callable[..., None],
@@ -60,7 +59,6 @@ def make_client(
             certfile=str(t.cert_file) if t.cert_file else None,
             keyfile=str(t.key_file) if t.key_file else None,
         )
-    client.max_queued_messages_set(queue_limit)
     client.on_connect = on_connect
     client.on_disconnect = on_disconnect
     client.on_subscribe = on_subscribe

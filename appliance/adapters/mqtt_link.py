@@ -2,7 +2,7 @@
 through paho's external-loop interface by the socket's readiness and reads the
 incoming packets itself (PUBLISH decoded by :mod:`appliance.adapters.mqtt_packets`,
 the rest handed to paho), and :class:`BufferedSocket` is the socket paho reads and
-writes through.
+writes through (:mod:`appliance.adapters.mqtt_socket`).
 
 With paho's own network thread every packet crossed between that thread and the event
 loop (a wake-up each way, a ``select`` per turn, the GIL handed back and forth): on a
@@ -26,138 +26,20 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.reasoncodes import ReasonCode
 
 from appliance.adapters.mqtt_packets import (
+    PUBACK,
     PUBLISH,
     Framer,
     PacketError,
+    decode_puback,
     decode_publish,
-    encode_varint,
 )
 from appliance.adapters.mqtt_protocol import Inbound, backoff_delay
+from appliance.adapters.mqtt_socket import BufferedSocket
 
 log = logging.getLogger("appliance.adapters.mqtt_bridge")
 
-_CHUNK = 65536  # bytes asked of the kernel per read
 _REFUSAL_GRACE_S = 2.0  # a DISCONNECT for a refused packet gets this long to go out
 _NOT_YET = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
-
-
-class BufferedSocket:
-    """A connected socket (plain or TLS) as paho uses it: paho reads only the packets
-    :class:`LoopDriver` hands it, and the writes of one flush go out as one ``send``.
-
-    Reads: the driver takes what the kernel holds (:meth:`read`, up to 64 KiB) and cuts
-    it into packets; the ones paho handles (all but PUBLISH) are handed over whole
-    (:meth:`hand`) and paho's small reads are served from them. Nothing handed: paho's
-    ``recv`` says "would block", or, once the driver saw the stream end
-    (:meth:`end`), what the socket said (b"" or the error), so paho closes it.
-    :meth:`pending` counts what TLS has decrypted, which the selector cannot see.
-
-    Writes: between :meth:`gather` and :meth:`flush`, ``send`` only collects (paho
-    writes each packet on its own); :meth:`flush` sends them as one write, and what the
-    kernel does not take yet stays, in order, ahead of any later ``send``. Closing
-    sends what is left if the kernel takes it at once (a DISCONNECT written last).
-    """
-
-    __slots__ = ("_buf", "_ended", "_gathering", "_out", "_pos", "_sock", "_tls")
-
-    def __init__(self, sock: Any) -> None:
-        self._sock = sock
-        self._buf = b""
-        self._pos = 0
-        self._ended: OSError | bool = False  # True: the peer closed; an error: it failed
-        self._out: list[bytes] = []
-        self._gathering = False
-        self._tls = hasattr(sock, "pending")
-
-    def read(self) -> bytes:
-        """One read from the kernel (b"": the peer closed); raises as ``recv`` does."""
-        data: bytes = self._sock.recv(_CHUNK)
-        return data
-
-    def hand(self, header: int, body: bytes) -> None:
-        """A whole packet for paho to read (its first byte, its body after the length)."""
-        packet = bytes((header,)) + encode_varint(len(body)) + body
-        rest = self._buf[self._pos :]
-        self._buf, self._pos = (rest + packet if rest else packet), 0
-
-    def end(self, error: OSError | None) -> None:
-        """The stream ended: paho reads it once what was handed is read."""
-        self._ended = error if error is not None else True
-
-    def recv(self, size: int) -> bytes:
-        buf, pos = self._buf, self._pos
-        if pos >= len(buf):
-            ended = self._ended
-            if isinstance(ended, OSError):
-                raise ended
-            if ended:
-                return b""
-            raise BlockingIOError  # nothing handed: as a non-blocking socket says
-        end = min(pos + size, len(buf))
-        self._pos = end
-        if end >= len(buf):
-            self._buf, self._pos = b"", 0
-        return buf[pos:end]
-
-    @property
-    def tls(self) -> bool:
-        return self._tls
-
-    def pending(self) -> int:
-        """Bytes TLS has decrypted and not given out yet (0 on a plain socket)."""
-        held: int = self._sock.pending() if self._tls else 0
-        return held
-
-    def send(self, data: bytes | bytearray) -> int:
-        if self._gathering or self._out:
-            self._out.append(bytes(data))
-            return len(data)
-        sent: int = self._sock.send(data)
-        return sent
-
-    def gather(self) -> None:
-        self._gathering = True
-
-    def flush(self) -> bool:
-        """Send what was gathered; True while some of it waits for the kernel."""
-        self._gathering = False
-        if not self._out:
-            return False
-        data = self._out[0] if len(self._out) == 1 else b"".join(self._out)
-        try:
-            sent = self._sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
-            # the connection is gone: paho sees it on its next read and closes it
-            self._out.clear()
-            return False
-        self._out = [data[sent:]] if sent < len(data) else []
-        return bool(self._out)
-
-    @property
-    def backlog(self) -> bool:
-        return bool(self._out)
-
-    def fileno(self) -> int:
-        fd: int = self._sock.fileno()
-        return fd
-
-    def setblocking(self, flag: bool) -> None:
-        self._sock.setblocking(flag)
-
-    def setsockopt(self, level: int, option: int, value: int) -> None:
-        self._sock.setsockopt(level, option, value)
-
-    def shutdown(self, how: int) -> None:
-        self._sock.shutdown(how)
-
-    def close(self) -> None:
-        if self._out:
-            with contextlib.suppress(OSError):
-                self._sock.send(b"".join(self._out))
-            self._out.clear()
-        self._sock.close()
 
 
 class LoopDriver:
@@ -166,14 +48,16 @@ class LoopDriver:
 
     - when the socket is readable the driver reads it and cuts the bytes into
       packets: a PUBLISH is decoded here and given to ``on_publish`` (the bridge's
-      admission runs right there, on the loop); any other packet is handed to paho
-      whole and ``loop_read`` runs for it (paho's callbacks run there). A packet the
+      admission runs right there, on the loop), a PUBACK (of the bridge's own
+      publishes: paho publishes nothing) to ``on_puback``; any other packet is handed
+      to paho whole and ``loop_read`` runs for it (paho's callbacks run there). A packet the
       decoder refuses (:class:`PacketError`) goes to ``on_refused`` and closes the
       connection with the DISCONNECT reason code MQTT v5 prescribes; the bridge
       reconnects;
-    - what ``publish``/``ack`` queue is written by ``loop_write`` at the end of the
-      loop iteration that queued it (one write for a reply and its PUBACK), and again
-      whenever the socket is writable while a full send buffer holds the rest;
+    - what :meth:`write` (the bridge's PUBLISH and PUBACK packets) and paho queue is
+      written at the end of the loop iteration that queued it (one write for a reply
+      and its PUBACK), and again whenever the socket is writable while a full send
+      buffer holds the rest;
     - ``loop_misc`` (keep-alive pings, a dead peer noticed) runs once a second.
 
     Only :meth:`connect` leaves the loop: paho's connect blocks (DNS, TCP connect, TLS
@@ -191,12 +75,14 @@ class LoopDriver:
         loop: asyncio.AbstractEventLoop,
         packet_limit: int,
         on_publish: Callable[[Inbound], None],
+        on_puback: Callable[[int, int], None],
         on_refused: Callable[[PacketError], None],
     ) -> None:
         self._client = client
         self._loop = loop
         self._packet_limit = packet_limit
         self._on_publish = on_publish
+        self._on_puback = on_puback
         self._on_refused = on_refused
         self._framer = Framer(packet_limit)
         self._refusing = False  # a packet was refused: the rest of this connection is dropped
@@ -345,8 +231,11 @@ class LoopDriver:
         try:
             while self._sock is sock and (packet := framer.next()) is not None:
                 header, body = packet
-                if header >> 4 == PUBLISH:
+                kind = header >> 4
+                if kind == PUBLISH:
                     self._on_publish(decode_publish(header, body))
+                elif kind == PUBACK:
+                    self._on_puback(*decode_puback(header, body))
                 else:
                     sock.hand(header, body)
                     self._client.loop_read()
@@ -370,6 +259,21 @@ class LoopDriver:
     def _cut(self, sock: BufferedSocket) -> None:
         if self._sock is sock:  # the DISCONNECT did not get out: close without it
             self.abort()
+
+    def write(self, packet: bytes) -> None:
+        """One whole packet of the bridge's own, after what paho has queued so far
+        (its SUBSCRIBE goes out before the "online" status); dropped while no
+        connection is attached (the bridge resends what must be)."""
+        sock = self._sock
+        if sock is None:
+            return
+        if self._client.want_write():  # paho's packets first, in the order they came
+            sock.gather()
+            self._client.loop_write()
+            if self._sock is not sock:
+                return
+        sock.queue(packet)
+        self._flush_soon()
 
     def _want_write(self, client: mqtt.Client, userdata: Any, sock: Any) -> None:
         # also called on the connect's worker thread, before the socket is attached

@@ -1,13 +1,15 @@
-"""Incoming MQTT v5 packets as the bridge reads them, with no MQTT client in it: the
-byte stream cut into packets (:class:`Framer`) and a PUBLISH decoded into an
-:class:`~appliance.adapters.mqtt_protocol.Inbound` (:func:`decode_publish`).
+"""The MQTT v5 packets the bridge reads and writes itself, with no MQTT client in it:
+the incoming byte stream cut into packets (:class:`Framer`), a PUBLISH decoded into
+an :class:`~appliance.adapters.mqtt_protocol.Inbound` (:func:`decode_publish`), a
+PUBACK read (:func:`decode_puback`), and the PUBLISH and PUBACK packets it sends
+(:func:`encode_publish`, :func:`encode_puback`).
 
 Why not paho's: paho reads a packet a byte at a time and decodes every PUBLISH's
 properties by looking each one up among all 27 MQTT v5 properties (60-80 us a
 request, more than the rest of its PUBLISH handling). The bridge needs eight fields;
-this reads them in one pass. paho keeps every other packet (CONNACK, SUBACK, PUBACK,
-PINGRESP, DISCONNECT): :class:`appliance.adapters.mqtt_link.LoopDriver` hands those to
-it whole.
+this reads them in one pass. paho keeps the connection's own packets (CONNECT,
+CONNACK, SUBSCRIBE, SUBACK, PINGREQ, PINGRESP, DISCONNECT):
+:class:`appliance.adapters.mqtt_link.LoopDriver` hands those to it whole.
 
 Strict, because the broker is not trusted either: every length is checked against
 what is left of its packet, a packet over the limit the CONNECT announced is refused
@@ -20,7 +22,8 @@ from __future__ import annotations
 
 from appliance.adapters.mqtt_protocol import Inbound
 
-PUBLISH = 3  # the packet type, in the high nibble of the first byte
+PUBLISH = 3  # packet types, in the high nibble of the first byte
+PUBACK = 4
 MALFORMED = 0x81
 PROTOCOL_ERROR = 0x82
 PACKET_TOO_LARGE = 0x95
@@ -251,3 +254,46 @@ def _read_properties(r: _Reader, inbound: Inbound) -> None:
             raise _malformed(f"property 0x{ident:02x} is not a PUBLISH property")
     if user:
         inbound.user_properties = user
+
+
+def decode_puback(header: int, body: bytes) -> tuple[int, int]:
+    """A PUBACK: (packet identifier, reason code; 0 when the broker left it out)."""
+    if header != PUBACK << 4:
+        raise _malformed(f"a PUBACK with flags 0x{header & 0x0F:x}")
+    r = _Reader(body, 0, len(body))
+    mid = r.u16("packet identifier")
+    if mid == 0:
+        raise PacketError(PROTOCOL_ERROR, "a PUBACK with packet identifier 0")
+    reason = r.byte("reason code") if r.pos < r.end else 0
+    if r.pos < r.end:  # properties (a reason string, user properties): checked, unused
+        length = r.varint("property length")
+        if length != r.end - r.pos:
+            raise _malformed("the PUBACK's properties do not end with it")
+    return mid, reason
+
+
+def encode_publish(
+    topic: str, payload: bytes, qos: int, mid: int, properties: bytes, retain: bool = False
+) -> bytes:
+    """A PUBLISH packet; ``properties`` is the packed property section (its length
+    first). The DUP flag of a resend is :func:`as_resend`'s. ValueError: a topic that
+    no PUBLISH may carry (empty, a wildcard, over 65535 bytes, U+0000)."""
+    raw = topic.encode()
+    if not raw or len(raw) > 0xFFFF or "+" in topic or "#" in topic or "\x00" in topic:
+        raise ValueError(f"{topic!r} is not a topic a PUBLISH may name")
+    head = bytes((PUBLISH << 4 | qos << 1 | int(retain),))
+    ident = mid.to_bytes(2, "big") if qos else b""
+    length = 2 + len(raw) + len(ident) + len(properties) + len(payload)
+    return b"".join(
+        (head, encode_varint(length), len(raw).to_bytes(2, "big"), raw, ident, properties, payload)
+    )
+
+
+def as_resend(packet: bytes) -> bytes:
+    """A QoS 1 PUBLISH packet with its DUP flag set (sent again after a reconnect)."""
+    return bytes((packet[0] | 0x08,)) + packet[1:]
+
+
+def encode_puback(mid: int) -> bytes:
+    """The acknowledgement of a QoS 1 PUBLISH (reason Success, no properties)."""
+    return b"\x40\x02" + mid.to_bytes(2, "big")

@@ -12,8 +12,8 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from appliance.adapters.mqtt_client import PackedProperties, reply_properties
-from appliance.adapters.mqtt_link import BufferedSocket
 from appliance.adapters.mqtt_protocol import HEADER_LENGTH, Inbound
+from appliance.adapters.mqtt_socket import BufferedSocket
 
 
 @pytest.fixture
