@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
+import pytest
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
@@ -39,6 +40,18 @@ def find_mosquitto() -> str | None:
         (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)),
         None,
     )
+
+
+def require_mosquitto() -> str:
+    """The broker binary; the calling test skips without one, and fails under CI, which
+    installs it (scripts/test.sh): a missing broker must not pass silently there."""
+    binary = find_mosquitto()
+    if binary is None:
+        reason = "mosquitto not found: install Debian's 'mosquitto' (scripts/test.sh does)"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return binary
 
 
 def free_port() -> int:

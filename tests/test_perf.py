@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from mosquitto import Broker, Client, find_mosquitto
+from mosquitto import Broker, Client, require_mosquitto
 from PIL import Image
 
 from appliance import cli
@@ -257,11 +257,7 @@ def test_csv_and_plot_helpers(tmp_path: Path) -> None:
 
 
 def test_mqtt_transport(run_appliance, tmp_path) -> None:
-    binary = find_mosquitto()
-    if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("mosquitto not found")
-        pytest.skip("mosquitto not found: install Debian's 'mosquitto'")
+    binary = require_mosquitto()
     broker = Broker(binary, tmp_path / "broker")
     (tmp_path / "broker").mkdir()
     broker.start()

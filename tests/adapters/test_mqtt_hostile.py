@@ -20,7 +20,7 @@ from typing import Any
 
 import orjson
 import pytest
-from mosquitto import Broker, Client, find_mosquitto, mqtt_metrics, wait_until
+from mosquitto import Broker, Client, mqtt_metrics, require_mosquitto, wait_until
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
@@ -228,12 +228,7 @@ def test_a_hostile_broker_is_refused_and_the_bridge_goes_on(
 
 @pytest.fixture(scope="module")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
-    binary = find_mosquitto()
-    if binary is None:
-        reason = "mosquitto not found: install Debian's 'mosquitto' (scripts/test.sh does)"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+    binary = require_mosquitto()
     b = Broker(binary, tmp_path_factory.mktemp("mosquitto_hostile"))
     b.start()
     yield b

@@ -24,9 +24,8 @@ from typing import Any
 
 import numpy as np
 import orjson
-import pytest
 import tritonclient.http as httpclient
-from mosquitto import Broker, Client, Reply, find_mosquitto, mqtt_metrics, wait_until
+from mosquitto import Broker, Client, Reply, mqtt_metrics, require_mosquitto, wait_until
 
 from devtools import modelgen
 
@@ -51,9 +50,7 @@ def _saved(broker: Broker, after: int) -> None:
 def test_sigkilled_broker_loses_no_request_and_answers_each_once(
     run_appliance: Any, tmp_path: Path
 ) -> None:
-    binary = find_mosquitto()
-    if binary is None:
-        pytest.skip("mosquitto not found: install Debian's 'mosquitto'")
+    binary = require_mosquitto()
     repo = tmp_path / "repo"
     modelgen.write_model(repo, "simple", modelgen.simple_add_sub(), modelgen.SIMPLE_CONFIG)
     (tmp_path / "broker").mkdir()

@@ -5,7 +5,6 @@ a real mosquitto, and small real file systems (tmpfs) for the disk-full cases.""
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.mosquitto import Broker, find_mosquitto
+from tests.mosquitto import Broker, require_mosquitto
 from tests.ota_device import Device
 from tests.ota_helpers import Fleet, LocalDevice, start_fleet
 
@@ -57,12 +56,7 @@ def real_device(tmp_path: Path) -> Iterator[tuple[Fleet, Device]]:
 
 @pytest.fixture
 def broker(tmp_path: Path) -> Iterator[Broker]:
-    binary = find_mosquitto()
-    if binary is None:
-        reason = "mosquitto not found: install Debian's 'mosquitto' (scripts/test.sh does)"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+    binary = require_mosquitto()
     (tmp_path / "mosquitto").mkdir()
     b = Broker(binary, tmp_path / "mosquitto")
     b.start()

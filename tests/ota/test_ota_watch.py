@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
-import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from appliance.cli import build_parser, main
@@ -23,7 +22,7 @@ from ota.agent import Agent
 from ota.report import Reporter
 from ota.state import AgentState
 from ota.watch import main as watch_main
-from tests.mosquitto import Broker, Client, find_mosquitto
+from tests.mosquitto import Broker, Client, require_mosquitto
 from tests.ota_helpers import Fleet, LocalDevice, retained_report
 from tests.pace import scaled
 
@@ -159,9 +158,7 @@ def test_the_watcher_says_what_it_waits_for(broker: Broker, fleet: Fleet) -> Non
 def test_the_broker_acl_lets_a_device_report_only_as_itself(tmp_path: Path) -> None:
     """configs/mosquitto/ota-acl.conf on a real mosquitto: cam-1 (logged in as cam-1)
     cannot publish cam-2's report; the watcher, logged in as fleet-watch, reads cam-1's."""
-    binary = find_mosquitto()
-    if binary is None:
-        pytest.skip("mosquitto not found")
+    binary = require_mosquitto()
     passwd = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
     work = tmp_path / "mq"
     work.mkdir()
