@@ -103,12 +103,8 @@ class Server:
 
     async def _site(self, app: web.Application, port: int) -> tuple[web.AppRunner, int]:
         """An aiohttp-only endpoint (metrics)."""
+        sock = self._bind(port)
         runner = await self._runner(app, 1.0)
-        try:
-            sock = self._bind(port)
-        except ConfigError:
-            await runner.cleanup()
-            raise
         await web.SockSite(runner, sock).start()
         return runner, int(sock.getsockname()[1])
 
@@ -120,14 +116,10 @@ class Server:
         app = http_api.create_app(
             self.dataplane, config.max_request_size, self.access, config.http_body_timeout_s
         )
+        sock = self._bind(config.http_port)
         runner = await self._runner(
             app, config.drain_timeout_s, **http_limits.runner_options(config)
         )
-        try:
-            sock = self._bind(config.http_port)
-        except ConfigError:
-            await runner.cleanup()
-            raise
         self._http = await http_front.listen(
             runner,
             sock,

@@ -31,17 +31,26 @@ summary() {  # every step's time once more at the end, also when one failed
     rm -rf "$scratch"
 }
 trap summary EXIT
+record() {  # name, start time, exit status: the step's time, into the log and the summary
+    echo "test.sh: $1 took $((SECONDS - $2)) s"
+    if [ "$3" = 0 ]; then
+        times+=("$1: $((SECONDS - $2)) s")
+    else
+        times+=("$1: $((SECONDS - $2)) s (failed, status $3)")
+    fi
+    return "$3"
+}
 step() {  # each step's wall time goes into the log (CI keeps it)
     local name=$1 started=$SECONDS status=0
     shift
     "$@" || status=$?
-    echo "test.sh: $name took $((SECONDS - started)) s"
-    if [ "$status" = 0 ]; then
-        times+=("$name: $((SECONDS - started)) s")
-    else
-        times+=("$name: $((SECONDS - started)) s (failed, status $status)")
-    fi
-    return "$status"
+    record "$name" "$started" "$status"
+}
+collect() {  # pid, log, name, start time of a step run in the background: its end
+    local status=0
+    wait "$1" || status=$?
+    cat "$2"
+    record "$3" "$4" "$status"
 }
 tar --exclude=.git --exclude='*.egg-info' --exclude=build --exclude=__pycache__ -cf - . \
     | tar -xf - -C "$scratch"
@@ -119,17 +128,10 @@ version=$(python3 -c 'import platform; print(platform.python_version())')
 step "pytest ($version, 2 workers)" \
     python3 -m pytest -q -p no:cacheprovider -n 2 --dist loadfile -m "not serial"
 if [ -n "$install310_pid" ]; then
-    install310_status=0
-    wait "$install310_pid" || install310_status=$?
-    install310_pid=""
-    cat "$scratch/install310.log"
-    install310_time="install (3.10, beside the 2-worker step): $((SECONDS - install310_started)) s"
-    echo "test.sh: $install310_time"
-    if [ "$install310_status" != 0 ]; then
-        times+=("$install310_time (failed, status $install310_status)")
-        exit "$install310_status"
-    fi
-    times+=("$install310_time")
+    pid=$install310_pid
+    install310_pid=""  # collected here, not again by the summary
+    collect "$pid" "$scratch/install310.log" "install (3.10, beside the 2-worker step)" \
+        "$install310_started"
 fi
 step "pytest ($version, serial)" python3 -m pytest -q -p no:cacheprovider -m serial
 
@@ -158,15 +160,7 @@ else
     echo "test.sh: containers skipped: no podman, or no local base image (python3 -m devtools.container_check makes it)" >&2
 fi
 
-matrix_status=0
-wait "$matrix_pid" || matrix_status=$?
-matrix_pid=""
-cat "$matrix_log"
-matrix_time="install matrix (beside the steps since the serial one): $((SECONDS - matrix_started)) s"
-echo "test.sh: $matrix_time"
-if [ "$matrix_status" = 0 ]; then
-    times+=("$matrix_time")
-else
-    times+=("$matrix_time (failed, status $matrix_status)")
-fi
-exit "$matrix_status"
+pid=$matrix_pid
+matrix_pid=""  # collected here, not again by the summary
+collect "$pid" "$matrix_log" "install matrix (beside the steps since the serial one)" \
+    "$matrix_started"

@@ -33,7 +33,6 @@ MAX_REQUEST_SIZE = web.AppKey("max_request_size", int)
 ACCESS = web.AppKey("access", AccessPolicy)
 # every registered route -> who may call it (declared with the route in create_app)
 SCOPES = web.AppKey("scopes", dict)
-STATUS = http_infer.STATUS
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -78,7 +77,7 @@ def _front(limits: http_limits.BodyLimits) -> Middleware:
             )
             return _error(400, f"the request body was cut off: {exc}")
         except ApplianceError as exc:
-            return _error(STATUS[exc.code], exc.message)
+            return _error(http_infer.STATUS[exc.code], exc.message)
         except web.HTTPRequestEntityTooLarge as exc:
             return _error(
                 413,
@@ -180,7 +179,7 @@ async def infer(request: web.Request) -> web.Response:
         )
     finally:
         ticket.release()
-    out = parts[0] if len(parts) == 1 else b"".join(parts)
+    out = b"".join(parts)  # a lone part: join returns it, no copy
     if length is None:
         return web.Response(body=out, content_type=http_infer.JSON)
     return web.Response(

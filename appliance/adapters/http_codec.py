@@ -233,10 +233,7 @@ def encode_response(
     """Response -> (body, JSON header length when binary outputs follow, else None):
     :func:`encode_parts` joined into one body."""
     parts, length = encode_parts(response, fmt, shared_memory)
-    header = parts[0]
-    if len(parts) == 1 and isinstance(header, bytes):
-        return header, length
-    return b"".join(parts), length
+    return b"".join(parts), length  # a lone part: join returns it, no copy
 
 
 def encode_parts(

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.005  # how often the drain looks at the connections (shutdown only)
 
 
-def unread_bytes(transport: asyncio.BaseTransport | None) -> int:
+def _unread_bytes(transport: asyncio.BaseTransport | None) -> int:
     """Bytes the kernel holds for this connection that the loop has not read yet."""
     sock = transport.get_extra_info("socket") if transport is not None else None
     if sock is None or sock.fileno() < 0:
@@ -81,10 +81,10 @@ async def close_http(listener: Listener, timeout_s: float) -> None:
 
     while still_open() and loop.time() < end:
         for conn in list(front.connections):
-            if conn.idle and not unread_bytes(conn.transport):
+            if conn.idle and not _unread_bytes(conn.transport):
                 conn.close()
         for handler in _open(server) if server is not None else []:
-            if _idle(handler) and not unread_bytes(handler.transport):
+            if _idle(handler) and not _unread_bytes(handler.transport):
                 handler.force_close()
         await asyncio.sleep(POLL_S)
     if still_open():

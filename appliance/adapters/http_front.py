@@ -198,7 +198,7 @@ class Connection(asyncio.Protocol):
                 self._hand_over()
             return False
         self.scanned = 0
-        head = http_head.parse(bytes(self.buffer[: end + 4]))
+        head = http_head.parse(bytes(memoryview(self.buffer)[: end + 4]))
         if head is None:
             self._hand_over()
             return False
@@ -356,9 +356,7 @@ class Connection(asyncio.Protocol):
         self.transport = None
         handler = self.front.aiohttp_server()
         transport.set_protocol(handler)
-        handler.connection_made(transport)
-        if self.read_paused:
-            transport.resume_reading()
+        handler.connection_made(transport)  # (reading pauses only while busy: never here)
         data, self.buffer = bytes(self.buffer), bytearray()
         if data:
             handler.data_received(data)
