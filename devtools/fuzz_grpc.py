@@ -39,7 +39,10 @@ with atheris.instrument_imports():
     from appliance.adapters.grpc_h2 import Connection
     from appliance.adapters.grpc_limits import H2Limits
 
-SENT_BY_SERVER = {0, 1, 3, 4, 6, 7, 8}  # DATA HEADERS RST_STREAM SETTINGS PING GOAWAY WINDOW_UPDATE
+SENT_BY_SERVER = {
+    grpc_frames.DATA, grpc_frames.HEADERS, grpc_frames.RST_STREAM, grpc_frames.SETTINGS,
+    grpc_frames.PING, grpc_frames.GOAWAY, grpc_frames.WINDOW_UPDATE,
+}  # fmt: skip
 PREFACE = grpc_frames.PREFACE + grpc_frames.frame(grpc_frames.SETTINGS, 0, 0)
 
 
@@ -116,7 +119,7 @@ def _check_output(out: bytes) -> None:
     while i + 9 <= len(out):
         length = int.from_bytes(out[i : i + 3], "big")
         kind = out[i + 3]
-        if length > 16384:
+        if length > grpc_frames.MAX_FRAME:
             raise Bug(f"the server wrote a frame of {length} bytes")
         if kind not in SENT_BY_SERVER:
             raise Bug(f"the server wrote a frame of type {kind}")

@@ -344,14 +344,14 @@ class Dispatcher:
                 when = deadline(timeout)
             except ValueError as exc:
                 code, status, refusal = grpc.StatusCode.INTERNAL, 400, str(exc)
-        if refusal:
-            pass
-        elif method is None:
-            refusal = f"Method not found: {path[:200]}"
-        elif encoding not in ENCODINGS:
-            refusal = (
-                f"grpc-encoding {encoding[:32]!r} is not supported: send identity, gzip or deflate"
-            )
+        if not refusal:
+            if method is None:
+                refusal = f"Method not found: {path[:200]}"
+            elif encoding not in ENCODINGS:
+                refusal = (
+                    f"grpc-encoding {encoding[:32]!r} is not supported: "
+                    "send identity, gzip or deflate"
+                )
         context = Context(tuple(metadata), when)
         chosen = method if method is not None and not refusal else _REFUSED
         call = Call(connection, stream, chosen, context, encoding)

@@ -26,6 +26,7 @@ from appliance.adapters.grpc_frames import (
     ACK,
     CONTINUATION,
     DATA,
+    ENABLE_PUSH,
     ENHANCE_YOUR_CALM,
     FLOW_CONTROL_ERROR,
     FRAME_SIZE_ERROR,
@@ -34,6 +35,7 @@ from appliance.adapters.grpc_frames import (
     INITIAL_WINDOW_SIZE,
     INTERNAL_ERROR,
     MAX_CONCURRENT_STREAMS,
+    MAX_FRAME,
     MAX_FRAME_SIZE,
     MAX_HEADER_LIST_SIZE,
     MAX_WINDOW,
@@ -238,14 +240,14 @@ class Control(Outbound):
         self._spend("SETTINGS frames")
         window = None
         for key, value in settings(payload, self.limits.max_settings):
-            if key == 2 and value > 1:  # ENABLE_PUSH
+            if key == ENABLE_PUSH and value > 1:
                 raise ProtocolError(PROTOCOL_ERROR, f"SETTINGS_ENABLE_PUSH {value}")
             if key == INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
                     raise ProtocolError(FLOW_CONTROL_ERROR, "a window over 2^31-1")
                 window = value
             elif key == MAX_FRAME_SIZE:
-                if not 16384 <= value <= 2**24 - 1:
+                if not MAX_FRAME <= value <= 2**24 - 1:
                     raise ProtocolError(PROTOCOL_ERROR, "a bad SETTINGS_MAX_FRAME_SIZE")
                 self._peer_frame = value
         if window is not None:  # applies to every open stream (only the last one counts)

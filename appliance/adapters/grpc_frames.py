@@ -27,8 +27,7 @@ MAX_FRAME = 16384  # SETTINGS_MAX_FRAME_SIZE: the default, which this server kee
 
 
 def frame(kind: int, flags: int, stream: int, payload: bytes | memoryview = b"") -> bytes:
-    n = len(payload)
-    return struct.pack(">HBBBI", n >> 8, n & 0xFF, kind, flags, stream) + bytes(payload)
+    return data_head(kind, flags, stream, len(payload)) + bytes(payload)
 
 
 def data_head(kind: int, flags: int, stream: int, n: int) -> bytes:
@@ -104,8 +103,7 @@ class FrameReader:
 
     def frames(self, data: bytes) -> Iterator[tuple[int, int, int, memoryview]]:
         if self._buffer:
-            self._buffer += data
-            data = bytes(self._buffer)
+            data = b"".join((self._buffer, data))  # one copy of the two
             self._buffer.clear()
         if not self.preface:
             if not (PREFACE.startswith(data) or data.startswith(PREFACE)):

@@ -36,7 +36,7 @@ import struct
 from collections.abc import Callable
 from typing import Protocol
 
-from appliance.adapters.grpc_control import Control, log
+from appliance.adapters.grpc_control import Control
 from appliance.adapters.grpc_frames import (
     END_HEADERS,
     END_STREAM,
@@ -58,7 +58,7 @@ from appliance.adapters.grpc_frames import (
 from appliance.adapters.grpc_headers import HeaderDecoder
 from appliance.adapters.grpc_limits import H2Limits
 
-__all__ = ["Connection", "Handler", "log"]
+__all__ = ["Connection", "Handler"]
 
 
 class Handler(Protocol):
@@ -211,8 +211,8 @@ class Connection(Control):
             taken = self._take(stream, payload)
             if taken < 0:
                 return
-            payload = payload[taken:]
-        if len(payload):
+            buffer += payload[taken:]  # the start of a message, if any: the rest follows
+        else:
             buffer += payload
             with memoryview(buffer) as whole:
                 taken = self._take(stream, whole)

@@ -18,57 +18,47 @@ from typing import Any
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 SERVICE = "grpc.health.v1.Health"
-# HealthCheckResponse.ServingStatus
-UNKNOWN, SERVING, NOT_SERVING, SERVICE_UNKNOWN = 0, 1, 2, 3
+_PACKAGE = ".grpc.health.v1."
+_F = descriptor_pb2.FieldDescriptorProto
+
+
+def _field(
+    message: Any, name: str, number: int, kind: int, type_name: str = "", repeated: bool = False
+) -> None:
+    """One field of a message, as health.proto declares it (``type_name`` relative to
+    the package; set only when given: an empty one would count as set)."""
+    label = _F.LABEL_REPEATED if repeated else _F.LABEL_OPTIONAL
+    field = message.field.add(name=name, number=number, type=kind, label=label)
+    if type_name:
+        field.type_name = _PACKAGE + type_name
 
 
 def _descriptor() -> Any:
     """health.proto's file descriptor: its messages and the Health service."""
-    field = descriptor_pb2.FieldDescriptorProto
     proto = descriptor_pb2.FileDescriptorProto(
         name="appliance/grpc_health_v1.proto", package="grpc.health.v1", syntax="proto3"
     )
     request = proto.message_type.add(name="HealthCheckRequest")
-    request.field.add(
-        name="service", number=1, type=field.TYPE_STRING, label=field.LABEL_OPTIONAL
-    )
+    _field(request, "service", 1, _F.TYPE_STRING)
     response = proto.message_type.add(name="HealthCheckResponse")
     status = response.enum_type.add(name="ServingStatus")
     for number, name in enumerate(("UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN")):
         status.value.add(name=name, number=number)
-    response.field.add(
-        name="status",
-        number=1,
-        type=field.TYPE_ENUM,
-        type_name=".grpc.health.v1.HealthCheckResponse.ServingStatus",
-        label=field.LABEL_OPTIONAL,
-    )
+    _field(response, "status", 1, _F.TYPE_ENUM, "HealthCheckResponse.ServingStatus")
     proto.message_type.add(name="HealthListRequest")
     listed = proto.message_type.add(name="HealthListResponse")
     entry = listed.nested_type.add(name="StatusesEntry")
     entry.options.map_entry = True
-    entry.field.add(name="key", number=1, type=field.TYPE_STRING, label=field.LABEL_OPTIONAL)
-    entry.field.add(
-        name="value",
-        number=2,
-        type=field.TYPE_MESSAGE,
-        type_name=".grpc.health.v1.HealthCheckResponse",
-        label=field.LABEL_OPTIONAL,
-    )
-    listed.field.add(
-        name="statuses",
-        number=1,
-        type=field.TYPE_MESSAGE,
-        type_name=".grpc.health.v1.HealthListResponse.StatusesEntry",
-        label=field.LABEL_REPEATED,
-    )
+    _field(entry, "key", 1, _F.TYPE_STRING)
+    _field(entry, "value", 2, _F.TYPE_MESSAGE, "HealthCheckResponse")
+    _field(listed, "statuses", 1, _F.TYPE_MESSAGE, "HealthListResponse.StatusesEntry", True)
     service = proto.service.add(name="Health")
     for method, suffix, streaming in (("Check", "Check", False), ("List", "List", False),
                                       ("Watch", "Check", True)):  # fmt: skip
         service.method.add(
             name=method,
-            input_type=f".grpc.health.v1.Health{suffix}Request",
-            output_type=f".grpc.health.v1.Health{suffix}Response",
+            input_type=f"{_PACKAGE}Health{suffix}Request",
+            output_type=f"{_PACKAGE}Health{suffix}Response",
             server_streaming=streaming,
         )
     pool = descriptor_pool.DescriptorPool()

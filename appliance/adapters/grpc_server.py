@@ -25,7 +25,8 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2
 
-from appliance.adapters import grpc_calls, grpc_health_proto, grpc_wire
+from appliance.adapters import grpc_calls, grpc_wire
+from appliance.adapters import grpc_health_proto as health_pb2
 from appliance.adapters.access import AccessPolicy, Scope
 from appliance.adapters.grpc_accept import Admission
 from appliance.adapters.grpc_api import Servicer
@@ -36,14 +37,10 @@ from appliance.config.fields import ConfigError
 from appliance.config.server_config import ServerConfig
 from appliance.core.dataplane import DataPlane
 
-# health.proto's messages, declared by the appliance (grpcio-health-checking's generated
-# code pins a protobuf that tritonclient[grpc] excludes): see grpc_health_proto
-health_pb2: Any = grpc_health_proto
-
 log = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
-HEALTH = "grpc.health.v1.Health"
+HEALTH = health_pb2.SERVICE
 # who may call each RPC of the services this listener registers (GrpcEndpoint.start);
 # an RPC missing here counts as admin (tests/adapters/test_auth.py checks every RPC of
 # both services is declared)
@@ -160,7 +157,6 @@ class Health:
         self._stopped = False
 
     def set(self, serving: bool) -> None:
-        assert health_pb2 is not None
         status = health_pb2.HealthCheckResponse
         value = status.SERVING if serving else status.NOT_SERVING
         self._status = {"": value, SERVICE: value}
@@ -169,7 +165,6 @@ class Health:
         self._changed = asyncio.Event()
 
     async def check(self, request: Any, context: Context) -> Any:
-        assert health_pb2 is not None
         if isinstance(request, grpc_wire.Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error.message)
         status = self._status.get(request.service)
@@ -178,7 +173,6 @@ class Health:
         return health_pb2.HealthCheckResponse(status=status)
 
     async def watch(self, request: Any, context: Context) -> AsyncIterator[Any]:
-        assert health_pb2 is not None
         if isinstance(request, grpc_wire.Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error.message)
         unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
@@ -193,14 +187,12 @@ class Health:
             await self._changed.wait()
 
     async def list(self, request: Any, context: Context) -> Any:
-        assert health_pb2 is not None
         response = health_pb2.HealthListResponse()
         for service, status in self._status.items():
             response.statuses[service].status = status
         return response
 
     def methods(self) -> dict[str, Method]:
-        assert health_pb2 is not None
         parse = grpc_wire.parse_or_undecodable(health_pb2.HealthCheckRequest)
         write = health_pb2.HealthCheckResponse.SerializeToString
         base = f"/{HEALTH}/"
@@ -250,7 +242,7 @@ class GrpcEndpoint:
         self._access = access or AccessPolicy()
         self._server: asyncio.Server | None = None
         self._admission: Admission | None = None
-        self._health = Health() if health_pb2 is not None else None
+        self._health = Health()
 
     async def start(self) -> int:
         """Bind ``host:port`` (port 0: a free port) and serve; returns the bound port.
@@ -258,11 +250,8 @@ class GrpcEndpoint:
         Raises :class:`ConfigError` when the address cannot be bound.
         """
         methods = triton_methods(Servicer(self._dataplane), self._access)
-        if self._health is not None:
-            methods.update(self._health.methods())
-            self._health.set(True)
-        else:
-            log.warning("grpc.health.v1 disabled: pip install grpcio-health-checking")
+        methods.update(self._health.methods())
+        self._health.set(True)
         dispatcher = grpc_calls.Dispatcher(methods)
         if self._tls is not None:
             self._tls.set_alpn_protocols(["h2"])
@@ -300,8 +289,7 @@ class GrpcEndpoint:
         server, self._server = self._server, None
         if server is None:
             return
-        if self._health is not None:
-            self._health.set(False)
+        self._health.set(False)
         server.close()
         for conn in list(self.connections):
             conn.goaway()
