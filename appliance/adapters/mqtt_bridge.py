@@ -2,11 +2,15 @@
 
 A thin protocol adapter over :meth:`DataPlane.infer`, like HTTP and gRPC: the
 payload forms, topics, de-duplication and backoff rules are in
-:mod:`appliance.adapters.mqtt_protocol`; this module owns the paho client.
+:mod:`appliance.adapters.mqtt_protocol`; this module owns the connection: paho for
+CONNECT, SUBSCRIBE, keep-alive and DISCONNECT, the bridge's own packets for requests,
+replies and acknowledgements (:mod:`appliance.adapters.mqtt_link`,
+:mod:`appliance.adapters.mqtt_outbound`).
 
-One thread, the event loop, owns the paho client (:class:`LoopDriver` drives its
+One thread, the event loop, owns the connection (:class:`LoopDriver` drives its
 socket by readiness; only the blocking connect, with DNS, TCP and TLS, runs on a worker
-thread): paho's callbacks admit a request and create its task, which decodes, infers,
+thread): the driver hands each PUBLISH to the bridge, which admits the request and
+creates its task, which decodes, infers,
 encodes, replies and acknowledges, and is the only party that answers its message. One
 task per bridge connects, serves the connection until it ends, and reconnects with
 exponential backoff plus jitter.

@@ -1,8 +1,8 @@
 """paho's connection on the asyncio event loop: :class:`LoopDriver` drives the client
 through paho's external-loop interface by the socket's readiness and reads the
 incoming packets itself (PUBLISH decoded by :mod:`appliance.adapters.mqtt_packets`,
-the rest handed to paho), and :class:`BufferedSocket` is the socket paho reads and
-writes through (:mod:`appliance.adapters.mqtt_socket`).
+the rest handed to paho) and writes the bridge's own packets, all through the
+:class:`~appliance.adapters.mqtt_socket.BufferedSocket` paho's connection uses.
 
 With paho's own network thread every packet crossed between that thread and the event
 loop (a wake-up each way, a ``select`` per turn, the GIL handed back and forth): on a
@@ -87,7 +87,6 @@ class LoopDriver:
         self._framer = Framer(packet_limit)
         self._refusing = False  # a packet was refused: the rest of this connection is dropped
         self._sock: Any = None  # attached to the loop: set only on the loop's thread
-        self._hidden = False  # the socket may hold data the selector cannot see
         self._flush_pending = False
         self._writer = False
         self._tick: asyncio.TimerHandle | None = None
@@ -169,7 +168,7 @@ class LoopDriver:
         if not isinstance(sock, BufferedSocket):  # a paho that no longer calls _create_socket
             self._client.disconnect()
             raise RuntimeError("paho built its socket without _create_socket (paho is pinned)")
-        self._sock, self._hidden = sock, sock.tls
+        self._sock = sock
         self._framer, self._refusing = Framer(self._packet_limit), False
         self._closed = self._loop.create_future()
         self._loop.add_reader(sock, self._guard, self._read)
@@ -221,7 +220,7 @@ class LoopDriver:
             self._take(sock, data)
         # bytes TLS has decrypted already are unseen by the selector: read on at the
         # next turn, after the callbacks waiting now
-        if self._hidden and self._sock is sock and sock.pending() > 0:
+        if self._sock is sock and sock.pending() > 0:
             self._loop.call_soon(self._guard, self._read)
 
     def _take(self, sock: BufferedSocket, data: bytes) -> None:
@@ -290,13 +289,12 @@ class LoopDriver:
         sock = self._sock
         if sock is None:
             return
-        buffered = isinstance(sock, BufferedSocket)
-        if buffered:
-            sock.gather()
+        sock.gather()  # (connect() attached a BufferedSocket, no other)
         try:
-            self._client.loop_write()  # may close the socket (DISCONNECT written, an error)
+            if self._client.want_write():  # paho's own packets (else loop_write only raises
+                self._client.loop_write()  # and catches IndexError); may close the socket
         finally:
-            backlog = buffered and sock.flush()
+            backlog = sock.flush()
         wanted = self._sock is not None and (backlog or self._client.want_write())
         if wanted and not self._writer:  # the send buffer is full: go on when writable
             self._loop.add_writer(self._sock, self._guard, self._flush)

@@ -71,10 +71,6 @@ class BufferedSocket:
             self._buf, self._pos = b"", 0
         return buf[pos:end]
 
-    @property
-    def tls(self) -> bool:
-        return self._tls
-
     def pending(self) -> int:
         """Bytes TLS has decrypted and not given out yet (0 on a plain socket)."""
         held: int = self._sock.pending() if self._tls else 0

@@ -13,28 +13,6 @@ from appliance.config.fields import ConfigError, Fields, existing_path, seconds
 
 # ---- mqtt: the MQTT bridge (appliance/adapters/mqtt_bridge.py) ----------------------------------
 
-_MQTT_FIELDS = {
-    "host",
-    "port",
-    "device_id",
-    "client_id",
-    "topic_prefix",
-    "qos",
-    "models",
-    "shared_group",
-    "username",
-    "password",
-    "tls",
-    "keepalive_s",
-    "session_expiry_s",
-    "max_pending",
-    "dedup_window_s",
-    "dedup_max_entries",
-    "reconnect_min_s",
-    "reconnect_max_s",
-    "file_directory",
-}
-
 
 @dataclass(frozen=True, slots=True)
 class MqttTls:
@@ -94,7 +72,7 @@ def parse_mqtt(f: Fields, path: Path | None, broker: str | None) -> MqttConfig |
     if raw is None and broker is None:
         return None
     m = Fields(f.source, {} if raw is None else raw, f.at("mqtt"))
-    m.check_keys(_MQTT_FIELDS)
+    m.check_keys(set(MqttConfig.__slots__))  # every field is a key of the section
     data = dict(m.data)
     if broker is not None:
         name, sep, number = str(broker).rpartition(":")
@@ -123,8 +101,8 @@ def parse_mqtt(f: Fields, path: Path | None, broker: str | None) -> MqttConfig |
     if isinstance(data.get("tls"), bool):  # tls: true = the system's trusted CAs
         tls = MqttTls() if data["tls"] else None
     elif (t := m.sub("tls")) is not None:
-        t.check_keys({"ca_file", "cert_file", "key_file"})
-        files = [existing_path(t, key, path) for key in ("ca_file", "cert_file", "key_file")]
+        t.check_keys(set(MqttTls.__slots__))
+        files = [existing_path(t, key, path) for key in MqttTls.__slots__]
         tls = MqttTls(*files)
         if (tls.cert_file is None) != (tls.key_file is None):
             raise t.fail("cert_file", "a client certificate needs both cert_file and key_file")

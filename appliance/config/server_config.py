@@ -120,9 +120,7 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
     level = f.text("log_level", "info").lower()
     if level not in ("debug", "info", "warning", "error"):
         raise f.fail("log_level", f"expected debug, info, warning or error, got {level!r}")
-    drain = data.get("drain_timeout_s", 30.0)
-    if not isinstance(drain, (int, float)) or isinstance(drain, bool) or drain < 0:
-        raise f.fail("drain_timeout_s", f"expected a number of seconds >= 0, got {drain!r}")
+    drain = seconds(f, "drain_timeout_s", 30.0, 0.0)
     repo = data.get("model_repository")
     if repo is not None:
         repo = Path(os.path.expanduser(str(repo)))
@@ -146,7 +144,7 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         max_request_size=parse_size(data["max_request_size"], source, "max_request_size")
         if "max_request_size" in data
         else 64 * 2**20,
-        drain_timeout_s=float(drain),
+        drain_timeout_s=drain,
         default_max_batch_size=f.integer("default_max_batch_size", 8, minimum=1),
         default_max_queue_size=f.integer("default_max_queue_size", 1024, minimum=1),
         max_queued_bytes=_optional_size(data, source, "max_queued_bytes"),
