@@ -84,11 +84,13 @@ def infer_request(model: str = "identity", elements: int = 4) -> bytes:
 class Bystander:
     """A well-behaved ``tritonclient.grpc`` client calling ModelInfer on ``identity`` on
     its own thread while a test attacks the server (at most ``limit`` calls, a pause
-    between them). As a context manager: its first call is made before the body runs,
-    every call must succeed, and one more succeeds after the body."""
+    between them; ``token``: sent as its bearer token). As a context manager: its first
+    call is made before the body runs, every call must succeed, and one more succeeds
+    after the body."""
 
-    def __init__(self, url: str, limit: int = 20000) -> None:
+    def __init__(self, url: str, limit: int = 20000, token: str = "") -> None:
         self.client = grpcclient.InferenceServerClient(url)
+        self._headers = {"authorization": f"Bearer {token}"} if token else None
         self.calls = 0
         self.errors: list[BaseException] = []
         self._limit = limit
@@ -99,7 +101,8 @@ class Bystander:
         row = np.arange(4, dtype=np.float32).reshape(1, 4)
         tensor = grpcclient.InferInput("INPUT0", [1, 4], "FP32")
         tensor.set_data_from_numpy(row)
-        got = self.client.infer("identity", [tensor], client_timeout=60).as_numpy("OUTPUT0")
+        result = self.client.infer("identity", [tensor], client_timeout=60, headers=self._headers)
+        got = result.as_numpy("OUTPUT0")
         np.testing.assert_array_equal(got, row)
         self.calls += 1
 

@@ -22,8 +22,10 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from appliance import datatypes
 from appliance.adapters import grpc_codec, grpc_settings, grpc_wire, offload, request_form
+from appliance.adapters.grpc_calls import Held
 from appliance.core.admission import Ticket
 from appliance.core.dataplane import DataPlane
+from appliance.core.queue_bytes import Hold
 from appliance.errors import ApplianceError, Code
 from appliance.request import InferenceResponse
 
@@ -83,6 +85,11 @@ def _declared_bytes(request: Any) -> int:
         itemsize = datatypes.byte_size(tensor.datatype, [1]) if known else None
         total += math.prod(tensor.shape) * (itemsize or 1)
     return total
+
+
+def _releasing(hold: Hold) -> Callable[[Any], None]:
+    """A task's done callback that gives ``hold`` back."""
+    return lambda _: hold.release()
 
 
 class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
@@ -162,14 +169,21 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         return await offload.run(heavy, grpc_codec.encode_response, response, shm_outputs, shm)
 
     @_guarded
-    async def ModelInfer(self, wire: bytes, context: Any) -> bytes:
+    async def ModelInfer(self, held: Held, context: Any) -> bytes:
         """Bytes in, bytes out (:mod:`appliance.adapters.grpc_wire`): the message is
         parsed once, its raw inputs are views of the wire, its outputs joined once
-        behind gRPC's message prefix."""
-        big = len(wire) > offload.OFFLOAD_BYTES
-        request = await offload.run(big, grpc_wire.parse_request, wire)
-        # one admission: the version, its rules and the queued-bytes hold, until answered
-        ticket = self.dp.admit(request.model_name, request.model_version)
+        behind gRPC's message prefix. Its queued bytes were held from its length
+        prefix on (``held.hold``): the admission counts them at the model."""
+        wire, hold = held
+        try:
+            big = len(wire) > offload.OFFLOAD_BYTES
+            request = await offload.run(big, grpc_wire.parse_request, wire)
+            # one admission: the version, its rules and the hold, until answered
+            ticket = self.dp.admit(request.model_name, request.model_version, held=hold)
+        except BaseException:
+            if hold is not None:
+                hold.release()
+            raise
         try:
             inference, shm_outputs = await self._decode(request, ticket, wire if big else None)
             response = await self.dp.infer(inference, "ModelInfer RPC", ticket)
@@ -187,7 +201,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         )
         return service_pb2.ModelStreamInferResponse(error_message=message, infer_response=echo)
 
-    async def _stream_one(self, request: Any, out: asyncio.Queue[Any]) -> None:
+    async def _stream_one(self, held: Held, out: asyncio.Queue[Any]) -> None:
         """One stream request -> its responses, put on ``out`` then ``None``. A failure
         becomes ``error_message`` so the stream goes on (Triton's behaviour).
 
@@ -196,6 +210,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         response only when the request sets ``triton_enable_empty_final_response``
         (as Triton). A regular model's one response carries the flag only then.
         """
+        request, hold = held
         try:
             if isinstance(request, grpc_wire.Undecodable):
                 out.put_nowait(
@@ -205,11 +220,9 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             empty_final = grpc_codec.param(
                 request.parameters, "triton_enable_empty_final_response", "bool_param", "request"
             )
-            ticket = self.dp.admit(request.model_name, request.model_version)
-            try:
-                inference, shm_outputs = await self._decode(request, ticket)
-            finally:
-                ticket.release()  # a stream request holds no queued bytes
+            # the message's queued bytes, held from its length prefix on until answered
+            ticket = self.dp.admit(request.model_name, request.model_version, held=hold)
+            inference, shm_outputs = await self._decode(request, ticket)
             decoupled = ticket.servable.config.decoupled
             async for item, final in self.dp.infer_stream(inference, ticket):
                 if isinstance(item, ApplianceError):
@@ -227,6 +240,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             log.exception("unhandled error in gRPC ModelStreamInfer")
             out.put_nowait(self._stream_error(request, f"internal error: {exc}"))
         finally:
+            if hold is not None:
+                hold.release()
             out.put_nowait(None)
 
     async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
@@ -245,15 +260,22 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         pending: asyncio.Queue[tuple[asyncio.Task[None], asyncio.Queue[Any]] | None]
         pending = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
+        held: list[Hold] = []  # the hold of a request read, not yet given to a task
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
+                    hold = request.hold
+                    if hold is not None:  # given back however the request ends
+                        held.append(hold)
                     await window.acquire()
                     out: asyncio.Queue[Any] = asyncio.Queue()
                     task = asyncio.create_task(self._stream_one(request, out))
                     running.add(task)
                     task.add_done_callback(running.discard)
+                    if hold is not None:
+                        held.pop()
+                        task.add_done_callback(_releasing(hold))
                     pending.put_nowait((task, out))
             finally:
                 pending.put_nowait(None)  # unbounded queue: never blocks
@@ -272,6 +294,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             reader.add_done_callback(lambda t: t.cancelled() or t.exception())
             for task in list(running):
                 task.cancel()
+            for hold in held:
+                hold.release()
 
     # ---- trace and log settings ----------------------------------------------------------
 

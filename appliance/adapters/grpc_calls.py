@@ -33,7 +33,7 @@ import time
 import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import grpc
 
@@ -51,10 +51,21 @@ from appliance.adapters.grpc_messages import (
     response_headers,
     trailers,
 )
+from appliance.core.queue_bytes import Hold
+from appliance.errors import ApplianceError
 
 log = logging.getLogger(__name__)
 
 UNARY, STREAM, SERVER_STREAM = "unary", "stream", "server_stream"
+# the largest request message of a method anyone may call without a token (health,
+# liveness, server metadata: their requests are a few bytes)
+PUBLIC_MESSAGE = 4096
+
+# (path, authorization values) -> None when the call may run, else its refusal
+Authorize = Callable[[str, list[str]], "tuple[grpc.StatusCode, str] | None"]
+# a message's size -> a hold of that many queued bytes (ApplianceError when it does
+# not fit): DataPlane.reserve
+Reserve = Callable[[int], Hold]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +78,18 @@ class Method:
     parse: Callable[[bytes], Any]
     write: Callable[[Any], bytes]
     framed: bool = False  # write() returns the message with its 5-byte gRPC prefix
+    # the method takes each request as Held(request, hold) and releases the hold itself
+    # once it has answered that request (else the call releases it when it ends)
+    held: bool = False
+    max_message: int = 0  # the largest request message (0: the server's limit)
+
+
+class Held(NamedTuple):
+    """A request message and the queued bytes taken for it when its length prefix came
+    (None when the endpoint keeps no count): released once the request is answered."""
+
+    request: Any
+    hold: Hold | None
 
 
 class Abort(Exception):
@@ -105,9 +128,11 @@ class Call:
         "_context",
         "_encoding",
         "_headed",
+        "_hold",
         "_inbox",
         "_messages",
         "_method",
+        "_reserve",
         "_started",
         "_stream",
         "_task",
@@ -122,15 +147,19 @@ class Call:
         method: Method,
         context: Context,
         encoding: str = "identity",
+        reserve: Reserve | None = None,
     ):
         self._connection = connection
+        self._reserve = reserve
+        self._hold: Hold | None = None  # the queued bytes of the message arriving now
         self._encoding = encoding
         self._stream = stream
         self._method = method
         self._context = context
         self.unary = method.kind != STREAM
-        self._messages: list[tuple[bytes, int]] = []  # (message, compressed flag)
-        self._inbox: asyncio.Queue[tuple[bytes, int] | None] | None = None
+        # (message, compressed flag, its hold): a unary call's one request
+        self._messages: list[tuple[bytes, int, Hold | None]] = []
+        self._inbox: asyncio.Queue[tuple[bytes, int, Hold | None] | None] | None = None
         self._started = False
         self._headed = False  # response headers sent: a status now goes in trailers
         self._task: asyncio.Task[None] | None = None
@@ -141,7 +170,25 @@ class Call:
 
     # ---- told by the connection ------------------------------------------------------
 
+    def admit(self, size: int) -> bool:
+        """A message of ``size`` bytes begins: its length prefix came, none of it is
+        kept yet. Over the method's limit: RESOURCE_EXHAUSTED; else its queued bytes
+        are held (UNAVAILABLE when they do not fit). False when the call has answered
+        (the stream is over: what the client still sends is dropped)."""
+        limit = self._method.max_message or self._connection.max_message
+        if size > limit:
+            self.too_large(size, limit)
+            return False
+        if self._reserve is not None and not self._stream.closed:
+            try:
+                self._hold = self._reserve(size)
+            except ApplianceError as exc:
+                self._fail(grpc.StatusCode.UNAVAILABLE, exc.message)
+                return False
+        return True
+
     def message(self, data: bytes, compressed: int) -> None:
+        hold, self._hold = self._hold, None
         if compressed > 1:
             self._fail(grpc.StatusCode.INTERNAL, f"a message with the compressed flag {compressed}")
         elif compressed and self._encoding == "identity":
@@ -150,11 +197,15 @@ class Call:
                 "a message flagged compressed, but the call has no grpc-encoding",
             )
         elif self._inbox is not None:
-            self._inbox.put_nowait((data, compressed))
+            self._inbox.put_nowait((data, compressed, hold))
+            return
         elif self._messages or self._started:
             self._fail(grpc.StatusCode.INTERNAL, "a unary call got more than one request message")
         else:
-            self._messages.append((data, compressed))
+            self._messages.append((data, compressed, hold))
+            return
+        if hold is not None:
+            hold.release()
 
     def end(self, leftover: bool) -> None:
         if leftover:
@@ -167,8 +218,7 @@ class Call:
             else:
                 self._start()
 
-    def too_large(self, size: int) -> None:
-        limit = self._connection.max_message
+    def too_large(self, size: int, limit: int) -> None:
         self._fail(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"Received message larger than max ({size} vs. {limit})",
@@ -176,13 +226,32 @@ class Call:
         self._connection.reset(self._stream)
 
     def cancel(self) -> asyncio.Task[None] | None:
-        """Stop the call; its task when it is still unwinding."""
+        """Stop the call and give back the queued bytes of the messages it holds; its
+        task when it is still unwinding."""
         if self._timer is not None:
             self._timer.cancel()
+        self._release()
         if self._task is not None and not self._task.done():
             self._task.cancel()
             return self._task
         return None
+
+    def _release(self) -> None:
+        """Give back the holds of every message the call still keeps (a message handed
+        to a ``held`` method is the method's to release)."""
+        if self._hold is not None:
+            self._hold.release()
+        for _, _, hold in self._messages:
+            if hold is not None:
+                hold.release()
+        inbox = self._inbox
+        while inbox is not None and not inbox.empty():
+            item = inbox.get_nowait()
+            if item is not None and item[2] is not None:
+                item[2].release()
+            elif item is None:  # the end of the requests stays for the reader
+                inbox.put_nowait(None)
+                break
 
     def _expire(self) -> None:
         self._close(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
@@ -216,8 +285,10 @@ class Call:
         method, context = self._method, self._context
         try:
             if method.kind != STREAM:  # one request (a plain one is parsed without an await)
-                data, compressed = self._messages[0]
+                data, compressed, hold = self._messages[0]
                 request = await self._inflated(data) if compressed else method.parse(data)
+                if method.held:
+                    request = Held(request, hold)
             if method.kind == UNARY:
                 response = await method.behavior(request, context)
                 payload = method.write(response)
@@ -243,12 +314,29 @@ class Call:
         finally:
             if self._timer is not None:
                 self._timer.cancel()
+            if self._messages:  # a unary call's request is answered (or never will be)
+                hold = self._messages[0][2]
+                if hold is not None:
+                    hold.release()
 
     async def _requests(self) -> AsyncIterator[Any]:
         assert self._inbox is not None
+        held = self._method.held
         while (item := await self._inbox.get()) is not None:
-            self._connection.consumed(self._stream, len(item[0]) + 5)
-            yield await self._inflated(item[0]) if item[1] else self._method.parse(item[0])
+            data, compressed, hold = item
+            self._connection.consumed(self._stream, len(data) + 5)
+            try:
+                request = await self._inflated(data) if compressed else self._method.parse(data)
+            except BaseException:
+                if hold is not None:
+                    hold.release()
+                raise
+            if held:
+                yield Held(request, hold)
+                continue
+            if hold is not None:
+                hold.release()
+            yield request
 
     # ---- writing -----------------------------------------------------------------------
 
@@ -306,13 +394,21 @@ class Dispatcher:
     """The methods by path; opens a :class:`Call` for each new stream
     (:class:`appliance.adapters.grpc_h2.Handler`)."""
 
-    def __init__(self, methods: dict[str, Method]) -> None:
+    def __init__(
+        self,
+        methods: dict[str, Method],
+        authorize: Authorize | None = None,
+        reserve: Reserve | None = None,
+    ) -> None:
         self.methods = methods
+        self._authorize = authorize
+        self._reserve = reserve
 
     def open(self, connection: Connection, stream: Stream) -> None:
         path = verb = content_type = timeout = ""
         encoding = "identity"
         metadata: list[tuple[str, str]] = []
+        tokens: list[str] = []
         for key, value in stream.headers:
             if key[:1] == ":":
                 if key == ":path":
@@ -327,6 +423,9 @@ class Dispatcher:
                 encoding = value
             elif not key.startswith("grpc-") and key != "te":
                 metadata.append((key, value))
+                if key == "authorization":
+                    tokens.append(value)
+        stream.headers = []  # read: the call keeps its metadata only
         method = self.methods.get(path)
         code, status, refusal, when = grpc.StatusCode.UNIMPLEMENTED, 200, "", None
         if stream.oversize:
@@ -352,9 +451,13 @@ class Dispatcher:
                     f"grpc-encoding {encoding[:32]!r} is not supported: "
                     "send identity, gzip or deflate"
                 )
+            elif self._authorize is not None:  # the token, before any DATA is kept
+                denied = self._authorize(path, tokens)
+                if denied is not None:
+                    code, refusal = denied
         context = Context(tuple(metadata), when)
         chosen = method if method is not None and not refusal else _REFUSED
-        call = Call(connection, stream, chosen, context, encoding)
+        call = Call(connection, stream, chosen, context, encoding, self._reserve)
         stream.call = call
         if refusal:
             call._fail(code, refusal, status, accept=encoding not in ENCODINGS)

@@ -69,7 +69,7 @@ class Control(Outbound):
         self._on_close = on_close
         self._reader = FrameReader()
         self._continuation: Any = None  # a header block under way (grpc_h2)
-        self._recv_window = MAX_WINDOW  # what the client may still send on the connection
+        self._recv_window = limits.connection_window  # what the client may still send
         self._received = 0  # connection-level bytes since the last WINDOW_UPDATE
         self._settled = False  # the client's SETTINGS followed its preface
         self._acked = False  # the client acknowledged the server's SETTINGS
@@ -102,8 +102,11 @@ class Control(Outbound):
             MAX_HEADER_LIST_SIZE,
             limits.max_header_list_size,
         )
-        update = struct.pack(">I", MAX_WINDOW - 65535)
-        transport.write(frame(SETTINGS, 0, 0, mine) + frame(WINDOW_UPDATE, 0, 0, update))
+        opened = frame(SETTINGS, 0, 0, mine)
+        if limits.connection_window > 65535:  # HTTP/2's initial connection window
+            update = struct.pack(">I", limits.connection_window - 65535)
+            opened += frame(WINDOW_UPDATE, 0, 0, update)
+        transport.write(opened)
         loop = asyncio.get_running_loop()
         self.born = self._quiet_since = loop.time()
         self._watch = loop.call_later(limits.tick_s, self._tick)
@@ -115,6 +118,8 @@ class Control(Outbound):
                 handle.cancel()
         for stream in list(self.streams.values()):
             self._drop(stream)
+        self._reader = FrameReader()  # a frame or header block half received: dropped
+        self._continuation = None
         self._wake()
         self._on_close(self)
 

@@ -54,6 +54,7 @@ class Stream:
     """One request stream: its headers, its inbound gRPC messages, both windows."""
 
     __slots__ = (
+        "admitted",
         "buffer",
         "call",
         "closed",
@@ -74,6 +75,7 @@ class Stream:
         self.headers = headers
         self.oversize = 0  # the header list's size when it is over the advertised limit
         self.buffer = bytearray()  # gRPC message bytes not yet complete
+        self.admitted = False  # the message in ``buffer`` was admitted (its prefix read)
         self.call: Any = None  # the call serving it (grpc_calls): set by Handler.open
         self.ended = False  # the client sent END_STREAM
         self.closed = False  # we sent END_STREAM (or it was reset)

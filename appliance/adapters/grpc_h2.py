@@ -211,7 +211,8 @@ class Connection(Control):
             taken = self._take(stream, payload)
             if taken < 0:
                 return
-            buffer += payload[taken:]  # the start of a message, if any: the rest follows
+            if taken < len(payload):  # the start of a message, admitted: the rest follows
+                buffer += payload[taken:]
         else:
             buffer += payload
             with memoryview(buffer) as whole:
@@ -227,16 +228,21 @@ class Connection(Control):
     def _take(self, stream: Stream, data: memoryview) -> int:
         """Hand every whole gRPC message at the start of ``data`` to the stream's call;
         the bytes taken, or -1 when the call has answered (a message over the limit,
-        or one too many). The length prefix is checked before the message is kept."""
+        one too many, or one whose queued bytes do not fit). Each message is admitted
+        by the call (``call.admit``: its size checked, its queued bytes held) when its
+        length prefix is read, before any of it is kept."""
         call = stream.call
         taken, end = 0, len(data)
         while end - taken >= 5:
             n = int.from_bytes(data[taken + 1 : taken + 5], "big")
-            if n > self.max_message:
-                call.too_large(n)
-                return -1
+            if not stream.admitted:
+                if not call.admit(n):
+                    stream.buffer = bytearray()  # (assigned: ``data`` may be a view of it)
+                    return -1
+                stream.admitted = True
             if end - taken < 5 + n:
                 break
+            stream.admitted = False
             if not call.unary:  # held until the call reads it (consumed)
                 stream.owed -= 5 + n
             call.message(bytes(data[taken + 5 : taken + 5 + n]), data[taken])

@@ -14,6 +14,7 @@ Reset (CVE-2023-44487) floods end, however fast the client sends.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -28,14 +29,27 @@ class H2Limits:
     # the client's preface and its ACK of our SETTINGS, a frame or a header block once
     # begun, and a write the client stopped reading must each finish within this
     read_timeout_s: float = 30.0
+    # what a client may send before the server hands window back: a stream
+    # (SETTINGS_INITIAL_WINDOW_SIZE) and the whole connection; both sized from
+    # max_request_size (for_message) and handed back only for bytes the server dropped
+    # or keeps under an admitted hold (docs/security.md)
+    stream_window: int = 16 * 2**20
+    connection_window: int = 64 * 2**20 + 5
     # fixed choices
-    stream_window: int = 16 * 2**20  # SETTINGS_INITIAL_WINDOW_SIZE: what a stream may send
     max_continuations: int = 16  # frames one header block may span (HEADERS included)
     max_settings: int = 32  # entries in one SETTINGS frame
     write_buffer: int = 256 * 1024  # write-buffer high-water mark: past it, reading pauses
     flood_burst: int = 1000  # the budget's tokens (see Budget)
     flood_rate: float = 100.0  # tokens back per second
     flood_refund: int = 4  # tokens back per call answered
+
+    def for_message(self, max_message: int) -> H2Limits:
+        """These limits with the windows sized for messages of ``max_message`` bytes:
+        the connection's one whole message (prefix included, at least HTTP/2's 65535),
+        a stream's at most that and 16 MiB."""
+        connection = max(65535, min(2**31 - 1, max_message + 5))
+        stream = min(16 * 2**20, connection)
+        return dataclasses.replace(self, stream_window=stream, connection_window=connection)
 
     @property
     def header_block_limit(self) -> int:

@@ -156,6 +156,7 @@ class Outbound(asyncio.Protocol):
         """We sent END_STREAM: the stream is over (told to stop sending if the client
         has not finished), and the call it served earns the connection's budget back."""
         self._budget.earn(self.limits.flood_refund)
+        stream.buffer = bytearray()  # what the client still sends is dropped
         if not stream.ended and self.streams.get(stream.id) is stream:
             self._reset(stream.id, NO_ERROR)  # we are done before the client: stop it sending
         self.streams.pop(stream.id, None)
@@ -173,6 +174,7 @@ class Outbound(asyncio.Protocol):
         counts against the concurrent streams (so resets do not make room: Rapid Reset)."""
         stream.closed = True
         stream.pending.clear()
+        stream.buffer = bytearray()  # a message half received is dropped with its memory
         self.streams.pop(stream.id, None)
         self._blocked.pop(stream.id, None)
         if stream.call is not None:

@@ -89,60 +89,55 @@ def rpc_scope(method: str) -> Scope:
     return RPC_SCOPES.get(method, Scope.ADMIN)
 
 
-def _guard(behavior: Any, scope: Scope, policy: AccessPolicy, streaming: bool) -> Any:
-    """The HTTP endpoint's token rule (:mod:`appliance.adapters.access`) for one RPC: the
-    token comes as ``authorization: Bearer <token>`` metadata. A refused call ends with
-    UNAUTHENTICATED (no or wrong token) or PERMISSION_DENIED (admin calls disabled)."""
-    if scope is Scope.PUBLIC:
-        return behavior
+def authorizer(policy: AccessPolicy) -> grpc_calls.Authorize:
+    """The HTTP endpoint's token rule (:mod:`appliance.adapters.access`) for every RPC,
+    applied by the dispatcher to a call's HEADERS, before any of its DATA is kept: the
+    token comes as ``authorization: Bearer <token>`` metadata. A refused call ends
+    with UNAUTHENTICATED (no or wrong token) or PERMISSION_DENIED (admin calls
+    disabled), trailers-only, and its stream is reset."""
 
-    async def refuse(context: Context) -> None:
-        tokens = [v for k, v in context.invocation_metadata() if k == "authorization"]
+    def authorize(path: str, tokens: list[str]) -> tuple[grpc.StatusCode, str] | None:
+        scope = rpc_scope(path)
+        if scope is Scope.PUBLIC:
+            return None
         denial = policy.check_all(scope, tokens)
-        if denial is not None:
-            code = grpc.StatusCode.UNAUTHENTICATED
-            if denial.forbidden:
-                code = grpc.StatusCode.PERMISSION_DENIED
-            await context.abort(code, denial.message)
+        if denial is None:
+            return None
+        if denial.forbidden:
+            return grpc.StatusCode.PERMISSION_DENIED, denial.message
+        return grpc.StatusCode.UNAUTHENTICATED, denial.message
 
-    if streaming:
-
-        async def stream(requests: Any, context: Context) -> AsyncIterator[Any]:
-            await refuse(context)
-            async for response in behavior(requests, context):
-                yield response
-
-        return stream
-
-    async def unary(request: Any, context: Context) -> Any:
-        await refuse(context)
-        return await behavior(request, context)
-
-    return unary
+    return authorize
 
 
 def _bytes(data: bytes) -> bytes:
     return data
 
 
-def triton_methods(servicer: Servicer, policy: AccessPolicy) -> dict[str, Method]:
-    """``inference.GRPCInferenceService``, each RPC with its access scope. ModelInfer
-    takes and returns bytes (:mod:`appliance.adapters.grpc_wire`); every other request
-    is parsed by protobuf, and one that does not parse (a name that is not UTF-8)
-    reaches its RPC as :class:`grpc_wire.Undecodable`, answered INVALID_ARGUMENT."""
+def triton_methods(servicer: Servicer) -> dict[str, Method]:
+    """``inference.GRPCInferenceService``. ModelInfer takes and returns bytes
+    (:mod:`appliance.adapters.grpc_wire`); every other request is parsed by protobuf,
+    and one that does not parse (a name that is not UTF-8) reaches its RPC as
+    :class:`grpc_wire.Undecodable`, answered INVALID_ARGUMENT. The inference RPCs take
+    each request with the queued bytes its message holds (``held``); a public RPC's
+    request is at most :data:`grpc_calls.PUBLIC_MESSAGE` bytes."""
     service = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     methods = {}
     for rpc in service.methods:
         streaming = rpc.client_streaming
         path = f"/{SERVICE}/{rpc.name}"
-        behavior = _guard(getattr(servicer, rpc.name), rpc_scope(path), policy, streaming)
+        behavior = getattr(servicer, rpc.name)
         if rpc.name == "ModelInfer":
-            methods[path] = Method(grpc_calls.UNARY, behavior, _bytes, _bytes, framed=True)
+            methods[path] = Method(
+                grpc_calls.UNARY, behavior, _bytes, _bytes, framed=True, held=True
+            )
             continue
         request = getattr(service_pb2, rpc.input_type.name)
         write = getattr(service_pb2, rpc.output_type.name).SerializeToString
         kind = grpc_calls.STREAM if streaming else grpc_calls.UNARY
-        methods[path] = Method(kind, behavior, grpc_wire.parse_or_undecodable(request), write)
+        most = grpc_calls.PUBLIC_MESSAGE if rpc_scope(path) is Scope.PUBLIC else 0
+        parse = grpc_wire.parse_or_undecodable(request)
+        methods[path] = Method(kind, behavior, parse, write, held=streaming, max_message=most)
     return methods
 
 
@@ -196,15 +191,19 @@ class Health:
         parse = grpc_wire.parse_or_undecodable(health_pb2.HealthCheckRequest)
         write = health_pb2.HealthCheckResponse.SerializeToString
         base = f"/{HEALTH}/"
+        most = grpc_calls.PUBLIC_MESSAGE
         methods = {
-            base + "Check": Method(grpc_calls.UNARY, self.check, parse, write),
-            base + "Watch": Method(grpc_calls.SERVER_STREAM, self.watch, parse, write),
+            base + "Check": Method(grpc_calls.UNARY, self.check, parse, write, max_message=most),
+            base + "Watch": Method(
+                grpc_calls.SERVER_STREAM, self.watch, parse, write, max_message=most
+            ),
         }
         methods[base + "List"] = Method(
             grpc_calls.UNARY,
             self.list,
             grpc_wire.parse_or_undecodable(health_pb2.HealthListRequest),
             health_pb2.HealthListResponse.SerializeToString,
+            max_message=most,
         )
         return methods
 
@@ -234,7 +233,8 @@ class GrpcEndpoint:
         limits: H2Limits | None = None,
     ) -> None:
         self._dataplane = dataplane
-        self._limits = limits or H2Limits()
+        # the windows sized for max_message_size (grpc_limits.H2Limits.for_message)
+        self._limits = (limits or H2Limits()).for_message(max_message_size)
         self._tls = tls
         self._host = host
         self._port = port
@@ -249,10 +249,12 @@ class GrpcEndpoint:
 
         Raises :class:`ConfigError` when the address cannot be bound.
         """
-        methods = triton_methods(Servicer(self._dataplane), self._access)
+        methods = triton_methods(Servicer(self._dataplane))
         methods.update(self._health.methods())
         self._health.set(True)
-        dispatcher = grpc_calls.Dispatcher(methods)
+        dispatcher = grpc_calls.Dispatcher(
+            methods, authorizer(self._access), self._dataplane.reserve
+        )
         if self._tls is not None:
             self._tls.set_alpn_protocols(["h2"])
 

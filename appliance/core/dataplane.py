@@ -27,7 +27,7 @@ from appliance.core.admission import Ticket
 from appliance.core.cuda_shared_memory import CudaSharedMemory
 from appliance.core.lifecycle import ModelLifeCycle
 from appliance.core.log_settings import LogSettings
-from appliance.core.queue_bytes import QueuedBytes, default_limit, tensor_bytes
+from appliance.core.queue_bytes import Hold, QueuedBytes, default_limit, tensor_bytes
 from appliance.core.servable import Servable, State
 from appliance.core.shared_memory import SharedMemoryRegistry
 from appliance.core.trace import Tracer
@@ -143,25 +143,39 @@ class DataPlane:
 
     # ---- inference ---------------------------------------------------------------------
 
-    def admit(self, name: str, version: str, nbytes: int = 0) -> Ticket:
+    def admit(self, name: str, version: str, nbytes: int = 0, held: Hold | None = None) -> Ticket:
         """The request's :class:`~appliance.core.admission.Ticket`, taken by an adapter
         *before* it reads the payload: the model version looked up once (NOT_FOUND /
         UNAVAILABLE for one that cannot serve: refused before the payload is read), its
         rules, and a hold of ``nbytes`` (what the request declares) on the model's and
         the server's queued bytes (UNAVAILABLE when they do not fit; nothing is held
-        then). Pass the ticket to :meth:`infer` and release it once answered.
-        Shutting down is answered by :meth:`infer`, after the body was read: a
-        connection whose request body is left unread would hold the shutdown while
+        then), or ``held``, a hold :meth:`reserve` took before the model was known,
+        now counted at the model. Pass the ticket to :meth:`infer` and release it once
+        answered. Shutting down is answered by :meth:`infer`, after the body was read:
+        a connection whose request body is left unread would hold the shutdown while
         the server drains it."""
         mv = self.lifecycle.get(*_checked(name, version))
-        hold = self.queued.hold(mv.stats, mv.config.max_queued_bytes)
-        if nbytes:
-            try:
-                hold.set(nbytes)
-            except ApplianceError:
-                mv.stats.record_failure(FailureReason.REJECTED, 0)
-                raise
+        try:
+            if held is not None:
+                hold = held
+                hold.assign(mv.stats, mv.config.max_queued_bytes)
+            else:
+                hold = self.queued.hold(mv.stats, mv.config.max_queued_bytes)
+                if nbytes:
+                    hold.set(nbytes)
+        except ApplianceError:
+            mv.stats.record_failure(FailureReason.REJECTED, 0)
+            raise
         return Ticket(mv, mv.rules, hold, self.lifecycle.server.max_request_elements)
+
+    def reserve(self, nbytes: int) -> Hold:
+        """A hold of ``nbytes`` on the server's queued bytes, for a payload whose model
+        is not known until it is read (a gRPC message, reserved from its length prefix
+        before it is kept): UNAVAILABLE when it does not fit. :meth:`admit` counts it
+        at its model later; whoever took it releases it once answered."""
+        hold = self.queued.hold(None)
+        hold.set(nbytes)
+        return hold
 
     async def infer(
         self,

@@ -80,8 +80,10 @@ class QueuedBytes:
         self._trim_timer: asyncio.TimerHandle | None = None
         self._trimming: asyncio.Future[None] | None = None  # a reference until done
 
-    def hold(self, stats: ModelStats, model_limit: int | None = None) -> Hold:
-        """An empty hold on ``stats``'s model (limit: ``model_limit`` or the default)."""
+    def hold(self, stats: ModelStats | None, model_limit: int | None = None) -> Hold:
+        """An empty hold on ``stats``'s model (limit: ``model_limit`` or the default);
+        ``stats`` None: on the server's total only, until :meth:`Hold.assign` names the
+        model (a wire that learns the model only from the payload it holds: gRPC)."""
         self._taken += 1
         return Hold(self, stats, model_limit or self.per_model_limit)
 
@@ -118,7 +120,7 @@ class Hold:
 
     __slots__ = ("_limit", "_server", "_stats", "nbytes")
 
-    def __init__(self, server: QueuedBytes, stats: ModelStats, limit: int) -> None:
+    def __init__(self, server: QueuedBytes, stats: ModelStats | None, limit: int) -> None:
         self._server = server
         self._stats = stats
         self._limit = limit
@@ -129,19 +131,13 @@ class Hold:
         limit raises UNAVAILABLE (reason REJECTED) and leaves the hold unchanged;
         shrinking always succeeds."""
         delta = nbytes - self.nbytes
+        stats = self._stats
         if delta > 0:
             self._server._seen += delta
-            model, server = self._stats.pending_bytes, self._server.held
-            others_model, others_server = model - self.nbytes, server - self.nbytes
-            if others_model > 0 and model + delta > self._limit:
-                self._server._maybe_trim()
-                raise unavailable(
-                    f"model '{self._stats.name}' is overloaded: its queued requests hold "
-                    f"{model} bytes, a request of {nbytes} more would pass its limit of "
-                    f"{self._limit} (max_queued_bytes)",
-                    FailureReason.REJECTED,
-                )
-            if others_server > 0 and server + delta > self._server.limit:
+            server = self._server.held
+            if stats is not None:
+                self._check_model(stats, stats.pending_bytes - self.nbytes, nbytes)
+            if server - self.nbytes > 0 and server + delta > self._server.limit:
                 self._server._maybe_trim()
                 raise unavailable(
                     f"the server is overloaded: queued requests hold {server} bytes, a "
@@ -150,8 +146,35 @@ class Hold:
                     FailureReason.REJECTED,
                 )
         self.nbytes = nbytes
-        self._stats.pending_bytes += delta
+        if stats is not None:
+            stats.pending_bytes += delta
         self._server._changed(delta)
+
+    def assign(self, stats: ModelStats, limit: int | None = None) -> None:
+        """Count a hold taken on the server's total only (``stats`` None) at the model
+        it turned out to be for, from now on: UNAVAILABLE (the hold unchanged) when
+        it does not fit the model's limit. A hold already on a model stays there."""
+        if self._stats is not None:
+            return
+        limit = limit or self._server.per_model_limit
+        self._check_model(stats, stats.pending_bytes, self.nbytes, limit)
+        self._stats, self._limit = stats, limit
+        stats.pending_bytes += self.nbytes
+
+    def _check_model(
+        self, stats: ModelStats, others: int, nbytes: int, limit: int | None = None
+    ) -> None:
+        """UNAVAILABLE when ``nbytes`` beside ``others`` (the model's other holds) pass
+        the model's limit; a lone request is always admitted."""
+        limit = limit or self._limit
+        if others > 0 and others + nbytes > limit:
+            self._server._maybe_trim()
+            raise unavailable(
+                f"model '{stats.name}' is overloaded: its queued requests hold "
+                f"{others} bytes, a request of {nbytes} more would pass its limit of "
+                f"{limit} (max_queued_bytes)",
+                FailureReason.REJECTED,
+            )
 
     def release(self) -> None:
         if self.nbytes:
