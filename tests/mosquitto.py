@@ -199,7 +199,9 @@ class Client:
     published while a broker restarts are queued for it.
     """
 
-    def __init__(self, port: int, session: bool = False) -> None:
+    def __init__(
+        self, port: int, session: bool = False, login: tuple[str, str] | None = None
+    ) -> None:
         self.client_id = f"test-client-{os.getpid()}-{next(_ids)}"
         self.replies: queue.Queue[Reply] = queue.Queue()
         self._connected = False
@@ -209,6 +211,8 @@ class Client:
             protocol=MQTTProtocolVersion.MQTTv5,
         )
         c.reconnect_delay_set(0.05, 0.2)  # type: ignore[arg-type]
+        if login is not None:  # (user name, password) for a broker that requires them
+            c.username_pw_set(*login)
         c.on_message = self._on_message
         c.on_connect = self._on_connect
         c.on_disconnect = self._on_disconnect

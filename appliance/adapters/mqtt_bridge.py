@@ -114,6 +114,9 @@ class MqttBridge:
             self._client, self._loop, limit, self._on_publish, self._on_puback, self._on_refused
         )
         self._outbound = Outbound(self._driver.write, self._outbox_limit)
+        # one packet-id allocator for paho's SUBSCRIBE and our PUBLISH packets: two
+        # counters could name two packets in flight alike (MQTT v5 section 2.2.1)
+        self._client._mid_generate = self._outbound.take_id  # type: ignore[method-assign]
         self._room.open()
         cfg = self.config
         self._driver.start(
@@ -186,6 +189,8 @@ class MqttBridge:
     def _on_subscribe(
         self, client: mqtt.Client, userdata: Any, mid: int, reasons: Any, properties: Any
     ) -> None:
+        if self._outbound is not None:
+            self._outbound.release_id(mid)
         for topic, reason in zip(self.topics.subscriptions(), reasons, strict=False):
             if reason.is_failure:
                 log.error("mqtt: the broker refused the subscription %s: %s", topic, reason)
@@ -328,8 +333,9 @@ class MqttBridge:
                 f"the payload has {len(msg.payload)} bytes, over the server's limit of "
                 f"{self.max_request_size}",
             )
-        # one admission: the version, its rules and the queued-bytes hold, until answered
-        ticket = self.dataplane.admit(topic.model, topic.version)
+        # one admission: the version, its rules and the queued-bytes hold (the payload's
+        # size, before it is decoded), until the answer is published or dropped
+        ticket = self.dataplane.admit(topic.model, topic.version, len(msg.payload))
         try:
             shm, files = self.dataplane.shared_memory, self.config.file_directory
             request, fmt = await decode_payload(
@@ -345,14 +351,14 @@ class MqttBridge:
                 left_us = max(1, int((deadline - time.monotonic()) * 1e6))
                 request.timeout_us = min(request.timeout_us or left_us, left_us)
             response = await self.dataplane.infer(request, ticket=ticket)
+            shm = self.dataplane.shared_memory
+            heavy = offload.tensor_bytes(response.outputs) > offload.OFFLOAD_BYTES
+            body, length = await offload.run(heavy, http_codec.encode_response, response, fmt, shm)
+            content = "application/json" if length is None else "application/octet-stream"
+            props = reply_properties(msg, self.config.device_id, content, length, "")
+            self._reply(msg.response_topic or self.topics.result(topic.model), body, props)
         finally:
             ticket.release()
-        shm = self.dataplane.shared_memory
-        heavy = offload.tensor_bytes(response.outputs) > offload.OFFLOAD_BYTES
-        body, length = await offload.run(heavy, http_codec.encode_response, response, fmt, shm)
-        content = "application/json" if length is None else "application/octet-stream"
-        props = reply_properties(msg, self.config.device_id, content, length, "")
-        self._reply(msg.response_topic or self.topics.result(topic.model), body, props)
         self.stats.add("answered")
         return key
 

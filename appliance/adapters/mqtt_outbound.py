@@ -9,7 +9,8 @@ in a dict.
 
 :class:`Outbound` keeps what MQTT v5 asks of a QoS 1 sender (section 4.4): at most
 ``window`` unacknowledged PUBLISH packets (the broker's Receive Maximum, never more
-than the bridge's own cap), packet identifiers unique among them, the rest queued in
+than the bridge's own cap), packet identifiers unique among them and paho's SUBSCRIBE
+(one allocator, :meth:`Outbound.take_id`, for both: MQTT v5 section 2.2.1), the rest queued in
 order up to ``queue_limit``, and every unacknowledged one sent again, with DUP set,
 on the next connection, before anything new. Loop-only: every call is made on the
 event loop's thread.
@@ -39,6 +40,7 @@ class Outbound:
         self._window = cap
         self._attached = False
         self._mid = 0
+        self._others: set[int] = set()  # ids paho's packets (SUBSCRIBE) hold until acked
         # packet id -> (the packet as first sent, who waits for its PUBACK), in order
         self._unacked: dict[int, tuple[bytes, asyncio.Future[int] | None]] = {}
         self._queued: deque[tuple[bytes, asyncio.Future[int] | None]] = deque()
@@ -67,6 +69,17 @@ class Outbound:
     def detach(self) -> None:
         """The connection ended: nothing is written until the next :meth:`attach`."""
         self._attached = False
+        self._others.clear()  # a SUBSCRIBE's id lives on its connection only
+
+    def take_id(self) -> int:
+        """A packet id for a packet paho sends (SUBSCRIBE), unique among ours in flight
+        and its own, until :meth:`release_id` (its acknowledgement came)."""
+        mid = self._next_mid()
+        self._others.add(mid)
+        return mid
+
+    def release_id(self, mid: int) -> None:
+        self._others.discard(mid)
 
     def publish(
         self,
@@ -122,7 +135,7 @@ class Outbound:
         mid = self._mid
         while True:
             mid = mid % 0xFFFF + 1
-            if mid not in self._unacked:
+            if mid not in self._unacked and mid not in self._others:
                 self._mid = mid
                 return mid
 

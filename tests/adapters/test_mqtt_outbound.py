@@ -91,6 +91,32 @@ def test_the_ids_wrap_and_skip_those_in_flight() -> None:
     assert all(parse(p)[1].mid != 1 for p in sent[1:])  # never reused while unacknowledged
 
 
+def test_one_allocator_for_paho_subscribe_and_our_publishes() -> None:
+    """MQTT v5 2.2.1: a SUBSCRIBE (paho's, with ids from Outbound.take_id as the bridge
+    wires it) and our QoS 1 PUBLISH packets in flight never share a packet id."""
+    sent: list[bytes] = []
+    out = Outbound(sent.append, queue_limit=10, cap=5)
+    out.attach(5)
+    out.publish("t/a", b"", 1)
+    out.publish("t/a", b"", 1)
+    subscribe = out.take_id()  # paho's next SUBSCRIBE
+    for _ in range(3):
+        out.publish("t/b", b"", 1)
+    ours = [parse(p)[1].mid for p in sent]
+    assert subscribe not in ours and len(set(ours)) == 5
+    for mid in ours:
+        assert out.acknowledged(mid, 0)
+    for _ in range(70_000):  # around the id space: the SUBSCRIBE's id stays taken
+        out.publish("t/c", b"", 1)
+        mid = parse(sent[-1])[1].mid
+        assert mid != subscribe
+        assert out.acknowledged(mid, 0)
+    out.release_id(subscribe)  # its SUBACK came
+    out.detach()
+    out.attach(5)
+    assert out.take_id() not in {parse(p)[1].mid for p in sent[-1:]}
+
+
 def test_done_gets_the_pubacks_reason() -> None:
     async def main() -> int:
         sent: list[bytes] = []
