@@ -24,7 +24,8 @@ timeout more, once per connection). A request refused before its body (a token, 
 unknown model, a full queue) is answered at once and its body dropped as it arrives.
 While one request is served, the next is buffered but not started (HTTP/1.1 answers
 in order); reading pauses while more than :data:`PAUSE_BYTES` wait, and a new request
-waits while the transport's write buffer is full.
+waits, unread, while the transport's write buffer is full (a client that sends
+requests without reading its answers makes the server hold no more of them).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class Connection(asyncio.Protocol):
         self.scanned = 0  # buffer bytes already searched for the end of a head
         self.ticket: Ticket | None = None  # the admission of the request in ``head``
         self.skip = 0  # body bytes of a request answered early, still to drop
+        self.early = False  # a request was just answered early: the next may follow
         self.eof = False  # the client closed its side
         self.body: bytearray | None = None  # a big body being received, and how far
         self.filled = 0
@@ -126,7 +128,11 @@ class Connection(asyncio.Protocol):
             self.buffer += data
         if not self.busy:
             self._advance()
-        elif len(self.buffer) > PAUSE_BYTES and not self.read_paused:
+        # nothing more is read while a request is served and more waits behind it, or
+        # while the client does not read its answers (pipelined requests it sends are
+        # not taken into memory until it does)
+        backed_up = self.write_paused or (self.busy and len(self.buffer) > PAUSE_BYTES)
+        if backed_up and not self.read_paused:
             self.read_paused = True
             self._transport().pause_reading()
 
@@ -151,35 +157,46 @@ class Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self.write_paused = False
         if not self.busy:
+            if self.read_paused and self.transport is not None:
+                self.read_paused = False
+                self.transport.resume_reading()
             self._advance()
 
     # ---- requests --------------------------------------------------------------------
 
     def _advance(self) -> None:
         """Take what has arrived: drop a refused request's body, start the next
-        request whose head and body are here, or hand the connection over."""
+        request whose head and body are here, or hand the connection over; requests
+        answered early (refused from their heads) one after the other, in a loop."""
+        while self._next():
+            pass
+
+    def _next(self) -> bool:
+        """One step of :meth:`_advance`; True when a request was answered early and
+        the next one may follow at once."""
         if self.transport is None or self.write_paused:
-            return
+            return False
         if self.skip:
             dropped = min(self.skip, len(self.buffer))
             del self.buffer[:dropped]
             self.skip -= dropped
             if self.skip:
-                return
+                return False
             self._arm(self.front.header_timeout_s, self._head_late)
         if self.head is None and not self._take_head():
-            return
+            again, self.early = self.early, False
+            return again
         head = self.head
         assert head is not None
         body: bytes | bytearray
         if self.body is not None:
             if self.filled < len(self.body):
-                return  # the body is still arriving
+                return False  # the body is still arriving
             body, self.body = self.body, None
         else:
             size = self.head_size + head.content_length
             if len(self.buffer) < size:
-                return  # the body is still arriving
+                return False  # the body is still arriving
             body = bytes(memoryview(self.buffer)[self.head_size : size])
             del self.buffer[:size]
         self._disarm()
@@ -187,6 +204,7 @@ class Connection(asyncio.Protocol):
         assert ticket is not None
         self.busy = True
         self.loop.create_task(self._answer(head, ticket, body))
+        return False
 
     def _take_head(self) -> bool:
         """Parse the next head and admit its request; False when it is not complete,
@@ -250,7 +268,7 @@ class Connection(asyncio.Protocol):
             self._arm(self.front.linger_s, self.close)
         else:
             self._arm(self.front.header_timeout_s, self._head_late)
-        self._advance()
+        self.early = True  # _advance goes on with what follows (a loop, not a recursion)
 
     async def _answer(
         self, head: http_head.Head, ticket: Ticket, body: bytes | bytearray
@@ -356,7 +374,10 @@ class Connection(asyncio.Protocol):
         self.transport = None
         handler = self.front.aiohttp_server()
         transport.set_protocol(handler)
-        handler.connection_made(transport)  # (reading pauses only while busy: never here)
+        handler.connection_made(transport)
+        if self.read_paused:  # (paused only while busy or not written to: never here)
+            self.read_paused = False
+            transport.resume_reading()
         data, self.buffer = bytes(self.buffer), bytearray()
         if data:
             handler.data_received(data)

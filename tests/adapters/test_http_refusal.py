@@ -20,6 +20,8 @@ import pytest
 from grpc_helpers import serve  # the server with identity and slow
 from http_helpers import Responses
 
+from appliance.adapters import http_front
+
 __all__ = ["serve"]  # fixture
 
 TOKEN = "s3cret-token"
@@ -120,3 +122,34 @@ def test_a_body_past_the_queued_bytes_limit_is_refused_from_its_head(serve: Any)
     _settled(server)
     assert _held(server) == 0
     assert _served(server) == 200
+
+
+def test_a_client_that_never_reads_its_answers_is_not_read_either(serve: Any) -> None:
+    """Pipelined requests without a token from a client that reads none of its 401s:
+    once the answers back up, the server stops reading the connection, so what it
+    holds for it stays bounded (its buffer not past PAUSE_BYTES) however much the
+    client tries to send; another client is served meanwhile."""
+    server = serve(inference_token=TOKEN)
+    front = server.server._http.front
+    before = set(front.connections)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # answers back up soon
+    sock.connect(("127.0.0.1", server.server.http_port))
+    deadline = time.monotonic() + SAFETY_S
+    while not (set(front.connections) - before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (served,) = set(front.connections) - before
+    heads = _head(0, None) * 4096  # ~0.5 MiB of requests a send
+    sock.settimeout(2.0)  # a send the server does not take ends the loop
+    sent = 0
+    try:
+        while sent < 256 * 2**20:
+            sock.sendall(heads)
+            sent += len(heads)
+    except TimeoutError:
+        pass
+    assert sent < 256 * 2**20, "the server read 256 MiB of requests no answer was read for"
+    assert served.read_paused
+    assert len(served.buffer) <= http_front.PAUSE_BYTES
+    assert _served(server) == 200  # others are served meanwhile
+    sock.close()
