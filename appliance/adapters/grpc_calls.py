@@ -81,7 +81,9 @@ class Method:
     # the method takes each request as Held(request, hold) and releases the hold itself
     # once it has answered that request (else the call releases it when it ends)
     held: bool = False
-    max_message: int = 0  # the largest request message (0: the server's limit)
+    # anyone may call it (no token): its request is at most PUBLIC_MESSAGE bytes, and
+    # the call keeps none of its metadata
+    public: bool = False
 
 
 class Held(NamedTuple):
@@ -175,7 +177,7 @@ class Call:
         kept yet. Over the method's limit: RESOURCE_EXHAUSTED; else its queued bytes
         are held (UNAVAILABLE when they do not fit). False when the call has answered
         (the stream is over: what the client still sends is dropped)."""
-        limit = self._method.max_message or self._connection.max_message
+        limit = PUBLIC_MESSAGE if self._method.public else self._connection.max_message
         if size > limit:
             self.too_large(size, limit)
             return False
@@ -286,7 +288,9 @@ class Call:
         try:
             if method.kind != STREAM:  # one request (a plain one is parsed without an await)
                 data, compressed, hold = self._messages[0]
+                self._messages[0] = (b"", 0, hold)  # the request owns the bytes now
                 request = await self._inflated(data) if compressed else method.parse(data)
+                del data
                 if method.held:
                     request = Held(request, hold)
             if method.kind == UNARY:
@@ -455,7 +459,8 @@ class Dispatcher:
                 denied = self._authorize(path, tokens)
                 if denied is not None:
                     code, refusal = denied
-        context = Context(tuple(metadata), when)
+        public = method is not None and method.public
+        context = Context(() if public else tuple(metadata), when)
         chosen = method if method is not None and not refusal else _REFUSED
         call = Call(connection, stream, chosen, context, encoding, self._reserve)
         stream.call = call

@@ -135,9 +135,9 @@ def triton_methods(servicer: Servicer) -> dict[str, Method]:
         request = getattr(service_pb2, rpc.input_type.name)
         write = getattr(service_pb2, rpc.output_type.name).SerializeToString
         kind = grpc_calls.STREAM if streaming else grpc_calls.UNARY
-        most = grpc_calls.PUBLIC_MESSAGE if rpc_scope(path) is Scope.PUBLIC else 0
+        public = rpc_scope(path) is Scope.PUBLIC
         parse = grpc_wire.parse_or_undecodable(request)
-        methods[path] = Method(kind, behavior, parse, write, held=streaming, max_message=most)
+        methods[path] = Method(kind, behavior, parse, write, held=streaming, public=public)
     return methods
 
 
@@ -191,19 +191,16 @@ class Health:
         parse = grpc_wire.parse_or_undecodable(health_pb2.HealthCheckRequest)
         write = health_pb2.HealthCheckResponse.SerializeToString
         base = f"/{HEALTH}/"
-        most = grpc_calls.PUBLIC_MESSAGE
         methods = {
-            base + "Check": Method(grpc_calls.UNARY, self.check, parse, write, max_message=most),
-            base + "Watch": Method(
-                grpc_calls.SERVER_STREAM, self.watch, parse, write, max_message=most
-            ),
+            base + "Check": Method(grpc_calls.UNARY, self.check, parse, write, public=True),
+            base + "Watch": Method(grpc_calls.SERVER_STREAM, self.watch, parse, write, public=True),
         }
         methods[base + "List"] = Method(
             grpc_calls.UNARY,
             self.list,
             grpc_wire.parse_or_undecodable(health_pb2.HealthListRequest),
             health_pb2.HealthListResponse.SerializeToString,
-            max_message=most,
+            public=True,
         )
         return methods
 

@@ -37,7 +37,7 @@ __all__ = ["no_error_logged", "serve"]  # fixtures
 pytestmark = pytest.mark.usefixtures("no_error_logged")
 
 TOKEN = "s3cret-token"
-UNAUTHENTICATED, UNAVAILABLE = "16", "14"
+UNAUTHENTICATED, UNAVAILABLE, RESOURCE_EXHAUSTED = "16", "14", "8"
 DECLARED = 40 * 2**20  # what each hostile message claims to weigh
 SAFETY_S = 30.0  # a bound on waiting for the server, never a pass/fail on time
 
@@ -181,3 +181,18 @@ def test_a_connection_that_dies_mid_message_gives_its_holds_back(serve: Any) -> 
     assert _held(server) == 0
     with Bystander(server.grpc_url, token=TOKEN):
         pass
+
+
+def test_a_public_call_takes_small_messages_only(serve: Any) -> None:
+    """What anyone may call without a token (ServerLive, health) takes a request of at
+    most 4 KiB: a bigger length prefix is RESOURCE_EXHAUSTED before the message is kept."""
+    server = serve(inference_token=TOKEN)
+    with Peer(server.grpc_url) as p:
+        p.send(p.headers(1, request_headers()))  # ServerLive, no token
+        p.send(frame(DATA, 0, 1, struct.pack(">BI", 0, 4097)))
+        fields, code = _refusal(p, 1)
+        assert status(fields) == RESOURCE_EXHAUSTED and code == NO_ERROR, (fields, code)
+        p.send_many(_chunks(1, 2**20))  # dropped
+        assert live(p, 3) == "0"
+        _settled(server)
+        assert _held(server) == 0 and _streams_kept(server) == 0
