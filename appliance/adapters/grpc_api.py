@@ -21,7 +21,15 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from appliance import datatypes
-from appliance.adapters import grpc_codec, grpc_settings, grpc_wire, offload, request_form
+from appliance.adapters import (
+    exchange,
+    grpc_calls,
+    grpc_codec,
+    grpc_settings,
+    grpc_wire,
+    offload,
+    request_form,
+)
 from appliance.adapters.grpc_calls import Held
 from appliance.core.admission import Ticket
 from appliance.core.dataplane import DataPlane
@@ -87,6 +95,40 @@ def _declared_bytes(request: Any) -> int:
     return total
 
 
+class _InferWire(exchange.Wire[bytes]):
+    """ModelInfer: the message's bytes -> the form (parsed once by protobuf's C parser;
+    a big message's raw inputs as views of it); the answer -> the framed
+    ``ModelInferResponse`` bytes, outputs joined once (:mod:`grpc_wire`)."""
+
+    endpoint = "ModelInfer RPC"
+    joins = True
+
+    def read(self, payload: Any, ticket: Ticket | None) -> request_form.RequestForm:
+        message = grpc_wire.parse_request(payload)
+        raw = grpc_wire.raw_contents(payload) if len(payload) > offload.OFFLOAD_BYTES else None
+        return grpc_codec.parse_request(message, raw)
+
+    def encode(self, response: InferenceResponse, fmt: Any, shm: Any) -> bytes:
+        return grpc_wire.encode_response(response, fmt.shared_memory, shm, True)
+
+
+class _StreamWire(exchange.Wire[Any]):
+    """ModelStreamInfer: a parsed ``ModelInferRequest`` -> the form; the answer -> a
+    ``ModelInferResponse`` (the stream wraps it)."""
+
+    endpoint = "ModelStreamInfer RPC"
+    joins = True
+
+    def read(self, payload: Any, ticket: Ticket | None) -> request_form.RequestForm:
+        return grpc_codec.parse_request(payload)
+
+    def encode(self, response: InferenceResponse, fmt: Any, shm: Any) -> Any:
+        return grpc_codec.encode_response(response, fmt.shared_memory, shm)
+
+
+INFER, STREAM_INFER = _InferWire(), _StreamWire()
+
+
 def _releasing(hold: Hold) -> Callable[[Any], None]:
     """A task's done callback that gives ``hold`` back."""
     return lambda _: hold.release()
@@ -148,52 +190,17 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
 
     # ---- inference ---------------------------------------------------------------------
 
-    async def _decode(self, request: Any, ticket: Ticket, wire: bytes | None = None) -> Any:
-        """The request -> (decoded request, outputs bound for shared memory), through the
-        one request form; ``wire``: the message's bytes, whose raw inputs become views."""
-        shm = self.dp.shared_memory
-        raw = grpc_wire.raw_contents(wire) if wire is not None else None
-        form = grpc_codec.parse_request(request, raw)
-        # every declaration checked against the model before any data is decoded
-        request_form.declare(form, ticket, shm)
-        # estimated from the declared shapes: ByteSize() walks the whole message
-        heavy = (
-            _declared_bytes(request) > offload.OFFLOAD_BYTES
-            or form.object_elements > offload.LOOP_OBJECTS
-        )
-        return await offload.run(heavy, request_form.build, form, shm), form.fmt.shared_memory
-
-    async def _encode(self, response: InferenceResponse, shm_outputs: Any) -> Any:
-        shm = self.dp.shared_memory
-        heavy = offload.tensor_bytes(response.outputs) > offload.OFFLOAD_BYTES
-        return await offload.run(heavy, grpc_codec.encode_response, response, shm_outputs, shm)
-
     @_guarded
-    async def ModelInfer(self, held: Held, context: Any) -> bytes:
-        """Bytes in, bytes out (:mod:`appliance.adapters.grpc_wire`): the message is
-        parsed once, its raw inputs are views of the wire, its outputs joined once
-        behind gRPC's message prefix. Its queued bytes were held from its length
-        prefix on (``held.hold``): the admission counts them at the model."""
+    async def ModelInfer(self, held: Held, context: Any) -> Any:
+        """Bytes in, bytes out, through the one exchange (:mod:`exchange`): the message
+        is parsed once (:mod:`grpc_wire`), its raw inputs are views of the wire, its
+        outputs joined once behind gRPC's message prefix, written by the call
+        (``context.answer``) before the queued bytes held since its length prefix are
+        released."""
         wire, hold = held
-        try:
-            big = len(wire) > offload.OFFLOAD_BYTES
-            request = await offload.run(big, grpc_wire.parse_request, wire)
-            # one admission: the version, its rules and the hold, until answered
-            ticket = self.dp.admit(request.model_name, request.model_version, held=hold)
-        except BaseException:
-            if hold is not None:
-                hold.release()
-            raise
-        try:
-            inference, shm_outputs = await self._decode(request, ticket, wire if big else None)
-            response = await self.dp.infer(inference, "ModelInfer RPC", ticket)
-            heavy = offload.tensor_bytes(response.outputs) > offload.OFFLOAD_BYTES
-            shm = self.dp.shared_memory
-            # framed: the gRPC message prefix comes in the same join (grpc_calls.Method)
-            encode = grpc_wire.encode_response
-            return await offload.run(heavy, encode, response, shm_outputs, shm, True)
-        finally:
-            ticket.release()
+        size = len(wire)
+        await exchange.serve(self.dp, INFER, wire, size, hold=hold, deliver=context.answer)
+        return grpc_calls.ANSWERED
 
     def _stream_error(self, request: Any, message: str) -> Any:
         echo = service_pb2.ModelInferResponse(
@@ -202,8 +209,10 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         return service_pb2.ModelStreamInferResponse(error_message=message, infer_response=echo)
 
     async def _stream_one(self, held: Held, out: asyncio.Queue[Any]) -> None:
-        """One stream request -> its responses, put on ``out`` then ``None``. A failure
-        becomes ``error_message`` so the stream goes on (Triton's behaviour).
+        """One stream request -> its responses, put on ``out`` then ``None``, through the
+        one exchange (:func:`exchange.serve_stream`: its hold released once they are
+        all on ``out``). A failure becomes ``error_message`` so the stream goes on
+        (Triton's behaviour).
 
         A decoupled model's responses each carry ``triton_final_response`` (true on
         the last); a final flag sent without a response is answered with an empty
@@ -220,28 +229,23 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             empty_final = grpc_codec.param(
                 request.parameters, "triton_enable_empty_final_response", "bool_param", "request"
             )
-            # the message's queued bytes, held from its length prefix on until answered
-            ticket = self.dp.admit(request.model_name, request.model_version, held=hold)
-            inference, shm_outputs = await self._decode(request, ticket)
-            decoupled = ticket.servable.config.decoupled
-            async for item, final in self.dp.infer_stream(inference, ticket):
+            size = hold.nbytes if hold is not None else _declared_bytes(request)
+            answers = exchange.serve_stream(self.dp, STREAM_INFER, request, size, hold)
+            async for item, final, decoupled in answers:
                 if isinstance(item, ApplianceError):
                     out.put_nowait(self._stream_error(request, item.message))
                     continue
                 if decoupled and final and not item.outputs and not empty_final:
                     continue  # only the final flag, and the client did not ask for it
-                response = await self._encode(item, shm_outputs)
                 if decoupled or empty_final:
-                    response.parameters["triton_final_response"].bool_param = final
-                out.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=response))
+                    item.parameters["triton_final_response"].bool_param = final
+                out.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=item))
         except ApplianceError as exc:
             out.put_nowait(self._stream_error(request, exc.message))
         except Exception as exc:  # a bug: report it in-stream and keep serving
             log.exception("unhandled error in gRPC ModelStreamInfer")
             out.put_nowait(self._stream_error(request, f"internal error: {exc}"))
         finally:
-            if hold is not None:
-                hold.release()
             out.put_nowait(None)
 
     async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
@@ -273,8 +277,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
                     task = asyncio.create_task(self._stream_one(request, out))
                     running.add(task)
                     task.add_done_callback(running.discard)
-                    if hold is not None:
-                        held.pop()
+                    if hold is not None:  # (the exchange releases it; this, a task
+                        held.pop()  # cancelled before it started)
                         task.add_done_callback(_releasing(hold))
                     pending.put_nowait((task, out))
             finally:

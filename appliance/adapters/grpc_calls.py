@@ -103,14 +103,21 @@ class Abort(Exception):
         self.details = details
 
 
+# what a unary method returns once it has answered through Context.answer
+ANSWERED: Any = object()
+
+
 class Context:
     """What a servicer method sees of its call."""
 
-    __slots__ = ("_metadata", "deadline")
+    __slots__ = ("_metadata", "answer", "deadline")
 
     def __init__(self, metadata: tuple[tuple[str, str], ...], deadline: float | None) -> None:
         self._metadata = metadata
         self.deadline = deadline
+        # a unary call's answer, written now (the method then returns ANSWERED): what
+        # it holds can be let go once its answer is written
+        self.answer: Callable[[Any], None] = _unanswerable
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -294,9 +301,10 @@ class Call:
                 if method.held:
                     request = Held(request, hold)
             if method.kind == UNARY:
+                context.answer = self._deliver
                 response = await method.behavior(request, context)
-                payload = method.write(response)
-                self._answer(payload if method.framed else message(payload))
+                if response is not ANSWERED:
+                    self._deliver(response)
                 return
             if method.kind == SERVER_STREAM:
                 responses = method.behavior(request, context)
@@ -344,6 +352,11 @@ class Call:
 
     # ---- writing -----------------------------------------------------------------------
 
+    def _deliver(self, response: Any) -> None:
+        """A unary method's response, written with its status."""
+        payload = self._method.write(response)
+        self._answer(payload if self._method.framed else message(payload))
+
     def _answer(self, framed: bytes) -> None:
         """A unary answer: headers, the message and the trailers in one write."""
         sid = self._stream.id
@@ -378,6 +391,10 @@ class Call:
     ) -> None:
         self.cancel()
         self._close(code, details, status, accept)
+
+
+def _unanswerable(response: Any) -> None:
+    raise AssertionError("only a unary call answers through its context")
 
 
 async def _refused(request: Any, context: Context) -> NoReturn:

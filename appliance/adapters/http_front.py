@@ -98,6 +98,7 @@ class Connection(asyncio.Protocol):
         self.ticket: Ticket | None = None  # the admission of the request in ``head``
         self.skip = 0  # body bytes of a request answered early, still to drop
         self.early = False  # a request was just answered early: the next may follow
+        self.keep_alive = True  # the request being served asked to keep the connection
         self.eof = False  # the client closed its side
         self.body: bytearray | None = None  # a big body being received, and how far
         self.filled = 0
@@ -202,7 +203,7 @@ class Connection(asyncio.Protocol):
         self._disarm()
         ticket, self.head, self.ticket = self.ticket, None, None
         assert ticket is not None
-        self.busy = True
+        self.busy, self.keep_alive = True, head.keep_alive
         self.loop.create_task(self._answer(head, ticket, body))
         return False
 
@@ -273,22 +274,34 @@ class Connection(asyncio.Protocol):
     async def _answer(
         self, head: http_head.Head, ticket: Ticket, body: bytes | bytearray
     ) -> None:
+        """The request through the one exchange, which releases its ticket after
+        :meth:`_answered` wrote the answer (or on a failure, answered here)."""
         front = self.front
-        status, length = 200, None
         parts: list[bytes | memoryview]
         try:
-            parts, length = await http_infer.answer(
-                front.dataplane, ticket, head.model, head.version, body, head.header_length
+            await http_infer.answer(
+                front.dataplane,
+                ticket,
+                head.model,
+                head.version,
+                body,
+                head.header_length,
+                self._answered,
             )
+            return
         except ApplianceError as exc:
             status, parts = http_infer.STATUS[exc.code], [http_codec.error_body(exc.message)]
         except Exception as exc:  # a bug: answer 500 and keep serving
             log.exception("unhandled error on POST /v2/models/%s/infer", head.model)
             status, parts = 500, [http_codec.error_body(f"internal error: {exc}")]
-        finally:
-            ticket.release()
+        if self.busy:  # (not answered yet)
+            self._answered((parts, None), status)
+
+    def _answered(self, answer: http_infer.Answer, status: int = 200) -> None:
+        """Write the answer of the request being served; the next may follow."""
+        parts, length = answer
         self.busy = False
-        keep = head.keep_alive and front.dataplane.accepting and not self.eof
+        keep = self.keep_alive and self.front.dataplane.accepting and not self.eof
         if self.transport is None:  # the client left; its answer has nowhere to go
             return
         self._write(status, parts, length, keep)
@@ -298,7 +311,7 @@ class Connection(asyncio.Protocol):
         if self.read_paused:
             self.read_paused = False
             self.transport.resume_reading()
-        self._arm(front.header_timeout_s, self._head_late)
+        self._arm(self.front.header_timeout_s, self._head_late)
         if self.buffer:
             self._advance()
 

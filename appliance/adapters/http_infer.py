@@ -1,23 +1,24 @@
-"""One KServe v2 HTTP inference, from its body to its answer: the part both HTTP
-fronts share (:mod:`appliance.adapters.http_front`, which serves the two inference
-routes itself, and the aiohttp route in :mod:`appliance.adapters.http_api`).
+"""One KServe v2 HTTP inference, from its body to its answer: the HTTP wire of the one
+exchange (:mod:`appliance.adapters.exchange`), which both HTTP fronts use
+(:mod:`appliance.adapters.http_front`, which serves the two inference routes itself,
+and the aiohttp route in :mod:`appliance.adapters.http_api`).
 
 The caller admits the request first (:meth:`DataPlane.admit`, before the body is in
-memory) and releases the ticket after; this module decodes the body once against
-that ticket, infers, and encodes once, applying the offload rule
-(:mod:`appliance.adapters.offload`) inline: big or object-heavy codec work goes to
-a worker thread, the rest runs on the event loop without a coroutine of its own.
+memory) and hands the ticket over; the exchange decodes the body once against it,
+infers, encodes once and releases the ticket after ``deliver`` wrote the answer.
 """
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Callable
 from typing import Any
 
-from appliance.adapters import http_codec, offload, request_form
+from appliance.adapters import exchange, http_codec
+from appliance.adapters.request_form import OutputFormat, RequestForm
 from appliance.core.admission import Ticket
 from appliance.core.dataplane import DataPlane
 from appliance.errors import Code
+from appliance.request import InferenceResponse
 
 # ApplianceError codes -> HTTP statuses, as Triton answers them
 STATUS = {
@@ -31,6 +32,36 @@ STATUS = {
 JSON = "application/json"
 BINARY = "application/octet-stream"
 
+# the response body's parts, and the JSON header's length when binary outputs follow
+Answer = tuple[list[bytes | memoryview], int | None]
+
+
+class _HttpWire(exchange.Wire[Answer]):
+    """A body (JSON, or Triton's binary extension) -> the form; an answer -> its parts
+    (the JSON header, then views of the binary outputs: written as they are)."""
+
+    endpoint = "HTTP end point"
+
+    def read(self, payload: Any, ticket: Ticket | None) -> RequestForm:
+        body, field, model, version = payload
+        header_length = http_codec.parse_header_length(field, len(body))
+        return http_codec.parse_request(body, header_length, model, version)
+
+    def encode(self, response: InferenceResponse, fmt: OutputFormat, shm: Any) -> Answer:
+        return http_codec.encode_parts(response, fmt, shm)
+
+
+HTTP = _HttpWire()
+
+
+def json_size(body: bytes | bytearray, header_length_field: str | None) -> int:
+    """The bytes of ``body`` the JSON parser reads (the offload rule's measure); the
+    field is checked strictly when the form is read."""
+    field = header_length_field
+    if field is not None and field.isascii() and field.isdigit() and len(field) <= 19:
+        return min(int(field), len(body))
+    return len(body)
+
 
 async def answer(
     dataplane: DataPlane,
@@ -39,44 +70,12 @@ async def answer(
     version: str,
     body: bytes | bytearray,
     header_length_field: str | None,
-) -> tuple[list[bytes | memoryview], int | None]:
+    deliver: Callable[[Answer], None] | None = None,
+) -> Answer:
     """``body`` (with its ``Inference-Header-Content-Length`` field, if any) ->
     (the response body's parts, the JSON header's length when binary outputs
-    follow, else None). Raises :class:`ApplianceError` for the caller to map."""
-    shm = dataplane.shared_memory
-    header_length = http_codec.parse_header_length(header_length_field, len(body))
-    json_bytes = len(body) if header_length is None else header_length
-    if json_bytes > offload.OFFLOAD_BYTES:
-        inference, fmt = await asyncio.to_thread(
-            http_codec.decode_request, body, header_length, model, version, shm, ticket
-        )
-    else:
-        form = http_codec.parse_request(body, header_length, model, version)
-        # every declaration checked against the model before any data is decoded
-        request_form.declare(form, ticket, shm)
-        fmt = form.fmt
-        if form.object_elements > offload.LOOP_OBJECTS:
-            inference = await asyncio.to_thread(request_form.build, form, shm)
-        else:
-            inference = request_form.build(form, shm)
-    response = await dataplane.infer(inference, "HTTP end point", ticket)
-    if _heavy_response(response.outputs, fmt):
-        return await asyncio.to_thread(http_codec.encode_parts, response, fmt, shm)
-    return http_codec.encode_parts(response, fmt, shm)
-
-
-def _heavy_response(outputs: dict[str, Any], fmt: request_form.OutputFormat) -> bool:
-    """Whether encoding ``outputs`` belongs on a worker thread (the offload rule)."""
-    text_bytes = copy_bytes = objects = 0
-    for name, arr in outputs.items():
-        if name in fmt.shared_memory:
-            copy_bytes += arr.nbytes
-        elif not fmt.is_binary(name):
-            text_bytes += arr.nbytes
-        if arr.dtype.kind in "OUS":  # BYTES: serialized element by element
-            objects += arr.size
-    return (
-        text_bytes > offload.OFFLOAD_BYTES
-        or copy_bytes > offload.OFFLOAD_COPY_BYTES
-        or objects > offload.LOOP_OBJECTS
-    )
+    follow, else None), handed to ``deliver`` before ``ticket`` is released. Raises
+    :class:`ApplianceError` (the ticket released) for the caller to map."""
+    payload = (body, header_length_field, model, version)
+    size = json_size(body, header_length_field)
+    return await exchange.serve(dataplane, HTTP, payload, size, ticket=ticket, deliver=deliver)
