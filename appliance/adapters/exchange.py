@@ -48,11 +48,18 @@ from appliance.request import InferenceRequest, InferenceResponse
 A = TypeVar("A")
 
 
+class Dropped(Exception):
+    """The wire dropped the request before inference (:meth:`Wire.proceed`): no answer."""
+
+
 class Wire(Generic[A]):
     """What a wire supplies: its form reader and its encoder (both may run on a worker
     thread, and must not touch the event loop)."""
 
     endpoint = "this endpoint"  # named in the refusal of a decoupled model
+    # outputs not asked for in binary are written as text, number by number (KServe
+    # JSON: HTTP, MQTT); else every output is raw bytes (gRPC)
+    text = False
     # the wire copies raw outputs into one buffer of its own (gRPC's message, an MQTT
     # payload) rather than writing views of them (HTTP)
     joins = False
@@ -61,6 +68,12 @@ class Wire(Generic[A]):
         """The payload -> the request form, no tensor decoded (INVALID_ARG for what is
         malformed). ``ticket``: the admission when it came first (None for gRPC)."""
         raise NotImplementedError
+
+    def proceed(self, payload: Any, request: InferenceRequest) -> bool:
+        """A last look at the built request, on the event loop, before inference (MQTT:
+        de-duplication by request id, the message's expiry): False drops it, and
+        :func:`serve` raises :class:`Dropped`."""
+        return True
 
     def build(self, form: RequestForm, shm: SharedMemoryRegistry) -> InferenceRequest:
         """The declared form -> the request (a wire with files to read overrides it)."""
@@ -87,6 +100,8 @@ async def serve(
     :class:`ApplianceError` (the hold released) for the wire to map."""
     try:
         ticket, request, fmt = await _decode(dataplane, wire, payload, size, ticket, hold)
+        if not wire.proceed(payload, request):
+            raise Dropped
         response = await dataplane.infer(request, wire.endpoint, ticket)
         answer = await _encode(wire, response, fmt, dataplane.shared_memory)
         if deliver is not None:
@@ -175,21 +190,22 @@ def _read_declared(
 
 
 async def _encode(wire: Wire[A], response: InferenceResponse, fmt: OutputFormat, shm: Any) -> A:
-    if heavy_answer(response.outputs, fmt, wire.joins):
+    if heavy_answer(response.outputs, fmt, wire):
         return await asyncio.to_thread(wire.encode, response, fmt, shm)
     return wire.encode(response, fmt, shm)
 
 
-def heavy_answer(outputs: dict[str, np.ndarray], fmt: OutputFormat, joins: bool) -> bool:
-    """Whether encoding ``outputs`` belongs on a worker thread (the offload rule)."""
+def heavy_answer(outputs: dict[str, np.ndarray], fmt: OutputFormat, wire: Wire[Any]) -> bool:
+    """Whether encoding ``outputs`` for ``wire`` belongs on a worker thread (the offload
+    rule)."""
     text_bytes = copy_bytes = objects = 0
     for name, arr in outputs.items():
         if name in fmt.shared_memory:
             copy_bytes += arr.nbytes
-        elif joins or fmt.is_binary(name):
-            copy_bytes += arr.nbytes if joins else 0
-        else:
+        elif wire.text and not fmt.is_binary(name):
             text_bytes += arr.nbytes
+        elif wire.joins:
+            copy_bytes += arr.nbytes
         if arr.dtype.kind in "OUS":  # BYTES: serialized element by element
             objects += arr.size
     return text_bytes > OFFLOAD_BYTES or copy_bytes > OFFLOAD_COPY_BYTES or objects > LOOP_OBJECTS

@@ -41,6 +41,7 @@ class _HttpWire(exchange.Wire[Answer]):
     (the JSON header, then views of the binary outputs: written as they are)."""
 
     endpoint = "HTTP end point"
+    text = True
 
     def read(self, payload: Any, ticket: Ticket | None) -> RequestForm:
         body, field, model, version = payload

@@ -27,12 +27,39 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from appliance import datatypes
+from appliance.adapters import exchange
+from appliance.adapters.request_form import ARRAY, OutputFormat, RequestForm, TensorForm
 from appliance.config.server_config import load_server_config
+from appliance.core.admission import Ticket
 from appliance.errors import ApplianceError, Code
-from appliance.request import InferenceRequest, check_sequence_id
+from appliance.request import InferenceResponse, check_sequence_id
 from appliance.server import Server
 
 T = TypeVar("T")
+
+
+class _ArraysWire(exchange.Wire[dict[str, np.ndarray]]):
+    """The in-process wire: the form is built by the caller (arrays by reference), the
+    answer is the outputs by name."""
+
+    def read(self, payload: Any, ticket: Ticket | None) -> RequestForm:
+        form: RequestForm = payload
+        return form
+
+    def encode(
+        self, response: InferenceResponse, fmt: OutputFormat, shm: Any
+    ) -> dict[str, np.ndarray]:
+        return response.outputs
+
+
+_ARRAYS = _ArraysWire()
+
+
+def _array(name: str, arr: np.ndarray) -> TensorForm:
+    if not isinstance(arr, np.ndarray):
+        arr = np.asarray(arr)
+    return TensorForm(name, datatypes.from_numpy_dtype(arr.dtype), list(arr.shape), ARRAY, arr)
 
 
 class InProcessServer:
@@ -83,18 +110,21 @@ class InProcessServer:
     ) -> dict[str, np.ndarray]:
         """Run one request through the model's scheduler; returns its outputs by name.
         ``sequence_*``: Triton's sequence parameters for stateful models."""
-        request = InferenceRequest(
-            model_name=model,
-            inputs=dict(inputs),
-            model_version=version,
+        form = RequestForm(
+            model,
+            version,
+            [_array(name, arr) for name, arr in inputs.items()],
+            OutputFormat(),
             outputs=outputs,
             timeout_us=timeout_us,
             sequence_id=check_sequence_id(sequence_id),
             sequence_start=sequence_start,
             sequence_end=sequence_end,
         )
-        response = await self.server.dataplane.infer(request)
-        return response.outputs
+        # the one exchange: admitted with the arrays' bytes, each declared, inferred
+        dataplane = self.server.dataplane
+        ticket = dataplane.admit(model, version, sum(a.nbytes for a in inputs.values()))
+        return await exchange.serve(dataplane, _ARRAYS, form, 0, ticket)
 
     def statistics(self, model: str = "", version: str = "") -> dict[str, Any]:
         """Triton-shaped statistics, as ``GET /v2/models/{m}/stats`` returns them."""

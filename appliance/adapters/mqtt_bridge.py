@@ -46,9 +46,9 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from appliance.adapters import http_codec, offload
+from appliance.adapters import exchange, http_codec
 from appliance.adapters.mqtt_client import connect_properties, make_client, reply_properties
-from appliance.adapters.mqtt_codec import decode_payload
+from appliance.adapters.mqtt_codec import MqttWire, Reply
 from appliance.adapters.mqtt_link import LoopDriver
 from appliance.adapters.mqtt_outbound import Outbound
 from appliance.adapters.mqtt_packets import PacketError, encode_puback, packet_limit
@@ -65,10 +65,46 @@ from appliance.config.mqtt_config import MqttConfig
 from appliance.core.dataplane import DataPlane
 from appliance.core.stats import MqttStats
 from appliance.errors import ApplianceError, Code
+from appliance.request import InferenceRequest
 
 log = logging.getLogger(__name__)
 
 _GOODBYE_TIMEOUT_S = 2.0
+
+
+class _Request:
+    """One request on its way through the exchange: what the MQTT wire reads
+    (``msg``, ``topic``), its de-duplication key and its reply."""
+
+    __slots__ = ("bridge", "key", "msg", "topic")
+
+    def __init__(
+        self, bridge: MqttBridge, msg: Inbound, topic: RequestTopic, key: Hashable | None
+    ) -> None:
+        self.bridge, self.msg, self.topic, self.key = bridge, msg, topic, key
+
+    def proceed(self, request: InferenceRequest) -> bool:
+        """Before inference: a request without correlation data is identified by its id
+        (a duplicate is dropped); the message's expiry bounds its time in the queue."""
+        msg, bridge = self.msg, self.bridge
+        if self.key is None and request.id:
+            self.key = ("id", msg.topic, msg.response_topic, request.id)
+            if bridge._dedup.seen(self.key):
+                bridge.stats.add("duplicates")
+                return False
+        deadline = msg.deadline
+        if deadline is not None:
+            left_us = max(1, int((deadline - time.monotonic()) * 1e6))
+            request.timeout_us = min(request.timeout_us or left_us, left_us)
+        return True
+
+    def reply(self, answer: Reply) -> None:
+        """Publish the answer (or keep it in the outbox): before the hold is released."""
+        body, length = answer
+        msg, bridge = self.msg, self.bridge
+        content = "application/json" if length is None else "application/octet-stream"
+        props = reply_properties(msg, bridge.config.device_id, content, length, "")
+        bridge._reply(msg.response_topic or bridge.topics.result(self.topic.model), body, props)
 
 
 class MqttBridge:
@@ -94,6 +130,7 @@ class MqttBridge:
         self._link_up = False  # publish directly only when True (set a callback later)
         self._outbox: deque[tuple[str, bytes, Properties]] = deque()
         self._outbox_limit = 2 * config.max_pending + 16
+        self._wire = MqttWire(config.file_directory, max_request_size)
         self._driver: LoopDriver | None = None
         self._outbound: Outbound | None = None  # our publishes: replies and the status
         self._client = make_client(
@@ -326,41 +363,25 @@ class MqttBridge:
     async def _answer(
         self, msg: Inbound, topic: RequestTopic, key: Hashable | None
     ) -> Hashable | None:
-        """Decode, infer, encode and reply. Returns the request's dedup key."""
+        """The request through the one exchange (:func:`exchange.serve`): admitted by its
+        payload's size before it is decoded, its reply published before its hold is
+        released. Returns the request's dedup key."""
         if len(msg.payload) > self.max_request_size:
             raise ApplianceError(
                 Code.TOO_LARGE,
                 f"the payload has {len(msg.payload)} bytes, over the server's limit of "
                 f"{self.max_request_size}",
             )
-        # one admission: the version, its rules and the queued-bytes hold (the payload's
-        # size, before it is decoded), until the answer is published or dropped
         ticket = self.dataplane.admit(topic.model, topic.version, len(msg.payload))
+        request = _Request(self, msg, topic, key)
         try:
-            shm, files = self.dataplane.shared_memory, self.config.file_directory
-            request, fmt = await decode_payload(
-                msg, topic, ticket, shm, files, self.max_request_size
+            await exchange.serve(
+                self.dataplane, self._wire, request, len(msg.payload), ticket, None, request.reply
             )
-            if key is None and request.id:  # no correlation data: the request id identifies it
-                key = ("id", msg.topic, msg.response_topic, request.id)
-                if self._dedup.seen(key):
-                    self.stats.add("duplicates")
-                    return key
-            deadline = msg.deadline
-            if deadline is not None:  # the expiry bounds the time in the model's queue
-                left_us = max(1, int((deadline - time.monotonic()) * 1e6))
-                request.timeout_us = min(request.timeout_us or left_us, left_us)
-            response = await self.dataplane.infer(request, ticket=ticket)
-            shm = self.dataplane.shared_memory
-            heavy = offload.tensor_bytes(response.outputs) > offload.OFFLOAD_BYTES
-            body, length = await offload.run(heavy, http_codec.encode_response, response, fmt, shm)
-            content = "application/json" if length is None else "application/octet-stream"
-            props = reply_properties(msg, self.config.device_id, content, length, "")
-            self._reply(msg.response_topic or self.topics.result(topic.model), body, props)
-        finally:
-            ticket.release()
+        except exchange.Dropped:  # a duplicate by its request id
+            return request.key
         self.stats.add("answered")
-        return key
+        return request.key
 
     # ---- replies and acknowledgements ---------------------------------------------------
 

@@ -14,25 +14,25 @@ JSON and binary requests may name a registered shared-memory region
 (``parameters.file_path``, relative to ``mqtt.file_directory``) instead of
 carrying a tensor. Both are read into the one request form by
 :mod:`appliance.adapters.http_codec`; a file becomes its input's data here, in that
-form (no JSON rewritten and parsed again).
+form (no JSON rewritten and parsed again). :class:`MqttWire` is MQTT's reader and
+encoder for the one exchange.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from appliance.adapters import http_codec, offload, request_form
+from appliance.adapters import exchange, http_codec, request_form
 from appliance.adapters.mqtt_protocol import Inbound, RequestTopic
 from appliance.adapters.request_form import OutputFormat, RequestForm
 from appliance.core.admission import Ticket
 from appliance.core.shared_memory import SharedMemoryRegistry
 from appliance.errors import ApplianceError, Code, invalid
-from appliance.request import InferenceRequest
+from appliance.request import InferenceRequest, InferenceResponse
 
 HEADER_LENGTH = http_codec.HEADER_LENGTH
 FILE_PARAMETER = http_codec.FILE_PARAMETER
@@ -53,9 +53,7 @@ def payload_form(message: Inbound) -> str:
 # ---- payload -> request ---------------------------------------------------------------
 
 
-def raw_request(
-    payload: bytes, topic: RequestTopic, metadata: dict[str, Any]
-) -> tuple[InferenceRequest, OutputFormat]:
+def raw_form(payload: bytes, topic: RequestTopic, metadata: dict[str, Any]) -> RequestForm:
     """A raw payload as the only input of a single-BYTES-input model (one element).
 
     ``metadata`` is the model's KServe metadata. BYTES outputs are returned in the
@@ -77,12 +75,11 @@ def raw_request(
             f"model '{model}': input '{spec['name']}' has shape {spec['shape']}; a raw payload "
             f"is one element"
         )
-    array = np.empty(shape, dtype=object)
-    array.reshape(-1)[0] = payload
     fmt = OutputFormat(
         binary={o["name"]: o["datatype"] == "BYTES" for o in metadata.get("outputs", [])}
     )
-    return InferenceRequest(model, {spec["name"]: array}, topic.version), fmt
+    one = request_form.TensorForm(spec["name"], "BYTES", shape, request_form.OBJECT, payload)
+    return RequestForm(model, topic.version, [one], fmt)
 
 
 def read_device_file(root: Path | None, name: Any, limit: int, where: str) -> bytes:
@@ -128,58 +125,41 @@ def read_files(form: RequestForm, root: Path | None, limit: int) -> None:
             t.data = data
 
 
-def decode(
-    message: Inbound,
-    topic: RequestTopic,
-    shared_memory: SharedMemoryRegistry,
-    file_root: Path | None,
-    limit: int,
-    ticket: Ticket | None = None,
-) -> tuple[InferenceRequest, OutputFormat]:
-    """A JSON or binary-extension payload -> request, through the one request form
-    (:mod:`appliance.adapters.request_form`): parsed once, declared to the request's
-    ``ticket`` (the model's limits) before any data is read, files read into it, then
-    built. May block on file reads."""
-    payload = message.payload
-    header_length = http_codec.parse_header_length(
-        message.user_property(HEADER_LENGTH), len(payload)
-    )
-    form = http_codec.parse_request(payload, header_length, topic.model, topic.version, True)
-    request_form.declare(form, ticket, shared_memory)
-    read_files(form, file_root, limit)
-    return request_form.build(form, shared_memory), form.fmt
+# the reply's payload, and the JSON header's length when binary outputs follow
+Reply = tuple[bytes, int | None]
 
 
-async def decode_payload(
-    msg: Inbound,
-    topic: RequestTopic,
-    ticket: Ticket,
-    shared_memory: SharedMemoryRegistry,
-    file_root: Path | None,
-    limit: int,
-) -> tuple[InferenceRequest, OutputFormat]:
-    """The payload -> request; the declarations are checked on the ticket before any
-    data (or file) is read. Big payloads, many BYTES elements and file reads go to a
-    worker thread (:mod:`appliance.adapters.offload`)."""
-    if payload_form(msg) == "raw":
-        return raw_request(msg.payload, topic, ticket.servable.metadata([]))
-    if len(msg.payload) > offload.OFFLOAD_BYTES:
-        return await asyncio.to_thread(decode, msg, topic, shared_memory, file_root, limit, ticket)
-    header_length = http_codec.parse_header_length(
-        msg.user_property(HEADER_LENGTH), len(msg.payload)
-    )
-    form = http_codec.parse_request(msg.payload, header_length, topic.model, topic.version, True)
-    request_form.declare(form, ticket, shared_memory)
-    if form.object_elements > offload.LOOP_OBJECTS or any(
-        t.kind == request_form.FILE for t in form.inputs
-    ):  # files are read from disk: never on the loop
-        built = await asyncio.to_thread(_read_and_build, form, file_root, limit, shared_memory)
-        return built, form.fmt
-    return request_form.build(form, shared_memory), form.fmt
+class MqttWire(exchange.Wire[Reply]):
+    """MQTT's wire of the one exchange (:mod:`appliance.adapters.exchange`): a PUBLISH
+    (``(message, topic)``) -> the form, with the HTTP reader for JSON and binary
+    payloads (a ``file_path`` input read from ``file_root`` when the form is built, off
+    the event loop) and a raw payload as its model's one BYTES element; an answer ->
+    the reply's payload, in one join. The payload is the bridge's request: its
+    ``msg`` and ``topic``, and ``proceed(request)``, its last look before inference."""
 
+    text = joins = True
 
-def _read_and_build(
-    form: RequestForm, root: Path | None, limit: int, shm: SharedMemoryRegistry
-) -> InferenceRequest:
-    read_files(form, root, limit)
-    return request_form.build(form, shm)
+    def __init__(self, file_root: Path | None, limit: int) -> None:
+        self.file_root = file_root
+        self.limit = limit
+
+    def read(self, payload: Any, ticket: Ticket | None) -> RequestForm:
+        msg, topic = payload.msg, payload.topic
+        if payload_form(msg) == "raw":
+            assert ticket is not None  # MQTT admits by its topic, before the payload
+            return raw_form(msg.payload, topic, ticket.servable.metadata([]))
+        header_length = http_codec.parse_header_length(
+            msg.user_property(HEADER_LENGTH), len(msg.payload)
+        )
+        model, version = topic.model, topic.version
+        return http_codec.parse_request(msg.payload, header_length, model, version, True)
+
+    def proceed(self, payload: Any, request: InferenceRequest) -> bool:
+        return bool(payload.proceed(request))
+
+    def build(self, form: RequestForm, shm: SharedMemoryRegistry) -> InferenceRequest:
+        read_files(form, self.file_root, self.limit)  # (the exchange runs it off the loop)
+        return request_form.build(form, shm)
+
+    def encode(self, response: InferenceResponse, fmt: OutputFormat, shm: Any) -> Reply:
+        return http_codec.encode_response(response, fmt, shm)

@@ -42,6 +42,7 @@ CONTENTS = "contents"  # gRPC typed contents, decoded by the form's ``contents``
 SHM = "shm"  # a SharedMemoryRef into a registered region
 OBJECT = "object"  # one BYTES element given whole (an MQTT file's bytes)
 FILE = "file"  # a file on the device, by name (MQTT): read into RAW/OBJECT before build()
+ARRAY = "array"  # a numpy array already (the in-process API): passed by reference
 
 
 @dataclass(slots=True)
@@ -144,6 +145,8 @@ def build(form: RequestForm, shared_memory: SharedMemoryRegistry | None) -> Infe
             arr = form.contents(data, t.datatype, t.shape, t.name)
         elif kind == OBJECT:
             arr = _one_element(data, t)
+        elif kind == ARRAY:  # its datatype and shape are the array's own
+            arr = data
         else:
             raise internal(f"input '{t.name}': its {kind} data was not read before decoding")
         inputs[t.name] = arr
