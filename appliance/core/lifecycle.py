@@ -155,9 +155,13 @@ class ModelLifeCycle:
         in_place: bool,
         default_version: int,
     ) -> None:
-        try:
-            config, wanted = repository.what_to_load(
-                self.repository, entry.name, override, self.server.allow_symlinked_models
+        try:  # (files read and parsed, labels of up to 16 MiB: off the event loop)
+            config, wanted = await asyncio.to_thread(
+                repository.what_to_load,
+                self.repository,
+                entry.name,
+                override,
+                self.server.allow_symlinked_models,
             )
         except ApplianceError as exc:
             self._failed(entry, str(exc))

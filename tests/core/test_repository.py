@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from appliance.core import repository
 from devtools import modelgen
 
 
@@ -63,4 +65,25 @@ def test_a_failed_reload_keeps_the_old_copy_serving(run_appliance, tmp_path: Pat
     (folder / "config.yaml").write_text("max_batch_size: [oops]\n")
     with pytest.raises(InferenceServerException, match="max_batch_size: expected an integer"):
         client.load_model("simple")
+    assert _infer(client, "simple") == "1"
+
+
+def test_a_load_reads_its_config_off_the_event_loop(
+    run_appliance, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The config, its version policy and its label files (up to 16 MiB) are read and
+    parsed on a worker thread at every load and reload, never on the event loop."""
+    modelgen.write_model(tmp_path, "simple", modelgen.simple_add_sub())
+    srv = run_appliance(tmp_path)
+    threads: list[threading.Thread] = []
+    real = repository.what_to_load
+
+    def recorded(*args: object) -> object:
+        threads.append(threading.current_thread())
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(repository, "what_to_load", recorded)
+    client = httpclient.InferenceServerClient(srv.url)
+    client.load_model("simple")
+    assert threads and srv.thread not in threads, threads
     assert _infer(client, "simple") == "1"
