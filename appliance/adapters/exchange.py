@@ -37,7 +37,7 @@ import numpy as np
 
 from appliance.adapters import request_form
 from appliance.adapters.offload import LOOP_OBJECTS, OFFLOAD_BYTES, OFFLOAD_COPY_BYTES
-from appliance.adapters.request_form import FILE, OutputFormat, RequestForm
+from appliance.adapters.request_form import OutputFormat, RequestForm
 from appliance.core.admission import Ticket
 from appliance.core.dataplane import DataPlane
 from appliance.core.queue_bytes import Hold
@@ -97,13 +97,15 @@ async def serve(
     payload arrived; else ``hold``: the queued bytes held for the payload, and the
     form's model is admitted here. ``deliver``: hands the answer to the wire (write,
     publish) before the hold is released; the answer is returned too. Raises
-    :class:`ApplianceError` (the hold released) for the wire to map."""
+    :class:`ApplianceError` (the hold released) for the wire to map, or
+    :class:`Dropped`."""
     try:
+        shm = dataplane.shared_memory
         ticket, request, fmt = await _decode(dataplane, wire, payload, size, ticket, hold)
         if not wire.proceed(payload, request):
             raise Dropped
         response = await dataplane.infer(request, wire.endpoint, ticket)
-        answer = await _encode(wire, response, fmt, dataplane.shared_memory)
+        answer = await _encode(wire, response, fmt, shm)
         if deliver is not None:
             deliver(answer)
         return answer
@@ -170,7 +172,7 @@ async def _decode(
     else:
         form = wire.read(payload, ticket)
     request_form.declare(form, ticket, shm)
-    if form.object_elements > LOOP_OBJECTS or any(t.kind == FILE for t in form.inputs):
+    if form.object_elements > LOOP_OBJECTS or form.files:
         return ticket, await asyncio.to_thread(wire.build, form, shm), form.fmt
     return ticket, wire.build(form, shm), form.fmt
 

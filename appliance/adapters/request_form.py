@@ -90,6 +90,7 @@ class RequestForm:
     # BYTES elements build() turns into Python objects, one each (not JSON ones: the
     # JSON parser made those objects already)
     object_elements: int = 0
+    files: int = 0  # inputs that name a file on the device (read when built: blocking)
 
 
 def declare(
@@ -98,7 +99,7 @@ def declare(
     """Check every declaration of ``form`` (see the module docstring) and declare each
     input to ``ticket`` (None: the sizes and forms only, as in the codec tests)."""
     seen: set[str] = set()
-    objects = 0
+    objects = files = 0
     for t in form.inputs:
         where = f"input '{t.name}'"
         if t.name in seen:
@@ -112,12 +113,14 @@ def declare(
             raise invalid(f"{where}: shared-memory inputs are not enabled on this server")
         if t.datatype == "BYTES" and t.kind in (RAW, SHM):
             objects += datatypes.element_count(t.shape)
+        elif t.kind == FILE:
+            files += 1
     for name, ref in form.fmt.shared_memory.items():
         where = f"output '{name}'"
         if shared_memory is None:
             raise invalid(f"{where}: shared-memory outputs are not enabled on this server")
         shared_memory.check(ref.region, ref.offset, ref.byte_size, where)  # before the model runs
-    form.object_elements = objects
+    form.object_elements, form.files = objects, files
     if ticket is not None:
         ticket.declared = True
 
