@@ -15,7 +15,7 @@ current folder).
 ``h2``: each input is the byte stream one client sends (after a valid preface and
 SETTINGS, or raw when the first byte is odd), fed in pieces of varying size to a real
 :class:`appliance.adapters.grpc_h2.Connection` on an event loop, serving an echo method
-(unary and streaming) through the real :class:`grpc_calls.Dispatcher`. It fails when
+(unary and streaming) through the real :class:`grpc_dispatch.Dispatcher`. It fails when
 anything escapes the connection (an exception, an "unexpected error" logged: a bug),
 or when what the server wrote is not well-formed HTTP/2: a frame longer than 16384
 bytes, a frame type the server never sends, a header block HPACK cannot decode.
@@ -35,7 +35,7 @@ import atheris
 with atheris.instrument_imports():
     import hpack
 
-    from appliance.adapters import grpc_calls, grpc_frames, grpc_headers
+    from appliance.adapters import grpc_calls, grpc_dispatch, grpc_frames, grpc_headers
     from appliance.adapters.grpc_h2 import Connection
     from appliance.adapters.grpc_limits import H2Limits
 
@@ -129,7 +129,7 @@ def _check_output(out: bytes) -> None:
 
 
 async def _session(data: bytes) -> None:
-    conn = Connection(grpc_calls.Dispatcher(METHODS), 4096, lambda c: None, LIMITS)
+    conn = Connection(grpc_dispatch.Dispatcher(METHODS), 4096, lambda c: None, LIMITS)
     transport = _Transport()
     conn.connection_made(transport)  # type: ignore[arg-type]
     stream = data if data[:1] and data[0] & 1 else PREFACE + data[1:]

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2
 
-from appliance.adapters import grpc_calls, grpc_wire
+from appliance.adapters import grpc_calls, grpc_dispatch, grpc_wire
 from appliance.adapters import grpc_health_proto as health_pb2
 from appliance.adapters.access import AccessPolicy, Scope
 from appliance.adapters.grpc_accept import Admission
@@ -89,7 +89,7 @@ def rpc_scope(method: str) -> Scope:
     return RPC_SCOPES.get(method, Scope.ADMIN)
 
 
-def authorizer(policy: AccessPolicy) -> grpc_calls.Authorize:
+def authorizer(policy: AccessPolicy) -> grpc_dispatch.Authorize:
     """The HTTP endpoint's token rule (:mod:`appliance.adapters.access`) for every RPC,
     applied by the dispatcher to a call's HEADERS, before any of its DATA is kept: the
     token comes as ``authorization: Bearer <token>`` metadata. A refused call ends
@@ -249,7 +249,7 @@ class GrpcEndpoint:
         methods = triton_methods(Servicer(self._dataplane))
         methods.update(self._health.methods())
         self._health.set(True)
-        dispatcher = grpc_calls.Dispatcher(
+        dispatcher = grpc_dispatch.Dispatcher(
             methods, authorizer(self._access), self._dataplane.reserve
         )
         if self._tls is not None:
