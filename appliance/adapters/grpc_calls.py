@@ -176,6 +176,9 @@ class Call:
         kept yet. Over the method's limit: RESOURCE_EXHAUSTED; else its queued bytes
         are held (UNAVAILABLE when they do not fit). False when the call has answered
         (the stream is over: what the client still sends is dropped)."""
+        if self._inbox is None and (self._messages or self._started):
+            self._fail(grpc.StatusCode.INTERNAL, "a unary call got more than one request message")
+            return False  # (at its prefix: the second message is never kept)
         limit = PUBLIC_MESSAGE if self._method.public else self._connection.max_message
         if size > limit:
             self.too_large(size, limit)
