@@ -275,7 +275,8 @@ class Connection(asyncio.Protocol):
         self, head: http_head.Head, ticket: Ticket, body: bytes | bytearray
     ) -> None:
         """The request through the one exchange, which releases its ticket after
-        :meth:`_answered` wrote the answer (or on a failure, answered here)."""
+        :meth:`_answered` wrote the answer (or on a failure, answered here); then the
+        next request, which is admitted only now."""
         front = self.front
         parts: list[bytes | memoryview]
         try:
@@ -288,24 +289,31 @@ class Connection(asyncio.Protocol):
                 head.header_length,
                 self._answered,
             )
-            return
         except ApplianceError as exc:
             status, parts = http_infer.STATUS[exc.code], [http_codec.error_body(exc.message)]
+            self._answered((parts, None), status)
         except Exception as exc:  # a bug: answer 500 and keep serving
             log.exception("unhandled error on POST /v2/models/%s/infer", head.model)
             status, parts = 500, [http_codec.error_body(f"internal error: {exc}")]
-        if self.busy:  # (not answered yet)
             self._answered((parts, None), status)
+        self._after_answer()
 
     def _answered(self, answer: http_infer.Answer, status: int = 200) -> None:
-        """Write the answer of the request being served; the next may follow."""
+        """Write the answer of the request being served (once)."""
+        if not self.busy:
+            return
         parts, length = answer
         self.busy = False
-        keep = self.keep_alive and self.front.dataplane.accepting and not self.eof
-        if self.transport is None:  # the client left; its answer has nowhere to go
+        self.keep_alive = self.keep_alive and self.front.dataplane.accepting and not self.eof
+        if self.transport is not None:  # (else the client left: nowhere to go)
+            self._write(status, parts, length, self.keep_alive)
+
+    def _after_answer(self) -> None:
+        """Close, or go on with the next request (its hold taken after this one's was
+        given back)."""
+        if self.transport is None:
             return
-        self._write(status, parts, length, keep)
-        if not keep:
+        if not self.keep_alive:
             self.close()
             return
         if self.read_paused:

@@ -153,3 +153,18 @@ def test_a_client_that_never_reads_its_answers_is_not_read_either(serve: Any) ->
     assert len(served.buffer) <= http_front.PAUSE_BYTES
     assert _served(server) == 200  # others are served meanwhile
     sock.close()
+
+
+def test_pipelined_requests_each_find_the_last_ones_hold_given_back(serve: Any) -> None:
+    """Requests sent back to back on one connection, each alone bigger than
+    ``max_queued_bytes``: every one is served, since the next is admitted only once
+    the one before it is answered and its hold released."""
+    server = serve(inference_token=TOKEN, max_queued_bytes="64B")
+    one = _head(len(BODY), f"Bearer {TOKEN}") + BODY
+    assert len(BODY) > 64
+    with _connect(server) as sock:
+        sock.sendall(one * 5)
+        responses = Responses(sock)
+        assert [responses.read()[0] for _ in range(5)] == [200] * 5
+    _settled(server)
+    assert _held(server) == 0
