@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -48,7 +47,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from appliance.adapters import exchange, http_codec
 from appliance.adapters.mqtt_client import connect_properties, make_client, reply_properties
-from appliance.adapters.mqtt_codec import MqttWire, Reply
+from appliance.adapters.mqtt_codec import MqttWire
 from appliance.adapters.mqtt_link import LoopDriver
 from appliance.adapters.mqtt_outbound import Outbound
 from appliance.adapters.mqtt_packets import PacketError, encode_puback, packet_limit
@@ -61,50 +60,15 @@ from appliance.adapters.mqtt_protocol import (
     expired,
     model_guess,
 )
+from appliance.adapters.mqtt_request import MqttRequest
 from appliance.config.mqtt_config import MqttConfig
 from appliance.core.dataplane import DataPlane
 from appliance.core.stats import MqttStats
 from appliance.errors import ApplianceError, Code
-from appliance.request import InferenceRequest
 
 log = logging.getLogger(__name__)
 
 _GOODBYE_TIMEOUT_S = 2.0
-
-
-class _Request:
-    """One request on its way through the exchange: what the MQTT wire reads
-    (``msg``, ``topic``), its de-duplication key and its reply."""
-
-    __slots__ = ("bridge", "key", "msg", "topic")
-
-    def __init__(
-        self, bridge: MqttBridge, msg: Inbound, topic: RequestTopic, key: Hashable | None
-    ) -> None:
-        self.bridge, self.msg, self.topic, self.key = bridge, msg, topic, key
-
-    def proceed(self, request: InferenceRequest) -> bool:
-        """Before inference: a request without correlation data is identified by its id
-        (a duplicate is dropped); the message's expiry bounds its time in the queue."""
-        msg, bridge = self.msg, self.bridge
-        if self.key is None and request.id:
-            self.key = ("id", msg.topic, msg.response_topic, request.id)
-            if bridge._dedup.seen(self.key):
-                bridge.stats.add("duplicates")
-                return False
-        deadline = msg.deadline
-        if deadline is not None:
-            left_us = max(1, int((deadline - time.monotonic()) * 1e6))
-            request.timeout_us = min(request.timeout_us or left_us, left_us)
-        return True
-
-    def reply(self, answer: Reply) -> None:
-        """Publish the answer (or keep it in the outbox): before the hold is released."""
-        body, length = answer
-        msg, bridge = self.msg, self.bridge
-        content = "application/json" if length is None else "application/octet-stream"
-        props = reply_properties(msg, bridge.config.device_id, content, length, "")
-        bridge._reply(msg.response_topic or bridge.topics.result(self.topic.model), body, props)
 
 
 class MqttBridge:
@@ -373,7 +337,16 @@ class MqttBridge:
                 f"{self.max_request_size}",
             )
         ticket = self.dataplane.admit(topic.model, topic.version, len(msg.payload))
-        request = _Request(self, msg, topic, key)
+        request = MqttRequest(
+            msg,
+            topic,
+            key,
+            self._dedup,
+            self.stats,
+            self.topics,
+            self.config.device_id,
+            self._reply,
+        )
         try:
             await exchange.serve(
                 self.dataplane, self._wire, request, len(msg.payload), ticket, None, request.reply
