@@ -221,7 +221,9 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         """
         request, hold = held
         try:
-            if isinstance(request, grpc_wire.Undecodable):
+            if isinstance(request, (grpc_wire.Undecodable, grpc_calls.Refused)):
+                # a message that did not parse, or was refused before it was kept (its
+                # queued bytes did not fit): answered in the stream, which goes on
                 out.put_nowait(
                     service_pb2.ModelStreamInferResponse(error_message=request.error.message)
                 )

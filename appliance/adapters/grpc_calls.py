@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, NoReturn
 import grpc
 
 from appliance.adapters.grpc_frames import Stream
-from appliance.adapters.grpc_h2 import Connection
+from appliance.adapters.grpc_h2 import ADMITTED, OVER, REFUSED, Connection
 from appliance.adapters.grpc_messages import (
     OK_TRAILERS,
     RESPONSE_HEADERS,
@@ -84,6 +84,13 @@ class Held(NamedTuple):
 
     request: Any
     hold: Hold | None
+
+
+class Refused(NamedTuple):
+    """A streamed request refused before its message was kept (its queued bytes did not
+    fit): what a ``held`` streaming method gets in its place, to answer in the stream."""
+
+    error: ApplianceError
 
 
 class Abort(Exception):
@@ -160,7 +167,9 @@ class Call:
         self.unary = method.kind != STREAM
         # (message, compressed flag, its hold): a unary call's one request
         self._messages: list[tuple[bytes, int, Hold | None]] = []
-        self._inbox: asyncio.Queue[tuple[bytes, int, Hold | None] | None] | None = None
+        # a streaming call's requests, or in place of one its refusal
+        self._inbox: asyncio.Queue[tuple[bytes, int, Hold | Refused | None] | None] | None
+        self._inbox = None
         self._started = False
         self._headed = False  # response headers sent: a status now goes in trailers
         self._task: asyncio.Task[None] | None = None
@@ -171,25 +180,31 @@ class Call:
 
     # ---- told by the connection ------------------------------------------------------
 
-    def admit(self, size: int) -> bool:
+    def admit(self, size: int) -> int:
         """A message of ``size`` bytes begins: its length prefix came, none of it is
         kept yet. Over the method's limit: RESOURCE_EXHAUSTED; else its queued bytes
-        are held (UNAVAILABLE when they do not fit). False when the call has answered
-        (the stream is over: what the client still sends is dropped)."""
+        are held. When they do not fit: a ``held`` streaming method gets the refusal as
+        that request (:class:`Refused`, it answers in its stream, which goes on) and the
+        message is dropped as it arrives (REFUSED); any other call ends UNAVAILABLE.
+        ADMITTED: keep it; OVER: the call has answered (what the client still sends
+        on the stream is dropped)."""
         if self._inbox is None and (self._messages or self._started):
             self._fail(grpc.StatusCode.INTERNAL, "a unary call got more than one request message")
-            return False  # (at its prefix: the second message is never kept)
+            return OVER  # (at its prefix: the second message is never kept)
         limit = PUBLIC_MESSAGE if self._method.public else self._connection.max_message
         if size > limit:
             self.too_large(size, limit)
-            return False
+            return OVER
         if self._reserve is not None and not self._stream.closed:
             try:
                 self._hold = self._reserve(size)
             except ApplianceError as exc:
+                if self._inbox is not None and self._method.held:
+                    self._inbox.put_nowait((b"", 0, Refused(exc)))
+                    return REFUSED
                 self._fail(grpc.StatusCode.UNAVAILABLE, exc.message)
-                return False
-        return True
+                return OVER
+        return ADMITTED
 
     def message(self, data: bytes, compressed: int) -> None:
         hold, self._hold = self._hold, None
@@ -251,7 +266,7 @@ class Call:
         inbox = self._inbox
         while inbox is not None and not inbox.empty():
             item = inbox.get_nowait()
-            if item is not None and item[2] is not None:
+            if item is not None and isinstance(item[2], Hold):
                 item[2].release()
             elif item is None:  # the end of the requests stays for the reader
                 inbox.put_nowait(None)
@@ -331,6 +346,9 @@ class Call:
         held = self._method.held
         while (item := await self._inbox.get()) is not None:
             data, compressed, hold = item
+            if isinstance(hold, Refused):  # (its bytes were dropped, not held)
+                yield Held(hold, None)
+                continue
             self._connection.consumed(self._stream, len(data) + 5)
             try:
                 request = await self._inflated(data) if compressed else self._method.parse(data)

@@ -56,6 +56,7 @@ class Stream:
     __slots__ = (
         "admitted",
         "buffer",
+        "skip",
         "call",
         "closed",
         "ended",
@@ -76,6 +77,7 @@ class Stream:
         self.oversize = 0  # the header list's size when it is over the advertised limit
         self.buffer = bytearray()  # gRPC message bytes not yet complete
         self.admitted = False  # the message in ``buffer`` was admitted (its prefix read)
+        self.skip = 0  # bytes of a message refused in its stream, still to drop
         self.call: Any = None  # the call serving it (grpc_calls): set by Handler.open
         self.ended = False  # the client sent END_STREAM
         self.closed = False  # we sent END_STREAM (or it was reset)

@@ -58,6 +58,9 @@ from appliance.adapters.grpc_frames import (
 from appliance.adapters.grpc_headers import HeaderDecoder
 from appliance.adapters.grpc_limits import H2Limits
 
+# what a call says of a message whose length prefix came (Handler's call.admit)
+ADMITTED, OVER, REFUSED = 1, 0, -1  # kept; the call answered; refused in its stream
+
 __all__ = ["Connection", "Handler"]
 
 
@@ -233,10 +236,21 @@ class Connection(Control):
         length prefix is read, before any of it is kept."""
         call = stream.call
         taken, end = 0, len(data)
-        while end - taken >= 5:
+        while True:
+            if stream.skip:  # a message refused in its stream: dropped as it arrives
+                dropped = min(stream.skip, end - taken)
+                stream.skip -= dropped
+                taken += dropped
+            if end - taken < 5:
+                break
             n = int.from_bytes(data[taken + 1 : taken + 5], "big")
             if not stream.admitted:
-                if not call.admit(n):
+                verdict = call.admit(n)
+                if verdict == REFUSED:
+                    stream.skip = n
+                    taken += 5
+                    continue
+                if verdict != ADMITTED:
                     stream.buffer = bytearray()  # (assigned: ``data`` may be a view of it)
                     return -1
                 stream.admitted = True
@@ -268,6 +282,6 @@ class Connection(Control):
 
     def _ended(self, stream: Stream) -> None:
         stream.ended = True
-        stream.call.end(bool(stream.buffer))
+        stream.call.end(bool(stream.buffer) or stream.skip > 0)
         if stream.closed:  # answered before the client finished sending
             self.streams.pop(stream.id, None)

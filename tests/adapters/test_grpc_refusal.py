@@ -32,6 +32,7 @@ from h2_peer import (
     request_headers,
     rst,
 )
+from tritonclient.grpc import service_pb2
 
 __all__ = ["no_error_logged", "serve"]  # fixtures
 pytestmark = pytest.mark.usefixtures("no_error_logged")
@@ -196,3 +197,57 @@ def test_a_public_call_takes_small_messages_only(serve: Any) -> None:
         assert live(p, 3) == "0"
         _settled(server)
         assert _held(server) == 0 and _streams_kept(server) == 0
+
+
+def _stream_answers(p: Peer, sid: int, count: int) -> list[Any]:
+    """The next ``count`` ModelStreamInferResponse messages on stream ``sid``."""
+    data, answers = b"", []
+    while len(answers) < count:
+        got = p.next()
+        assert got is not None, "the connection ended"
+        assert not (got.sid == sid and got.kind == RST_STREAM), got
+        assert not (got.sid == sid and got.kind == HEADERS and "grpc-status" in got.headers), got
+        if got.sid != sid or got.kind != DATA:
+            continue
+        data += got.payload
+        while len(data) >= 5 and len(data) >= 5 + int.from_bytes(data[1:5], "big"):
+            n = int.from_bytes(data[1:5], "big")
+            answers.append(service_pb2.ModelStreamInferResponse.FromString(data[5 : 5 + n]))
+            data = data[5 + n :]
+    return answers
+
+
+def test_a_streamed_request_past_the_limit_is_refused_in_its_stream(serve: Any) -> None:
+    """ModelStreamInfer, past ``max_queued_bytes``: the request whose message does not
+    fit is answered in the stream with the refusal (Triton's error_message), its bytes
+    dropped as they come, and the stream goes on: the next request is served."""
+    server = serve(inference_token=TOKEN, max_queued_bytes="1MiB")
+    auth = f"Bearer {TOKEN}"
+    with Peer(server.grpc_url) as p:
+        p.send(p.headers(1, request_headers(INFER, authorization=auth)))
+        p.send(frame(DATA, 0, 1, struct.pack(">BI", 0, DECLARED)))  # held, never sent
+        p.send(p.headers(3, request_headers(STREAM_INFER, authorization=auth)))
+        p.send(frame(DATA, 0, 3, struct.pack(">BI", 0, 2 * 2**20)))
+        assert p.send_many(_chunks(3, 2 * 2**20))  # the refused message, all of it
+        (refused,) = _stream_answers(p, 3, 1)
+        assert "max_queued_bytes" in refused.error_message, refused
+        assert _held(server) == DECLARED  # nothing of the refused message held
+        p.send(rst(1))
+        deadline = time.monotonic() + SAFETY_S  # (the reset reaches the server)
+        while _held(server) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _held(server) == 0
+        p.send(frame(DATA, 0, 3, struct.pack(">BI", 0, len(infer_request())) + infer_request()))
+        (served,) = _stream_answers(p, 3, 1)
+        assert not served.error_message, served
+        assert served.infer_response.model_name == "identity"
+        p.send(frame(DATA, 1, 3, b""))  # END_STREAM: the call ends OK
+        fields: dict[str, str] = {}
+        while "grpc-status" not in fields:
+            got = p.next()
+            assert got is not None
+            if got.sid == 3 and got.kind == HEADERS:
+                fields.update(got.headers)
+        assert fields["grpc-status"] == "0"
+    _settled(server)
+    assert _held(server) == 0
