@@ -56,7 +56,6 @@ class Stream:
     __slots__ = (
         "admitted",
         "buffer",
-        "skip",
         "call",
         "closed",
         "ended",
@@ -67,6 +66,7 @@ class Stream:
         "pending",
         "recv_window",
         "send_window",
+        "skip",
     )
 
     def __init__(
