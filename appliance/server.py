@@ -26,12 +26,14 @@ from appliance import bls, startup_report
 from appliance.adapters import grpc_libraries, http_api, http_front, http_limits, metrics
 from appliance.adapters.access import AccessPolicy, is_loopback
 from appliance.adapters.http_drain import close_http
+from appliance.adapters.http_vision import register as register_vision
 from appliance.adapters.tls import http_context
 from appliance.config.fields import ConfigError
 from appliance.core.dataplane import DataPlane
 from appliance.core.lifecycle import ModelLifeCycle
 from appliance.core.shared_memory import SharedMemoryRegistry
 from appliance.telemetry.device import Telemetry
+from appliance.vision.detector import Detectors
 
 if TYPE_CHECKING:
     from appliance.adapters.grpc_server import GrpcEndpoint
@@ -73,6 +75,7 @@ class Server:
             )
         )
         self._bls: bls.Binding | None = None
+        self.vision = Detectors(self.dataplane, config.vision) if config.vision else None
         self.http_port = 0
         self.grpc_port = 0
         self.metrics_port = 0
@@ -116,6 +119,7 @@ class Server:
         app = http_api.create_app(
             self.dataplane, config.max_request_size, self.access, config.http_body_timeout_s
         )
+        register_vision(app, self.vision, config.http_body_timeout_s)
         sock = self._bind(config.http_port)
         runner = await self._runner(
             app, config.drain_timeout_s, **http_limits.runner_options(config)

@@ -33,6 +33,8 @@ LAYERS: list[tuple[str, ...]] = [
         "appliance.adapters.inprocess",
     ),
     ("appliance.adapters",),
+    # images to model tensors and YOLO heads to boxes, over the data plane
+    ("appliance.vision",),
     # the core, and beside it the device's telemetry readers (sysfs, NVML, jetson-stats)
     ("appliance.core", "appliance.telemetry"),
     ("backends",),
@@ -64,6 +66,7 @@ WIRE = (
     "uvloop",
 )
 BELOW_ADAPTERS = (
+    "appliance.vision",
     "appliance.core",
     "appliance.telemetry",
     "appliance.config",

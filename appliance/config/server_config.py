@@ -23,6 +23,7 @@ from appliance.config.fields import (
     seconds,
 )
 from appliance.config.mqtt_config import MqttConfig, parse_mqtt
+from appliance.config.vision_config import VisionConfig, parse_vision
 from appliance.datatypes import DEFAULT_MAX_REQUEST_ELEMENTS
 
 
@@ -51,6 +52,7 @@ class ServerConfig:
     log_level: str = "info"
     event_loop: str = "auto"  # auto (uvloop when installed) | asyncio | uvloop
     mqtt: MqttConfig | None = None  # None: no MQTT bridge
+    vision: VisionConfig | None = None  # None: no DeepStack detection API (docs/vision.md)
     # model control, memory and access: see _control() at the end of this module
     model_control_mode: str = "explicit"  # none | explicit | poll
     load_model: tuple[str, ...] = ("*",)  # explicit: models loaded at start ("*": all)
@@ -152,6 +154,7 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         log_level=level,
         event_loop=_choice(f, "event_loop", "auto", ("auto", "asyncio", "uvloop")),
         mqtt=parse_mqtt(f, path, broker),
+        vision=parse_vision(f, path),
         server_name=_server_name(f),
         trace_file=_trace_file(f, path),
         **_control(f, path),

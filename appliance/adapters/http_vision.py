@@ -1,0 +1,185 @@
+"""The DeepStack / CodeProject.AI detection API on the HTTP port, for NVRs (Frigate's
+``deepstack`` detector, Blue Iris, Agent DVR, Home Assistant): ``POST
+/v1/vision/detection`` (the ``vision:`` section's default detector) and ``POST
+/v1/vision/custom/<name>`` (a detector by name).
+
+The request is multipart form data: ``image`` (JPEG, PNG, BMP or WebP), optional
+``api_key`` (the server's inference token; a bearer ``Authorization`` header works too)
+and optional ``min_confidence``. The answer is DeepStack's: ``{"success": true,
+"predictions": [{"label", "confidence", "x_min", "y_min", "x_max", "y_max"}]}`` in
+the sent image's pixels; every refusal is ``{"success": false, "error": ...}`` with a
+4xx status (503 while the model cannot serve).
+
+Sizes are admitted before they are buffered: a declared body over
+``vision.max_image_bytes`` is refused before a byte of it is read, an ``image`` part is
+read chunk by chunk and refused once it passes the limit, the other fields are a few
+bytes each, and the form must arrive within ``http_body_timeout_s``. The image's
+header is read before its pixels: more than ``vision.max_image_pixels`` is refused
+undecoded (a 100-megapixel PNG of a few kilobytes never reaches memory)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import orjson
+from aiohttp import BodyPartReader, web
+
+from appliance.adapters import http_api
+from appliance.adapters.access import AccessPolicy, Scope
+from appliance.adapters.http_infer import STATUS
+from appliance.errors import ApplianceError, Code, invalid
+from appliance.vision import image
+from appliance.vision.detector import Detectors
+
+log = logging.getLogger(__name__)
+
+DETECTORS = web.AppKey("vision_detectors", Detectors)
+FIELD_BYTES = 1024  # api_key, min_confidence: a few bytes each
+MAX_PARTS = 16
+FORM_OVERHEAD = 64 * 1024  # multipart headers and small fields beside the image
+
+
+@dataclass(slots=True)
+class Form:
+    image: bytes | bytearray | None = None
+    api_key: str | None = None
+    min_confidence: float | None = None
+
+
+def _answer(doc: dict[str, object], status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(doc), status=status, content_type="application/json")
+
+
+def _refuse(status: int, message: str) -> web.Response:
+    return _answer({"success": False, "error": message, "code": status}, status)
+
+
+async def _part(part: BodyPartReader, limit: int, what: str) -> bytearray:
+    """A part's bytes, refused as soon as they pass ``limit``."""
+    data = bytearray()
+    while True:
+        chunk = await part.read_chunk(64 * 1024)
+        if not chunk:
+            return data
+        data += chunk
+        if len(data) > limit:
+            raise ApplianceError(Code.TOO_LARGE, f"{what} is larger than {limit} bytes")
+
+
+def _text(raw: bytearray, name: str) -> str:
+    try:
+        return raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise invalid(f"the form field '{name}' is not UTF-8 text") from None
+
+
+def _confidence(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:  # NaN fails both
+        raise invalid(f"'min_confidence' must be a number from 0 to 1, got {text[:40]!r}")
+    return value
+
+
+async def _read_form(request: web.Request, max_image: int) -> Form:
+    form = Form()
+    try:
+        reader = await request.multipart()
+    except (AssertionError, ValueError, KeyError) as exc:
+        raise invalid(f"expected multipart/form-data with an 'image' file: {exc}") from None
+    for _ in range(MAX_PARTS + 1):
+        try:
+            part = await reader.next()
+        except (AssertionError, ValueError, KeyError) as exc:
+            raise invalid(f"malformed multipart body: {exc}") from None
+        if part is None:
+            return form
+        if not isinstance(part, BodyPartReader):
+            raise invalid("nested multipart bodies are not taken")
+        name = part.name or ""
+        if name == "image":
+            form.image = await _part(part, max_image, "the image")
+        elif name == "api_key":
+            form.api_key = _text(await _part(part, FIELD_BYTES, "'api_key'"), name)
+        elif name == "min_confidence":
+            text = _text(await _part(part, FIELD_BYTES, "'min_confidence'"), name)
+            form.min_confidence = _confidence(text)
+        else:  # CodeProject.AI's clients may send more fields: read, bounded, and let go
+            await _part(part, FIELD_BYTES * 64, f"the form field {name[:40]!r}")
+    raise invalid(f"the form has more than {MAX_PARTS} fields")
+
+
+def _key_denial(access: AccessPolicy, request: web.Request, api_key: str | None) -> str | None:
+    headers = request.headers.getall("Authorization", [])
+    if headers and access.check_all(Scope.INFERENCE, headers) is None:
+        return None
+    key = None if api_key is None else f"Bearer {api_key}"
+    denial = access.check(Scope.INFERENCE, key)
+    if denial is None:
+        return None
+    return "a valid 'api_key' is needed (the server's inference token)"
+
+
+async def _detect(request: web.Request, name: str, timeout_s: float) -> web.Response:
+    started = time.perf_counter()
+    detectors = request.app[DETECTORS]
+    detector = detectors.get(name)  # an unknown detector: 404 before the body is read
+    config = detectors.config
+    declared = request.content_length
+    if declared is not None and declared > config.max_image_bytes + FORM_OVERHEAD:
+        raise ApplianceError(
+            Code.TOO_LARGE,
+            f"the request body is {declared} bytes; images up to {config.max_image_bytes} "
+            f"bytes are taken (vision.max_image_bytes)",
+        )
+    if request.content_type != "multipart/form-data":
+        raise invalid(f"expected multipart/form-data, got {request.content_type!r}")
+    try:
+        form = await asyncio.wait_for(_read_form(request, config.max_image_bytes), timeout_s)
+    except asyncio.TimeoutError:
+        return _refuse(408, f"the form did not arrive within {timeout_s:g}s")
+    denial = _key_denial(request.app[http_api.ACCESS], request, form.api_key)
+    if denial is not None:
+        return _refuse(401, denial)
+    if form.image is None:
+        raise invalid("the form needs an 'image' file (multipart/form-data)")
+    frame = await asyncio.to_thread(image.decode, form.image, config.max_image_pixels)
+    inferred = time.perf_counter()
+    predictions = await detector.detect(frame, form.min_confidence)
+    done = time.perf_counter()
+    return _answer(
+        {
+            "success": True,
+            "predictions": predictions,
+            "count": len(predictions),
+            "message": f"Found {len(predictions)} objects" if predictions else "No objects found",
+            "inferenceMs": round((done - inferred) * 1000),
+            "processMs": round((done - started) * 1000),
+            "code": 200,
+        }
+    )
+
+
+def register(app: web.Application, detectors: Detectors | None, body_timeout_s: float) -> None:
+    """The routes, on ``app`` (before its runner is set up); nothing without a
+    ``vision:`` section. Their scope is public at the middleware: the handler checks
+    ``api_key`` (or a bearer header) itself, as DeepStack clients send it in the form."""
+    if detectors is None:
+        return
+    app[DETECTORS] = detectors
+    scopes = app[http_api.SCOPES]
+
+    async def detection(request: web.Request) -> web.Response:
+        try:
+            return await _detect(request, request.match_info.get("model", ""), body_timeout_s)
+        except ApplianceError as exc:
+            return _refuse(STATUS[exc.code], exc.message)
+
+    for path in ("/v1/vision/detection", "/v1/vision/custom/{model}"):
+        resource = app.router.add_resource(path)
+        scopes[resource.add_route("POST", detection)] = Scope.PUBLIC
