@@ -32,6 +32,8 @@ from appliance.config.fields import ConfigError
 from appliance.core.dataplane import DataPlane
 from appliance.core.lifecycle import ModelLifeCycle
 from appliance.core.shared_memory import SharedMemoryRegistry
+from appliance.streams.manager import Streams
+from appliance.streams.metrics import StreamsCollector
 from appliance.telemetry.device import Telemetry
 from appliance.vision.detector import Detectors
 
@@ -76,6 +78,10 @@ class Server:
         )
         self._bls: bls.Binding | None = None
         self.vision = Detectors(self.dataplane, config.vision) if config.vision else None
+        self.streams = Streams(self.vision, config.mqtt)  # camera streams (docs/vision.md)
+        self.metrics.registry.register(
+            StreamsCollector(lambda: list(self.streams.running.values()))
+        )
         self.http_port = 0
         self.grpc_port = 0
         self.metrics_port = 0
@@ -119,7 +125,7 @@ class Server:
         app = http_api.create_app(
             self.dataplane, config.max_request_size, self.access, config.http_body_timeout_s
         )
-        register_vision(app, self.vision, config.http_body_timeout_s)
+        register_vision(app, self.vision, config.http_body_timeout_s, self.streams)
         sock = self._bind(config.http_port)
         runner = await self._runner(
             app, config.drain_timeout_s, **http_limits.runner_options(config)
@@ -171,6 +177,7 @@ class Server:
             self.config.memory_limit,
         )
         await self._start_mqtt()
+        await self.streams.apply(self.config.streams, self.vision)
 
     async def _start_grpc(self) -> None:
         """The gRPC endpoint, an extra: when its libraries cannot load, a port asked for
@@ -227,6 +234,7 @@ class Server:
     async def stop(self) -> None:
         """Graceful shutdown; see the module docstring for the order."""
         log.info("shutting down: draining for up to %.0fs", self.config.drain_timeout_s)
+        await self.streams.stop()
         mqtt_bridge, self.mqtt = self.mqtt, None
         if mqtt_bridge is not None:  # first: its requests in flight still get answers
             await mqtt_bridge.stop(self.config.drain_timeout_s)

@@ -31,6 +31,7 @@ from appliance.adapters import http_api
 from appliance.adapters.access import AccessPolicy, Scope
 from appliance.adapters.http_infer import STATUS
 from appliance.errors import ApplianceError, Code, invalid
+from appliance.streams.manager import Streams
 from appliance.vision import image
 from appliance.vision.detector import Detectors
 
@@ -165,10 +166,19 @@ async def _detect(request: web.Request, name: str, timeout_s: float) -> web.Resp
     )
 
 
-def register(app: web.Application, detectors: Detectors | None, body_timeout_s: float) -> None:
-    """The routes, on ``app`` (before its runner is set up); nothing without a
-    ``vision:`` section. Their scope is public at the middleware: the handler checks
+def register(
+    app: web.Application, detectors: Detectors | None, body_timeout_s: float, streams: Streams
+) -> None:
+    """The routes, on ``app`` (before its runner is set up): ``GET /v1/streams`` (each
+    stream's status; inference scope), and without a ``vision:`` section nothing else.
+    The detection routes' scope is public at the middleware: the handler checks
     ``api_key`` (or a bearer header) itself, as DeepStack clients send it in the form."""
+
+    async def status(request: web.Request) -> web.Response:
+        return _answer({"streams": streams.status()})
+
+    resource = app.router.add_resource("/v1/streams")
+    app[http_api.SCOPES][resource.add_route("GET", status)] = Scope.INFERENCE
     if detectors is None:
         return
     app[DETECTORS] = detectors

@@ -97,7 +97,7 @@ def parse_vision(f: Fields, path: Path | None) -> VisionConfig | None:
     if default not in detectors:
         raise v.fail("default", f"names no detector of this section: {default!r}")
     pixels = v.integer("max_image_pixels", 40_000_000, minimum=1)
-    size = v.data.get("max_image_bytes", 20 * 2**20)
+    size = v.data.get("max_image_bytes", "20MiB")
     max_bytes = parse_size(size, v.source, v.at("max_image_bytes"))
     if max_bytes < 1:
         raise ConfigError(v.source, v.at("max_image_bytes"), "expected a size of at least 1 byte")
