@@ -16,6 +16,7 @@ import logging
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ from appliance.config.fields import ConfigError
 from appliance.core.dataplane import DataPlane
 from appliance.core.lifecycle import ModelLifeCycle
 from appliance.core.shared_memory import SharedMemoryRegistry
+from appliance.errors import ApplianceError
 from appliance.streams.manager import Streams
 from appliance.streams.metrics import StreamsCollector
 from appliance.telemetry.device import Telemetry
@@ -79,6 +81,7 @@ class Server:
         self._bls: bls.Binding | None = None
         self.vision = Detectors(self.dataplane, config.vision) if config.vision else None
         self.streams = Streams(self.vision, config.mqtt)  # camera streams (docs/vision.md)
+        self._reloads: set[asyncio.Task[None]] = set()
         self.metrics.registry.register(
             StreamsCollector(lambda: list(self.streams.running.values()))
         )
@@ -223,6 +226,22 @@ class Server:
             log.error("MQTT bridge disabled: %s", exc)
             return
         self.mqtt = bridge
+
+    def reload_soon(self, reread: Callable[[], ServerConfig]) -> None:
+        """A config reload (SIGHUP): the file read again and its ``streams:`` applied
+        (streams added, changed or removed; the others keep running). A file that no
+        longer validates changes nothing."""
+        try:
+            config = reread()
+        except ApplianceError as exc:
+            log.error("config reload refused, nothing changed: %s", exc)
+            return
+        if config.vision != self.config.vision:
+            log.warning("config reload: vision: changes take effect at the next start")
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self.streams.apply(config.streams, self.vision))
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
 
     async def _render_metrics(self, request: web.Request) -> web.Response:
         body, content_type = self.metrics.render(request.headers.get("Accept", ""))
