@@ -159,16 +159,19 @@ class MjpegServer:
         self.server.server_close()
 
 
-def h264_file(path: Path, frames: int = 30, fps: int = 10) -> Path:
+def h264_file(
+    path: Path, frames: int = 30, fps: int = 10, size: tuple[int, int] = (320, 240)
+) -> Path:
     """An H.264 MP4 of ``frames`` pictures, written with PyAV."""
     import av
 
     with av.open(str(path), "w") as container:
         stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = 320, 240, "yuv420p"
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
         stream.time_base = Fraction(1, fps)
         for number in range(frames):
-            frame = av.VideoFrame.from_ndarray(np.asarray(picture(number)), format="rgb24")
+            pixels = np.asarray(picture(number, *size))
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
             container.mux(stream.encode(frame))
         container.mux(stream.encode(None))
     return path

@@ -7,18 +7,26 @@ ONNX Runtime and a plain-loop decoding written here; and hostile uploads."""
 from __future__ import annotations
 
 import io
+import json
+import re
 import struct
+import subprocess
+import sys
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 import requests
+import yaml
 from PIL import Image, ImageDraw
 from real_models import NUDENET, YOLOV8N, wheel
+
+from appliance.config.server_config import load_server_config
 
 LABELS = [f"class_{i}" for i in range(18)]
 CONFIG = """
@@ -258,3 +266,81 @@ def test_wrong_or_missing_key_and_unknown_model(server: str) -> None:
     )
     assert unknown.status_code == 404
     assert "nope" in unknown.json()["error"]
+
+
+# ---- docs/vision.md: every block checked -----------------------------------------------
+
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "vision.md").read_text()
+BLOCKS = re.findall(r"^```(\w+)\n(.*?)^```", DOC, re.S | re.M)
+
+
+def _yaml(title: str) -> list[Any]:
+    return [
+        yaml.safe_load(body)
+        for kind, body in BLOCKS
+        if kind == "yaml" and body.startswith(f"# {title}")
+    ]
+
+
+def test_every_doc_block_is_a_known_kind() -> None:
+    assert {kind for kind, _ in BLOCKS} == {"yaml", "json", "python"}
+    titles = [body.splitlines()[0] for kind, body in BLOCKS if kind == "yaml"]
+    assert all(t.startswith(("# appliance.yaml", "# frigate", "# home assistant")) for t in titles)
+
+
+def test_doc_configs_load_and_agree(tmp_path: Path) -> None:
+    servers = []
+    for i, body in enumerate(
+        b for k, b in BLOCKS if k == "yaml" and b.startswith("# appliance.yaml")
+    ):
+        path = tmp_path / f"appliance{i}.yaml"
+        path.write_text(body)
+        servers.append(load_server_config(path, {}))
+    assert len(servers) == 2
+    vision = servers[0].vision
+    assert vision is not None and vision.detectors["yolo"].model == "yolov8n"
+    streams = {s.name: s for s in servers[1].streams}
+    assert [s.kind for s in streams.values()] == ["rtsp", "mjpeg", "v4l2"]
+    (frigate,) = _yaml("frigate")
+    detector = frigate["detectors"]["appliance"]
+    assert detector["type"] == "deepstack" and detector["api_key"] == servers[0].inference_token
+    assert urlsplit(detector["api_url"]).path == "/v1/vision/detection"
+    assert urlsplit(detector["api_url"]).port == 8000 == servers[0].http_port
+    deepstack, sensor = _yaml("home assistant")
+    (camera,) = deepstack["image_processing"]
+    assert camera["platform"] == "deepstack_object" and camera["port"] == 8000
+    assert (
+        camera["custom_model"] in vision.detectors
+        and camera["api_key"] == servers[0].inference_token
+    )
+    assert sensor["mqtt"]["sensor"][0]["state_topic"] == streams["front-door"].mqtt_topic
+
+
+def test_doc_answer_shapes_are_what_is_sent(server: str) -> None:
+    answer_doc, message_doc = (json.loads(b) for k, b in BLOCKS if k == "json")
+    sent = post(
+        f"{server}/v1/vision/detection", data={"api_key": TOKEN}, files={"image": frame(64, 64)}
+    )
+    assert set(answer_doc) == set(sent.json())
+    assert set(answer_doc["predictions"][0]) == {
+        "label",
+        "confidence",
+        "x_min",
+        "y_min",
+        "x_max",
+        "y_max",
+    }
+    from appliance.streams.sinks import message
+
+    assert set(message_doc) == set(json.loads(message("s", "d", 1, 0.0, 0.0, [])))
+
+
+def test_doc_python_snippet_runs(server: str, tmp_path: Path) -> None:
+    (code,) = (b for k, b in BLOCKS if k == "python")
+    code = code.replace("http://127.0.0.1:8000", server).replace("my-nvr-key", TOKEN)
+    (tmp_path / "cat.jpg").write_bytes(frame(320, 240))
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("True [")
