@@ -33,7 +33,7 @@ from appliance.adapters.http_infer import STATUS
 from appliance.errors import ApplianceError, Code, invalid
 from appliance.streams.manager import Streams
 from appliance.vision import image
-from appliance.vision.detector import Detectors
+from appliance.vision.detector import Detector, Detectors
 
 log = logging.getLogger(__name__)
 
@@ -140,16 +140,29 @@ async def _detect(request: web.Request, name: str, timeout_s: float) -> web.Resp
         )
     if request.content_type != "multipart/form-data":
         raise invalid(f"expected multipart/form-data, got {request.content_type!r}")
+    # the body held against the model's and the server's queued bytes before it is read
+    # (503 at once when they are full), as an inference's is: appliance.core.queue_bytes
+    dataplane = request.app[http_api.DATAPLANE]
+    ticket = dataplane.admit(detector.config.model, "", declared or config.max_image_bytes)
     try:
-        form = await asyncio.wait_for(_read_form(request, config.max_image_bytes), timeout_s)
-    except asyncio.TimeoutError:
-        return _refuse(408, f"the form did not arrive within {timeout_s:g}s")
+        try:
+            form = await asyncio.wait_for(_read_form(request, config.max_image_bytes), timeout_s)
+        except asyncio.TimeoutError:
+            return _refuse(408, f"the form did not arrive within {timeout_s:g}s")
+        return await _answer_form(request, form, detector, config.max_image_pixels, started)
+    finally:
+        ticket.release()
+
+
+async def _answer_form(
+    request: web.Request, form: Form, detector: Detector, max_pixels: int, started: float
+) -> web.Response:
     denial = _key_denial(request.app[http_api.ACCESS], request, form.api_key)
     if denial is not None:
         return _refuse(401, denial)
     if form.image is None:
         raise invalid("the form needs an 'image' file (multipart/form-data)")
-    frame = await asyncio.to_thread(image.decode, form.image, config.max_image_pixels)
+    frame = await asyncio.to_thread(image.decode, form.image, max_pixels)
     inferred = time.perf_counter()
     predictions = await detector.detect(frame, form.min_confidence)
     done = time.perf_counter()

@@ -123,7 +123,7 @@ class Stream:
         opener = decoder.DECODERS[c.decoder]
         while not self._stopping.is_set():
             source: decoder.Source | None = None
-            ended = False
+            ended, decoded = False, self.counters.decoded
             try:
                 source = opener(c)
                 ended = self._read(source)
@@ -145,8 +145,8 @@ class Stream:
                     self.connected = False
                     self.counters.disconnects += 1
                     backoff = c.reconnect_min_s  # it worked: start the backoff again
-            if ended and c.kind == "file":
-                continue  # looped: from the start, at once
+            if ended and c.kind == "file" and self.counters.decoded > decoded:
+                continue  # looped: from the start, at once (a file without frames waits)
             if self._stopping.wait(backoff):
                 return
             backoff = min(backoff * 2, c.reconnect_max_s)
@@ -209,7 +209,7 @@ class Stream:
 
         return {
             "name": self.config.name,
-            "url": self.config.url if self.config.kind != "rtsp" else _redacted(self.config.url),
+            "url": _redacted(self.config.url),
             "connected": self.connected,
             "frames_decoded": c.decoded,
             "frames_skipped": c.skipped,
@@ -227,9 +227,9 @@ class Stream:
 
 
 def _redacted(url: str) -> str:
-    """An RTSP URL without its password (rtsp://user:secret@host/...)."""
+    """A camera URL without its password (rtsp://user:secret@host/...)."""
     head, at, tail = url.rpartition("@")
-    if not at:
+    if not at or "://" not in head:
         return url
     scheme, _, credentials = head.partition("://")
     user = credentials.split(":", 1)[0]

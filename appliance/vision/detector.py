@@ -87,16 +87,14 @@ class Detector:
     def __init__(self, dataplane: DataPlane, config: DetectorConfig) -> None:
         self.dataplane = dataplane
         self.config = config
-        self._plans: dict[int, Plan] = {}  # id of the loaded config -> its plan
+        self._planned: tuple[ModelConfig, Plan] | None = None  # the last config and its plan
 
     def plan(self) -> Plan:
         """The plan for the version serving now (NOT_FOUND/UNAVAILABLE when none)."""
         config = self.dataplane.lifecycle.get(self.config.model, "").config
-        found = self._plans.get(id(config))
-        if found is None:
-            found = plan(config, self.config)
-            self._plans = {id(config): found}  # one config serves at a time
-        return found
+        if self._planned is None or self._planned[0] is not config:
+            self._planned = (config, plan(config, self.config))
+        return self._planned[1]
 
     def prepare(self, frame: Image.Image | np.ndarray, p: Plan) -> tuple[np.ndarray, image.Fit]:
         """The model input for ``frame`` (blocking: run it off the event loop)."""
