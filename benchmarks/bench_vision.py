@@ -124,8 +124,8 @@ def api(repo: Path, model: Path, frames: int, workdir: Path) -> list[str]:
         session.run(None, {"images": x})
         times.append(time.perf_counter() - started)
     rows.append(
-        f"| ONNX Runtime in-process (no spinning), 640x640 tensor | {frames} | {pct(times, 50):.1f} | "
-        f"{pct(times, 90):.1f} | {pct(times, 99):.1f} | - |"
+        f"| ONNX Runtime in-process (no spinning), 640x640 tensor | {frames} | "
+        f"{pct(times, 50):.1f} | {pct(times, 90):.1f} | {pct(times, 99):.1f} | - |"
     )
     del session
     vision = {"detectors": {"yolo": {"min_confidence": 0.01}}}
