@@ -223,6 +223,7 @@ class Stream:
             "e2e_ms_p50": pct(0.5),
             "e2e_ms_p99": pct(0.99),
             "last_error": self.last_error,
+            "sinks": self.outputs.status(),
         }
 
 
@@ -256,6 +257,19 @@ class Outputs:
             self.webhook.post(body)
         if self.jsonl is not None:
             await self.jsonl.write(body + b"\n")
+
+    def status(self) -> dict[str, Any]:
+        """What each sink did: a webhook's posts sent, failed and dropped (one was in
+        flight), MQTT messages paho could not queue (all streams' together)."""
+        out: dict[str, Any] = {}
+        if self.webhook is not None:
+            w = self.webhook
+            out["webhook"] = {"sent": w.sent, "failed": w.failed, "dropped": w.dropped}
+        if self.mqtt is not None:
+            out["mqtt"] = {"topic": self.topic, "dropped": self.mqtt.dropped}
+        if self.jsonl is not None:
+            out["jsonl"] = {"path": str(self.jsonl.path)}
+        return out
 
     async def close(self) -> None:
         if self.webhook is not None:

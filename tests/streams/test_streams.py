@@ -162,6 +162,8 @@ def test_rtsp_mjpeg_and_file_streams_publish_detections(
     wait_for(lambda: len(webhook.bodies) >= 3, 60, "three webhook posts from the MJPEG camera")
     posted = json.loads(webhook.bodies[0])
     assert posted["stream"] == "yard" and posted["predictions"]
+    wait_for(lambda: status(running.url)["yard"]["sinks"]["webhook"]["sent"] >= 3, 10, "sent")
+    assert status(running.url)["yard"]["sinks"]["webhook"]["failed"] == 0
     # the file plays once: 20 frames at most, each inferred unless a newer one replaced it
     wait_for(
         lambda: (
