@@ -68,8 +68,12 @@ VISION = {
 
 
 @pytest.fixture
-def server(run_appliance: Callable[..., Any], repository: Path) -> str:
-    running = run_appliance(repository, vision=VISION, inference_token=TOKEN, grpc_port=-1)
+def running(run_appliance: Callable[..., Any], repository: Path) -> Any:
+    return run_appliance(repository, vision=VISION, inference_token=TOKEN, grpc_port=-1)
+
+
+@pytest.fixture
+def server(running: Any) -> str:
     return f"http://{running.url}"
 
 
@@ -215,6 +219,13 @@ HOSTILE: list[tuple[str, dict[str, Any], int, str]] = [
         "multipart",
     ),
     ("too big", {"files": {"image": b"\xff" * (3 * 2**20)}}, 413, "max_image_bytes"),
+    (
+        "too many fields",
+        {"files": {f"f{i}": b"x" for i in range(20)} | {"image": b"x"}},
+        400,
+        "more than 16 fields",
+    ),
+    ("huge api_key", {"data": {"api_key": "k" * 5000}, "files": {"image": b"x"}}, 413, "api_key"),
 ]
 
 
@@ -266,6 +277,19 @@ def test_wrong_or_missing_key_and_unknown_model(server: str) -> None:
     )
     assert unknown.status_code == 404
     assert "nope" in unknown.json()["error"]
+
+
+def test_a_model_unloaded_and_loaded_again(running: Any, server: str) -> None:
+    """Without its model the API answers DeepStack's error (never a 500); once the model
+    is back, the detector reads its new config and serves again."""
+    url, jpeg = f"{server}/v1/vision/detection", frame(320, 240)
+    running.call(running.server.dataplane.unload_model("yolo"))
+    gone = post(url, data={"api_key": TOKEN}, files={"image": jpeg})
+    assert gone.status_code in (404, 503) and gone.json()["success"] is False
+    assert "yolo" in gone.json()["error"]
+    running.call(running.server.dataplane.load_model("yolo"))
+    back = post(url, data={"api_key": TOKEN, "min_confidence": str(LOW)}, files={"image": jpeg})
+    assert back.status_code == 200 and back.json()["predictions"]
 
 
 # ---- docs/vision.md: every block checked -----------------------------------------------
