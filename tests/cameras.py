@@ -33,7 +33,7 @@ SYSTEM_PYTHON = "/usr/bin/python3"  # Debian's: where python3-gi is installed
 _PROBE = (
     "import gi; gi.require_version('Gst', '1.0'); gi.require_version('GstRtspServer', '1.0');"
     "from gi.repository import Gst, GstRtspServer; Gst.init(None);"
-    "missing = [e for e in ('videotestsrc', 'x264enc', 'rtph264pay') "
+    "missing = [e for e in ('videotestsrc', 'x264enc', 'rtph264pay', 'openh264dec') "
     "if Gst.ElementFactory.find(e) is None]; print(' '.join(missing))"
 )
 _checked: list[str] = []
@@ -57,7 +57,7 @@ def require_rtsp() -> None:
     if _checked[0]:
         reason = (
             f"no RTSP server: {_checked[0]}; install Debian's python3-gi, "
-            "gir1.2-gst-rtsp-server-1.0, gstreamer1.0-plugins-ugly (scripts/test.sh does)"
+            "gir1.2-gst-rtsp-server-1.0, gstreamer1.0-plugins-ugly and -bad (scripts/test.sh does)"
         )
         if os.environ.get("CI"):
             pytest.fail(reason)
