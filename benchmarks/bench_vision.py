@@ -14,6 +14,9 @@ and cached by ``tests/real_models.py``), served at 640x640 (its dims are dynamic
    inferred and dropped, the inferred rate, the drop rate, decode time and
    end-to-end latency (decoded to published) from ``GET /v1/streams``, and how many
    frames the model ran per execution (its statistics).
+3. **Decoders**: 300 frames of H.264 1280x720 decoded to RGB by PyAV in-process and by
+   GStreamer's software path (``openh264dec``, ``videoconvert``) in Debian's python3:
+   wall and CPU milliseconds per frame (``--parts`` picks which of the three run).
 
     python benchmarks/bench_vision.py [--frames 200] [--fps 10] [--seconds 20]
 """
@@ -206,12 +209,68 @@ def streams(
     return rows
 
 
+GST_DECODE = (
+    "filesrc location={path} ! qtdemux ! h264parse ! openh264dec ! videoconvert"
+    " ! video/x-raw,format=RGB ! appsink name=frames sync=false"
+)
+
+
+def decoders(clip: Path, frames: int) -> list[str]:
+    """Decoding ``clip`` (H.264 1280x720) to RGB frames, one decoder at a time: PyAV
+    in-process (FFmpeg's h264), GStreamer's software path (openh264dec, videoconvert) in
+    Debian's python3 (tests/gst_pull.py); wall and CPU seconds per frame."""
+    import resource
+
+    import av
+
+    rows = ["| decoder | frames | wall ms/frame | CPU ms/frame |", "|---|---:|---:|---:|"]
+    wall, cpu = time.perf_counter(), time.process_time()
+    with av.open(str(clip)) as container:
+        count = 0
+        for frame in container.decode(video=0):
+            frame.to_ndarray(format="rgb24")
+            count += 1
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    rows.append(
+        f"| PyAV {av.__version__} (FFmpeg h264, rgb24) | {count} | "
+        f"{wall / count * 1000:.2f} | {cpu / count * 1000:.2f} |"
+    )
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    done = subprocess.run(
+        [
+            "/usr/bin/python3",
+            str(ROOT / "tests" / "gst_pull.py"),
+            GST_DECODE.format(path=clip),
+            str(frames),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if not k.startswith("PYTHON")},
+    )
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if done.returncode != 0:
+        rows.append(f"| GStreamer openh264dec | - | not run: {done.stdout[-80:]!r} | - |")
+        return rows
+    count = len(done.stdout.splitlines())
+    rows.append(
+        f"| GStreamer openh264dec + videoconvert (RGB), incl. process start | {count} | "
+        f"{wall / count * 1000:.2f} | {cpu / count * 1000:.2f} |"
+    )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=200)
     parser.add_argument("--fps", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--parts", default="api,streams,decoders")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     model = wheel(NUDENET, (YOLOV8N,)) / YOLOV8N
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -228,18 +287,24 @@ def main() -> None:
         for key, value in describe("onnxruntime", "av", "pillow").items():
             print(f"| {key} | {value} |")
         print()
-        print("## Detection API (Frigate's way: one JPEG at a time, requests multipart)\n")
-        print("\n".join(api(repo, model, args.frames, work)) + "\n")
-        clip = h264_file(work / "clip.mp4", frames=50, fps=args.fps, size=(1280, 720))
-        each = f"{args.fps} fps each, {args.seconds:g} s"
-        print(f"## Camera streams (H.264 1280x720 files looped at {each})\n")
-        print(
-            "| streams | stream | decoded/s | inferred/s | dropped | decode ms | e2e p50 ms | "
-            "e2e p99 ms | frames per execution |"
-        )
-        print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-        for count in (1, 4):
-            print("\n".join(streams(repo, count, args.fps, args.seconds, clip, work)))
+        if "api" in parts:
+            print("## Detection API (Frigate's way: one JPEG at a time, requests multipart)\n")
+            print("\n".join(api(repo, model, args.frames, work)) + "\n")
+        if "decoders" in parts:
+            long_clip = h264_file(work / "long.mp4", frames=300, fps=30, size=(1280, 720))
+            print("## Decoders (300 frames of H.264 1280x720 to RGB, one at a time)\n")
+            print("\n".join(decoders(long_clip, 300)) + "\n")
+        if "streams" in parts:
+            clip = h264_file(work / "clip.mp4", frames=50, fps=args.fps, size=(1280, 720))
+            each = f"{args.fps} fps each, {args.seconds:g} s"
+            print(f"## Camera streams (H.264 1280x720 files looped at {each})\n")
+            print(
+                "| streams | stream | decoded/s | inferred/s | dropped | decode ms | e2e p50 ms | "
+                "e2e p99 ms | frames per execution |"
+            )
+            print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+            for count in (1, 4):
+                print("\n".join(streams(repo, count, args.fps, args.seconds, clip, work)))
         print(f"\nload average after run: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
