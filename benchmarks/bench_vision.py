@@ -56,7 +56,7 @@ backend: "onnxruntime"
 max_batch_size: 4
 input [{name: "images", data_type: TYPE_FP32, dims: [3, 640, 640]}]
 output [{name: "output0", data_type: TYPE_FP32, dims: [22, 8400]}]
-dynamic_batching {max_queue_delay_microseconds: 2000}
+dynamic_batching {max_queue_delay_microseconds: DELAY}
 """
 TOKEN = "bench"
 
@@ -269,6 +269,7 @@ def main() -> None:
     parser.add_argument("--fps", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--parts", default="api,streams,decoders")
+    parser.add_argument("--queue-delay-us", type=int, default=2000)
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     model = wheel(NUDENET, (YOLOV8N,)) / YOLOV8N
@@ -277,7 +278,9 @@ def main() -> None:
         repo = work / "models"
         (repo / "yolo" / "1").mkdir(parents=True)
         (repo / "yolo" / "1" / "model.onnx").write_bytes(model.read_bytes())
-        (repo / "yolo" / "config.pbtxt").write_text(CONFIG)
+        (repo / "yolo" / "config.pbtxt").write_text(
+            CONFIG.replace("DELAY", str(args.queue_delay_us))
+        )
         print(f"# Vision API and camera streams, {dt.date.today()}\n")
         print(
             f"Command: `python3 benchmarks/bench_vision.py --frames {args.frames} --fps {args.fps} "
@@ -296,7 +299,7 @@ def main() -> None:
             print("\n".join(decoders(long_clip, 300)) + "\n")
         if "streams" in parts:
             clip = h264_file(work / "clip.mp4", frames=50, fps=args.fps, size=(1280, 720))
-            each = f"{args.fps} fps each, {args.seconds:g} s"
+            each = f"{args.fps} fps each, {args.seconds:g} s, queue delay {args.queue_delay_us} us"
             print(f"## Camera streams (H.264 1280x720 files looped at {each})\n")
             print(
                 "| streams | stream | decoded/s | inferred/s | dropped | decode ms | e2e p50 ms | "
