@@ -38,6 +38,32 @@ _PROBE = (
 )
 _checked: list[str] = []
 
+# a small Python detector (no download): one box per frame, class "bright" scored by
+# the frame's mean brightness; UINT8 NHWC input
+BRIGHT_CONFIG = """
+backend: "python"
+max_batch_size: 8
+input [{name: "images", data_type: TYPE_UINT8, dims: [64, 64, 3]}]
+output [{name: "output0", data_type: TYPE_FP32, dims: [6, 16], label_filename: "labels.txt"}]
+dynamic_batching {max_queue_delay_microseconds: 1000}
+"""
+BRIGHT_MODEL = """
+import numpy as np
+from appliance import python_model as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            images = pb_utils.get_input_tensor_by_name(request, "images").as_numpy()
+            out = np.zeros((images.shape[0], 6, 16), np.float32)
+            out[:, 0:4, 0] = [32, 32, 32, 32]
+            out[:, 5, 0] = images.mean(axis=(1, 2, 3)) / 255  # class 1, by brightness
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("output0", out)]))
+        return responses
+"""
+
 
 def require_rtsp() -> None:
     """Skips the calling test without GStreamer's RTSP server (fails under CI)."""

@@ -14,34 +14,10 @@ from typing import Any
 
 import pytest
 import yaml
-from cameras import h264_file, wait_for
+from cameras import BRIGHT_CONFIG, BRIGHT_MODEL, h264_file, wait_for
 from serve_process import start_serve
 
 pytest.importorskip("av", reason="PyAV is the streams extra: pip install 'appliance[streams]'")
-
-CONFIG = """
-backend: "python"
-max_batch_size: 8
-input [{name: "images", data_type: TYPE_UINT8, dims: [64, 64, 3]}]
-output [{name: "output0", data_type: TYPE_FP32, dims: [6, 16], label_filename: "labels.txt"}]
-dynamic_batching {max_queue_delay_microseconds: 1000}
-"""
-MODEL = """
-import numpy as np
-from appliance import python_model as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        responses = []
-        for request in requests:
-            images = pb_utils.get_input_tensor_by_name(request, "images").as_numpy()
-            out = np.zeros((images.shape[0], 6, 16), np.float32)
-            out[:, 0:4, 0] = [32, 32, 32, 32]
-            out[:, 5, 0] = images.mean(axis=(1, 2, 3)) / 255  # class 1, by brightness
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("output0", out)]))
-        return responses
-"""
 
 
 def status(port: int) -> dict[str, dict[str, Any]]:
@@ -52,8 +28,8 @@ def status(port: int) -> dict[str, dict[str, Any]]:
 def test_sighup_applies_the_streams_section(tmp_path: Path) -> None:
     repo = tmp_path / "models"
     (repo / "bright" / "1").mkdir(parents=True)
-    (repo / "bright" / "1" / "model.py").write_text(MODEL)
-    (repo / "bright" / "config.pbtxt").write_text(CONFIG)
+    (repo / "bright" / "1" / "model.py").write_text(BRIGHT_MODEL)
+    (repo / "bright" / "config.pbtxt").write_text(BRIGHT_CONFIG)
     (repo / "bright" / "labels.txt").write_text("dark\nbright\n")
     clip = h264_file(tmp_path / "clip.mp4", frames=10, fps=10)
 
