@@ -45,9 +45,17 @@ FORM_OVERHEAD = 64 * 1024  # multipart headers and small fields beside the image
 
 @dataclass(slots=True)
 class Form:
+    access: AccessPolicy
+    authorized: bool  # by a bearer header, or no token is needed
     image: bytes | bytearray | None = None
     api_key: str | None = None
     min_confidence: float | None = None
+
+
+class Denied(Exception):
+    """The form's ``api_key`` is not the inference token: answered 401 at once."""
+
+    message = "a valid 'api_key' is needed (the server's inference token)"
 
 
 def _answer(doc: dict[str, object], status: int = 200) -> web.Response:
@@ -59,10 +67,13 @@ def _refuse(status: int, message: str) -> web.Response:
 
 
 async def _part(part: BodyPartReader, limit: int, what: str) -> bytearray:
-    """A part's bytes, refused as soon as they pass ``limit``."""
+    """A part's bytes, refused as soon as they pass ``limit``. Read in chunks of at most
+    the limit (aiohttp reads up to two chunks ahead to find the part's end): a small
+    field is checked without waiting for much of what follows it."""
     data = bytearray()
+    size = max(FIELD_BYTES, min(limit, 64 * 1024))
     while True:
-        chunk = await part.read_chunk(64 * 1024)
+        chunk = await part.read_chunk(size)
         if not chunk:
             return data
         data += chunk
@@ -87,8 +98,10 @@ def _confidence(text: str) -> float:
     return value
 
 
-async def _read_form(request: web.Request, max_image: int) -> Form:
-    form = Form()
+async def _read_form(request: web.Request, form: Form, max_image: int) -> Form:
+    """The form's fields, each bounded. An ``api_key`` is checked as soon as it is read:
+    a wrong one ends the request before the parts after it (the image, as clients send
+    it) are read."""
     try:
         reader = await request.multipart()
     except (AssertionError, ValueError, KeyError) as exc:
@@ -107,6 +120,10 @@ async def _read_form(request: web.Request, max_image: int) -> Form:
             form.image = await _part(part, max_image, "the image")
         elif name == "api_key":
             form.api_key = _text(await _part(part, FIELD_BYTES, "'api_key'"), name)
+            if not form.authorized:
+                if form.access.check(Scope.INFERENCE, f"Bearer {form.api_key}") is not None:
+                    raise Denied
+                form.authorized = True
         elif name == "min_confidence":
             text = _text(await _part(part, FIELD_BYTES, "'min_confidence'"), name)
             form.min_confidence = _confidence(text)
@@ -115,15 +132,11 @@ async def _read_form(request: web.Request, max_image: int) -> Form:
     raise invalid(f"the form has more than {MAX_PARTS} fields")
 
 
-def _key_denial(access: AccessPolicy, request: web.Request, api_key: str | None) -> str | None:
+def _header_authorizes(access: AccessPolicy, request: web.Request) -> bool:
+    """No token is needed, or the call's bearer header carries it (checked before a
+    byte of the body is read)."""
     headers = request.headers.getall("Authorization", [])
-    if headers and access.check_all(Scope.INFERENCE, headers) is None:
-        return None
-    key = None if api_key is None else f"Bearer {api_key}"
-    denial = access.check(Scope.INFERENCE, key)
-    if denial is None:
-        return None
-    return "a valid 'api_key' is needed (the server's inference token)"
+    return access.check_all(Scope.INFERENCE, headers) is None
 
 
 async def _detect(request: web.Request, name: str, timeout_s: float) -> web.Response:
@@ -144,22 +157,25 @@ async def _detect(request: web.Request, name: str, timeout_s: float) -> web.Resp
     # (503 at once when they are full), as an inference's is: appliance.core.queue_bytes
     dataplane = request.app[http_api.DATAPLANE]
     ticket = dataplane.admit(detector.config.model, "", declared or config.max_image_bytes)
+    access = request.app[http_api.ACCESS]
+    form = Form(access, _header_authorizes(access, request))
     try:
         try:
-            form = await asyncio.wait_for(_read_form(request, config.max_image_bytes), timeout_s)
+            await asyncio.wait_for(_read_form(request, form, config.max_image_bytes), timeout_s)
         except asyncio.TimeoutError:
             return _refuse(408, f"the form did not arrive within {timeout_s:g}s")
-        return await _answer_form(request, form, detector, config.max_image_pixels, started)
+        except Denied:
+            return _refuse(401, Denied.message)
+        return await _answer_form(form, detector, config.max_image_pixels, started)
     finally:
         ticket.release()
 
 
 async def _answer_form(
-    request: web.Request, form: Form, detector: Detector, max_pixels: int, started: float
+    form: Form, detector: Detector, max_pixels: int, started: float
 ) -> web.Response:
-    denial = _key_denial(request.app[http_api.ACCESS], request, form.api_key)
-    if denial is not None:
-        return _refuse(401, denial)
+    if not form.authorized:  # no api_key in the form, and no header that carries it
+        return _refuse(401, Denied.message)
     if form.image is None:
         raise invalid("the form needs an 'image' file (multipart/form-data)")
     frame = await asyncio.to_thread(image.decode, form.image, max_pixels)

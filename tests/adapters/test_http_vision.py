@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import socket
 import struct
 import subprocess
 import sys
@@ -368,3 +369,23 @@ def test_doc_python_snippet_runs(server: str, tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("True [")
+
+
+def test_a_wrong_key_is_refused_before_the_image_is_read(server: str) -> None:
+    """The api_key part comes first, as clients send it; the image part never ends.
+    The answer (401) comes while the body is still incomplete."""
+    host, port = urlsplit(server).hostname, urlsplit(server).port
+    head = (
+        b'--b\r\nContent-Disposition: form-data; name="api_key"\r\n\r\nguess\r\n'
+        b'--b\r\nContent-Disposition: form-data; name="image"; filename="x.jpg"\r\n\r\n'
+    )
+    with socket.create_connection((host, port), timeout=30) as sock:
+        sock.sendall(
+            b"POST /v1/vision/detection HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: multipart/form-data; boundary=b\r\n"
+            b"Content-Length: 1000000\r\n\r\n" + head + b"\xff\xd8" * 1000
+        )
+        answer = sock.recv(65536)
+    status, _, rest = answer.partition(b"\r\n")
+    assert status == b"HTTP/1.1 401 Unauthorized"
+    assert b'"success":false' in rest
