@@ -20,7 +20,7 @@ from typing import Any
 
 from appliance import doctor
 from appliance.cli_parser import OneLineParser, port
-from appliance.config.server_config import load_server_config
+from appliance.config.server_config import ServerConfig, load_server_config
 from appliance.errors import ApplianceError, Code
 from appliance.perf import command as perf_command
 from appliance.perf import tune as tune_command
@@ -80,11 +80,13 @@ def run(main: Coroutine[Any, Any, None], factory: Callable[[], asyncio.AbstractE
             loop.close()
 
 
-async def _serve(server: Server) -> None:
+async def _serve(server: Server, reread: Callable[[], ServerConfig] | None = None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if reread is not None:  # SIGHUP: the config file read again, its streams applied
+        loop.add_signal_handler(signal.SIGHUP, server.reload_soon, reread)
     try:
         await server.start()
     except BaseException:
@@ -97,6 +99,15 @@ async def _serve(server: Server) -> None:
     systemd.stopping_now()
     await server.stop()
     await systemd.close()
+
+
+def _rereader(args: argparse.Namespace) -> Callable[[], ServerConfig] | None:
+    """What a SIGHUP reads: the config file again (its streams are what a reload
+    applies), with the flags a stream's validation depends on."""
+    if args.config is None:
+        return None
+    flags = {"model_repository": args.model_repository, "mqtt_broker": args.mqtt_broker}
+    return lambda: load_server_config(args.config, flags)
 
 
 def _status(server: Server) -> str:
@@ -197,7 +208,7 @@ def _run(argv: list[str] | None) -> int:
         return 2
     _setup_logging(config.log_level)
     try:
-        run(_serve(Server(config)), loop_factory(config.event_loop))
+        run(_serve(Server(config), _rereader(args)), loop_factory(config.event_loop))
     except ApplianceError as exc:
         logging.getLogger("appliance").error("%s", exc)
         return 2

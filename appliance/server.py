@@ -16,6 +16,7 @@ import logging
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,12 +27,17 @@ from appliance import bls, startup_report
 from appliance.adapters import grpc_libraries, http_api, http_front, http_limits, metrics
 from appliance.adapters.access import AccessPolicy, is_loopback
 from appliance.adapters.http_drain import close_http
+from appliance.adapters.http_vision import register as register_vision
 from appliance.adapters.tls import http_context
 from appliance.config.fields import ConfigError
 from appliance.core.dataplane import DataPlane
 from appliance.core.lifecycle import ModelLifeCycle
 from appliance.core.shared_memory import SharedMemoryRegistry
+from appliance.errors import ApplianceError
+from appliance.streams.manager import Streams
+from appliance.streams.metrics import StreamsCollector
 from appliance.telemetry.device import Telemetry
+from appliance.vision.detector import Detectors
 
 if TYPE_CHECKING:
     from appliance.adapters.grpc_server import GrpcEndpoint
@@ -73,6 +79,12 @@ class Server:
             )
         )
         self._bls: bls.Binding | None = None
+        self.vision = Detectors(self.dataplane, config.vision) if config.vision else None
+        self.streams = Streams(self.vision, config.mqtt)  # camera streams (docs/vision.md)
+        self._reloads: set[asyncio.Task[None]] = set()
+        self.metrics.registry.register(
+            StreamsCollector(lambda: list(self.streams.running.values()))
+        )
         self.http_port = 0
         self.grpc_port = 0
         self.metrics_port = 0
@@ -116,6 +128,7 @@ class Server:
         app = http_api.create_app(
             self.dataplane, config.max_request_size, self.access, config.http_body_timeout_s
         )
+        register_vision(app, self.vision, config.http_body_timeout_s, self.streams)
         sock = self._bind(config.http_port)
         runner = await self._runner(
             app, config.drain_timeout_s, **http_limits.runner_options(config)
@@ -167,6 +180,7 @@ class Server:
             self.config.memory_limit,
         )
         await self._start_mqtt()
+        await self.streams.apply(self.config.streams, self.vision)
 
     async def _start_grpc(self) -> None:
         """The gRPC endpoint, an extra: when its libraries cannot load, a port asked for
@@ -213,6 +227,22 @@ class Server:
             return
         self.mqtt = bridge
 
+    def reload_soon(self, reread: Callable[[], ServerConfig]) -> None:
+        """A config reload (SIGHUP): the file read again and its ``streams:`` applied
+        (streams added, changed or removed; the others keep running). A file that no
+        longer validates changes nothing."""
+        try:
+            config = reread()
+        except ApplianceError as exc:
+            log.error("config reload refused, nothing changed: %s", exc)
+            return
+        if config.vision != self.config.vision:
+            log.warning("config reload: vision: changes take effect at the next start")
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self.streams.apply(config.streams, self.vision))
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
+
     async def _render_metrics(self, request: web.Request) -> web.Response:
         body, content_type = self.metrics.render(request.headers.get("Accept", ""))
         return web.Response(body=body, headers={"Content-Type": content_type})
@@ -223,6 +253,7 @@ class Server:
     async def stop(self) -> None:
         """Graceful shutdown; see the module docstring for the order."""
         log.info("shutting down: draining for up to %.0fs", self.config.drain_timeout_s)
+        await self.streams.stop()
         mqtt_bridge, self.mqtt = self.mqtt, None
         if mqtt_bridge is not None:  # first: its requests in flight still get answers
             await mqtt_bridge.stop(self.config.drain_timeout_s)

@@ -67,6 +67,15 @@ missing=()
 if ! command -v mosquitto >/dev/null && [ ! -x /usr/sbin/mosquitto ]; then missing+=(mosquitto); fi
 if ! command -v strace >/dev/null; then missing+=(strace); fi
 if ! compgen -G "/usr/lib/*/faketime/libfaketime.so.1" >/dev/null; then missing+=(faketime); fi
+# the camera-stream tests serve RTSP with GStreamer's RTSP server (an H.264 test
+# pattern: videotestsrc, x264enc, rtph264pay), run by Debian's python3 through python3-gi;
+# docs/vision.md's Jetson pipeline is run with openh264dec in place of nvv4l2decoder
+if command -v dpkg >/dev/null; then
+    for pkg in python3-gi gir1.2-gst-rtsp-server-1.0 gstreamer1.0-plugins-base \
+        gstreamer1.0-plugins-good gstreamer1.0-plugins-ugly gstreamer1.0-plugins-bad; do
+        if ! dpkg -s "$pkg" >/dev/null 2>&1; then missing+=("$pkg"); fi
+    done
+fi
 if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null

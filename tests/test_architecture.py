@@ -32,7 +32,10 @@ LAYERS: list[tuple[str, ...]] = [
         "appliance.startup_report",
         "appliance.adapters.inprocess",
     ),
-    ("appliance.adapters",),
+    # the wires, and the camera streams (decoders in, MQTT/webhook/file sinks out)
+    ("appliance.adapters", "appliance.streams"),
+    # images to model tensors and YOLO heads to boxes, over the data plane
+    ("appliance.vision",),
     # the core, and beside it the device's telemetry readers (sysfs, NVML, jetson-stats)
     ("appliance.core", "appliance.telemetry"),
     ("backends",),
@@ -64,6 +67,7 @@ WIRE = (
     "uvloop",
 )
 BELOW_ADAPTERS = (
+    "appliance.vision",
     "appliance.core",
     "appliance.telemetry",
     "appliance.config",

@@ -10,7 +10,9 @@ resolved for every supported Python.
 - ``.[ota]``: the README's fleet and bundle commands;
 - ``.[client]``: the README's client example (tritonclient.http) against this
   install's own server;
-- ``.[openvino]``: an OpenVINO model served, ``perf`` over HTTP.
+- ``.[openvino]``: an OpenVINO model served, ``perf`` over HTTP;
+- ``.[streams]``: a camera stream (an H.264 file written with the extra's own PyAV)
+  served from ``appliance.yaml``, its detections in a JSON-lines file.
 
 The deployment constraints are resolved here for Python 3.12 and 3.13; the main Python
 and 3.10 install with them for real (``scripts/test.sh``), where
@@ -38,6 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from cameras import BRIGHT_CONFIG, BRIGHT_MODEL, wait_for
 from ota_helpers import vectors
 from serve_process import startup_lines
 from test_every_python import normal, pins
@@ -52,7 +55,7 @@ pytestmark = pytest.mark.skipif(
 )
 # requires-python >= 3.10: 3.11 (the suite's) and 3.10 install for real in scripts/test.sh
 PYTHONS = ("3.12", "3.13")
-EXTRAS = ("", "grpc", "ota", "client", "openvino")
+EXTRAS = ("", "grpc", "ota", "client", "openvino", "streams")
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", "appliance", "backends", "ota")
 
 
@@ -316,6 +319,40 @@ def test_openvino_extra_serves_an_openvino_model(prepared: dict[str, Future]) ->
         assert any("backend openvino" in line for line in lines), "".join(lines)
         assert infer_simple(port, "simple_ov") == SUM
         env.appliance("perf", "-m", "simple_ov", "-u", f"127.0.0.1:{port}", *FAST)
+
+
+WRITE_CLIP = """
+import av, numpy as np
+with av.open("clip.mp4", "w") as container:
+    stream = container.add_stream("libx264", rate=10)
+    stream.width, stream.height, stream.pix_fmt = 160, 120, "yuv420p"
+    for i in range(20):
+        frame = av.VideoFrame.from_ndarray(np.full((120, 160, 3), 200, np.uint8), format="rgb24")
+        container.mux(stream.encode(frame))
+    container.mux(stream.encode(None))
+"""
+STREAMS_CONFIG = """
+model_repository: models
+vision: {detectors: {bright: {min_confidence: 0.1}}}
+streams: [{name: clip, url: clip.mp4, fps: 10, jsonl: clip.jsonl}]
+"""
+
+
+def test_streams_extra_serves_a_camera_stream(prepared: dict[str, Future]) -> None:
+    env: Venv = prepared["streams"].result()
+    assert env.imports("av")
+    env.py(WRITE_CLIP)
+    model = env.work / "models" / "bright"
+    (model / "1").mkdir(parents=True)
+    (model / "1" / "model.py").write_text(BRIGHT_MODEL)
+    (model / "config.pbtxt").write_text(BRIGHT_CONFIG)
+    (model / "labels.txt").write_text("dark\nbright\n")
+    (env.work / "appliance.yaml").write_text(STREAMS_CONFIG)
+    lines = env.work / "clip.jsonl"
+    with env.serve("--config", "appliance.yaml", "--metrics-port", "-1", "--grpc-port", "-1"):
+        wait_for(lambda: lines.exists() and len(lines.read_text().splitlines()) >= 3, 60, "3")
+    first = json.loads(lines.read_text().splitlines()[0])
+    assert first["stream"] == "clip" and first["predictions"][0]["label"] == "bright"
 
 
 def _interpreter(version: str) -> str | None:

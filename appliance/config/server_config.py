@@ -23,6 +23,8 @@ from appliance.config.fields import (
     seconds,
 )
 from appliance.config.mqtt_config import MqttConfig, parse_mqtt
+from appliance.config.streams_config import StreamConfig, parse_streams
+from appliance.config.vision_config import VisionConfig, parse_vision
 from appliance.datatypes import DEFAULT_MAX_REQUEST_ELEMENTS
 
 
@@ -51,6 +53,8 @@ class ServerConfig:
     log_level: str = "info"
     event_loop: str = "auto"  # auto (uvloop when installed) | asyncio | uvloop
     mqtt: MqttConfig | None = None  # None: no MQTT bridge
+    vision: VisionConfig | None = None  # None: no DeepStack detection API (docs/vision.md)
+    streams: tuple[StreamConfig, ...] = ()  # cameras the server reads (docs/vision.md)
     # model control, memory and access: see _control() at the end of this module
     model_control_mode: str = "explicit"  # none | explicit | poll
     load_model: tuple[str, ...] = ("*",)  # explicit: models loaded at start ("*": all)
@@ -132,6 +136,7 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
             repo = path.parent / repo  # relative to the config file
         if not repo.is_dir():
             raise f.fail("model_repository", f"expected a directory, {str(repo)!r} is not one")
+    mqtt, vision = parse_mqtt(f, path, broker), parse_vision(f, path)
     return ServerConfig(
         model_repository=repo,
         host=f.text("host", "127.0.0.1"),
@@ -151,7 +156,9 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         max_queued_bytes_per_model=_optional_size(data, source, "max_queued_bytes_per_model"),
         log_level=level,
         event_loop=_choice(f, "event_loop", "auto", ("auto", "asyncio", "uvloop")),
-        mqtt=parse_mqtt(f, path, broker),
+        mqtt=mqtt,
+        vision=vision,
+        streams=parse_streams(f, path, vision, mqtt),
         server_name=_server_name(f),
         trace_file=_trace_file(f, path),
         **_control(f, path),

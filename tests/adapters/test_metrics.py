@@ -153,8 +153,23 @@ def test_every_metric_the_dashboard_queries_is_exposed(run_appliance) -> None:
         f.Sample(f.EMC_UTILIZATION, ("jtop",), 0.12),
     ]
     exposed |= _names(_telemetry_page(lambda: library_only))
+    exposed |= _names(_streams_page())
     missing = {n for n in wanted if n not in exposed and n + "_count" not in exposed}
     assert not missing, f"the dashboard queries metrics nobody exposes: {sorted(missing)}"
+
+
+def _streams_page() -> str:
+    """The camera streams' families (appliance/streams/metrics.py) for one stream."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from appliance.config.streams_config import StreamConfig
+    from appliance.streams.metrics import StreamsCollector
+    from appliance.streams.stream import Stream
+
+    stream = Stream(StreamConfig(name="door", url="rtsp://h/s"), None, None)  # type: ignore[arg-type]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StreamsCollector(lambda: [stream]))
+    return generate_latest(registry).decode()
 
 
 def _telemetry_page(read, accept: str = "") -> str:

@@ -509,7 +509,7 @@ def test_server_config_empty_file(tmp_path: Path) -> None:
         ({"default_max_queue_size": 0}, "default_max_queue_size: expected an integer >= 1, got 0"),
         ({"max_request_size": "big"}, "max_request_size: expected a size such as 64MiB"),
         ({"host": 127}, "host: expected a string, got 127"),
-        ({"threads": 4}, "threads: unknown field, expected one of"),
+        ({"workers": 4}, "workers: unknown field, expected one of"),
         ({"grpc_max_connections": 0}, "grpc_max_connections: expected an integer >= 1, got 0"),
         (
             {"grpc_max_concurrent_streams": 2**31},
