@@ -250,6 +250,8 @@ def routes(key: web.AppKey[DataPlane], get: Register, post: Register) -> None:
             model = doc.get("model")
             if not isinstance(model, str) or not model:
                 raise invalid("'model' must name a model")
+            if model not in {row["name"] for row in dataplane.repository_index()}:
+                raise not_found(f"The model '{model}' does not exist")
             ticket = dataplane.admit(model, "", len(body))
         except ApplianceError as exc:
             return _of(exc)
