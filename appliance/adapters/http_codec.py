@@ -43,6 +43,20 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 FILE_PARAMETER = "file_path"
 
 
+# request parameters the server reads itself; the others travel with the request
+SERVER_PARAMETERS = frozenset(
+    (
+        "binary_data_output",
+        "timeout",
+        "sequence_id",
+        "sequence_start",
+        "sequence_end",
+        "priority",
+        "headers",
+    )
+)
+
+
 def _params(obj: dict[str, Any], where: str) -> dict[str, Any]:
     params = obj.get("parameters", {})
     if not isinstance(params, dict):
@@ -222,6 +236,11 @@ def parse_request(
         sequence_id=check_sequence_id(req_params.get("sequence_id", 0)),
         sequence_start=_flag(req_params, "sequence_start", "request"),
         sequence_end=_flag(req_params, "sequence_end", "request"),
+        parameters={
+            k: v
+            for k, v in req_params.items()
+            if k not in SERVER_PARAMETERS and isinstance(v, (str, int, float, bool))
+        },
     )
 
 

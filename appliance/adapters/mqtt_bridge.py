@@ -344,7 +344,10 @@ class MqttBridge:
             if deadline is not None:  # the expiry bounds the time in the model's queue
                 left_us = max(1, int((deadline - time.monotonic()) * 1e6))
                 request.timeout_us = min(request.timeout_us or left_us, left_us)
-            response = await self.dataplane.infer(request, ticket=ticket)
+            if ticket.servable.config.decoupled:  # a language model: its final text, once
+                response = await self.dataplane.infer_final(request, ticket=ticket)
+            else:
+                response = await self.dataplane.infer(request, ticket=ticket)
         finally:
             ticket.release()
         shm = self.dataplane.shared_memory

@@ -84,6 +84,8 @@ class RequestForm:
     sequence_id: int | str = 0
     sequence_start: bool = False
     sequence_end: bool = False
+    # the request's own parameters that are not the server's: to a decoupled model
+    parameters: dict[str, str | int | float | bool] = field(default_factory=dict)
     # typed contents -> array (gRPC's InferTensorContents reader)
     contents: Callable[[Any, str, list[int], str], np.ndarray] | None = None
     # BYTES elements build() turns into Python objects, one each (not JSON ones: the
@@ -158,6 +160,7 @@ def build(form: RequestForm, shared_memory: SharedMemoryRegistry | None) -> Infe
         sequence_id=form.sequence_id,
         sequence_start=form.sequence_start,
         sequence_end=form.sequence_end,
+        parameters=form.parameters,
     )
 
 

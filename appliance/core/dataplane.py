@@ -274,6 +274,34 @@ class DataPlane:
             if stream.meter.output_tokens:
                 mv.stats.record_tokens(stream.meter)
 
+    async def infer_final(
+        self, request: InferenceRequest, ticket: Ticket | None = None
+    ) -> InferenceResponse:
+        """A decoupled model's responses as one answer, for a wire that answers once
+        (MQTT): each BYTES output of one element (text) joined over the responses,
+        every other output as the last response that had it sent it; the first error
+        the model sent is raised."""
+        parts: dict[str, list[bytes]] = {}
+        last: dict[str, np.ndarray] = {}
+        answer: InferenceResponse | None = None
+        async for item, _final in self.infer_stream(request, ticket):
+            if isinstance(item, ApplianceError):
+                raise item
+            answer = answer or item
+            for name, arr in item.outputs.items():
+                if arr.dtype == np.object_ and arr.size == 1:
+                    value = arr.reshape(-1)[0]
+                    parts.setdefault(name, []).append(
+                        value if isinstance(value, bytes) else str(value).encode()
+                    )
+                last[name] = arr
+        if answer is None:
+            raise invalid(f"model '{request.model_name}' sent no response")
+        for name, pieces in parts.items():
+            last[name] = np.array([b"".join(pieces)], dtype=np.object_).reshape(last[name].shape)
+        answer.outputs = last
+        return answer
+
     # ---- statistics and repository -----------------------------------------------------
 
     def statistics(self, name: str = "", version: str = "") -> dict[str, Any]:
