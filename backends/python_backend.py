@@ -169,7 +169,7 @@ class PythonBackend:
             wanted = outputs or list(result)
             stream.put({n: result[n] for n in wanted if n in result}, final)
 
-        sender = pb.InferenceResponseSender(deliver)
+        sender = pb.InferenceResponseSender(deliver, lambda: stream.cancelled)
         request = pb.InferenceRequest(
             tensors,
             outputs,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,10 +87,53 @@ class TritonPythonModel:
 """
 
 
+# a response every 20 ms (at most 3000) until the caller goes away; then it writes
+# parameters.marker and ends
+TICKER_CONFIG = """
+backend: python
+max_batch_size: 0
+model_transaction_policy: {decoupled: true}
+input:
+  - {name: START, data_type: TYPE_INT32, dims: [1]}
+output:
+  - {name: TICK, data_type: TYPE_INT32, dims: [1]}
+"""
+
+TICKER_PY = """
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            marker = json.loads(request.parameters())["marker"]
+            sender = request.get_response_sender()
+            threading.Thread(target=self.tick, args=(sender, marker), daemon=True).start()
+        return None
+
+    def tick(self, sender, marker):
+        for i in range(3000):
+            if sender.is_cancelled():
+                Path(marker).write_text(str(i))
+                break
+            tick = pb_utils.Tensor("TICK", np.array([i], dtype=np.int32))
+            sender.send(pb_utils.InferenceResponse(output_tensors=[tick]))
+            time.sleep(0.02)
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+"""
+
+
 def _repo(root: Path) -> Path:
     for name, config, code, name_file in (
         ("mock_llm", MOCK_CONFIG, MOCK_PY, "config.pbtxt"),
         ("echo", ECHO_CONFIG, ECHO_PY, "config.yaml"),
+        ("ticker", TICKER_CONFIG, TICKER_PY, "config.yaml"),
     ):
         (root / name / "1").mkdir(parents=True)
         (root / name / name_file).write_text(config)
@@ -214,7 +259,7 @@ def test_a_regular_model_through_generate(server: Running, run_appliance: Any) -
 def test_openai_api_serves_a_python_text_model(server: Running) -> None:
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"http://{server.url}/v1", api_key="x", max_retries=0)
-    assert [m.id for m in client.models.list()] == ["echo"]  # mock_llm takes no text
+    assert [m.id for m in client.models.list()] == ["echo"]  # the others take no text
     done = client.completions.create(model="echo", prompt="one two three")
     assert done.choices[0].text == "onetwothree" and done.choices[0].finish_reason == "stop"
     chunks = list(client.completions.create(model="echo", prompt="one two", stream=True))
@@ -222,6 +267,28 @@ def test_openai_api_serves_a_python_text_model(server: Running) -> None:
     assert chunks[-1].choices[0].finish_reason == "stop"
     with pytest.raises(openai.NotFoundError):  # a model that takes no chat
         client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "x"}])
+
+
+def test_a_python_model_sees_the_client_leave(server: Running, tmp_path: Path) -> None:
+    marker = tmp_path / "cancelled"
+    doc = json.dumps({"START": 0, "parameters": {"marker": str(marker)}}).encode()
+    host, port = server.url.split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(
+        b"POST /v2/models/ticker/generate_stream HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(doc), doc)
+    )
+    received = b""
+    while received.count(b"data: ") < 2:  # the stream is under way
+        chunk = sock.recv(65536)
+        assert chunk, received
+        received += chunk
+    sock.close()
+    deadline = time.monotonic() + 30
+    while not marker.exists():
+        assert time.monotonic() < deadline, "the model never saw the cancellation"
+        time.sleep(0.05)
+    assert 2 <= int(marker.read_text()) < 3000
 
 
 def test_tokens_are_checked_before_the_body(run_appliance: Any, tmp_path: Path) -> None:
