@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import llm_models
@@ -287,3 +291,48 @@ def test_token_metrics_and_statistics(server: Running) -> None:
     assert ttft is not None and ttft >= 1
     itl = metric_value(url, "appliance_llm_inter_token_latency_seconds_count", **labels)
     assert itl is not None and itl >= 7
+
+
+def test_the_docs_example_runs_as_written(server: Running) -> None:
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "llm.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", docs, re.S)
+    port = server.url.split(":")[1]
+    done = subprocess.run(
+        [sys.executable, "-c", code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    chat, story, generated = done.stdout.strip("\n").split("\n", 2)
+    assert chat.strip() and int(chat.split()[-1]) > 0
+    assert story.strip() and generated.strip()
+
+
+def test_a_hot_swap_lets_a_running_stream_finish(server: Running) -> None:
+    """A new config for the loaded model: a new copy (a new engine process) is built
+    beside the old one, the old one's running stream ends whole, then the new copy
+    answers (its default max_tokens is the new config's)."""
+    host, port = server.url.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    params = {"max_tokens": 200, "ignore_eos": True, "stream": True}
+    body = json.dumps({"text_input": PROMPT, "parameters": params})
+    conn.request("POST", f"/v2/models/{MODEL}/generate_stream", body=body)
+    response = conn.getresponse()
+    received = response.read1(65536)  # the stream is under way
+    config = {
+        "backend": "llm",
+        "parameters": {
+            "kv_cache_blocks": {"string_value": "64"},
+            "max_tokens": {"string_value": "5"},
+        },
+    }
+    load = {"parameters": {"config": json.dumps(config)}}
+    status, _, answer = _post(server, "/v2/repository/models/smollm/load", load)
+    assert status == 200, answer
+    received += response.read()
+    conn.close()
+    events = [json.loads(e) for e in _events(received.decode())]
+    assert events[-1]["finish_reason"] == "length" and events[-1]["num_output_tokens"] == 200
+    status, _, answer = _post(server, f"/v2/models/{MODEL}/generate", {"text_input": PROMPT})
+    assert status == 200 and json.loads(answer)["num_output_tokens"] == 5

@@ -3,6 +3,7 @@ too big for the budget is refused before its engine starts, like any model."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import llm_models
 import pytest
 
 from appliance.config.fields import ConfigError
+from appliance.config.reader import parse_config_text
 from backends import estimate, llm_settings
 
 
@@ -47,3 +49,18 @@ def test_a_model_too_big_for_the_budget_is_refused(run_appliance: Any, tmp_path:
     message = str(refused.value)
     assert "model 'smollm': one instance (estimated) needs 1117.8 MiB" in message
     assert "the memory budget is 512.0 MiB" in message
+
+
+def _docs_block(language: str) -> str:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "llm.md").read_text()
+    (block,) = re.findall(rf"```{language}\n(.*?)```", text, re.S)
+    return block
+
+
+def test_the_docs_config_is_read_as_it_says(tmp_path: Path) -> None:
+    config = parse_config_text(_docs_block("yaml"), "config.yaml", "smollm", "docs/llm.md")
+    assert config.backend == "llm"
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"x")
+    settings = llm_settings.read("smollm", model, dict(config.parameters))
+    assert (settings.kv_cache_blocks, settings.max_num_seqs, settings.max_tokens) == (64, 8, 256)
