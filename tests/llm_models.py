@@ -55,7 +55,7 @@ def module_server(repository: Path, **options: Any) -> Iterator[Running]:
     event loop watched for blocking), for a whole test module."""
     options.setdefault("http_port", 0)
     options.setdefault("metrics_port", 0)
-    options.setdefault("grpc_port", -1)
+    options.setdefault("grpc_port", 0)
     options.setdefault("drain_timeout_s", 10)
     options["model_repository"] = repository
     config = load_server_config(None, options)

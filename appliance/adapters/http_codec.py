@@ -43,20 +43,6 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 FILE_PARAMETER = "file_path"
 
 
-# request parameters the server reads itself; the others travel with the request
-SERVER_PARAMETERS = frozenset(
-    (
-        "binary_data_output",
-        "timeout",
-        "sequence_id",
-        "sequence_start",
-        "sequence_end",
-        "priority",
-        "headers",
-    )
-)
-
-
 def _params(obj: dict[str, Any], where: str) -> dict[str, Any]:
     params = obj.get("parameters", {})
     if not isinstance(params, dict):
@@ -239,7 +225,7 @@ def parse_request(
         parameters={
             k: v
             for k, v in req_params.items()
-            if k not in SERVER_PARAMETERS and isinstance(v, (str, int, float, bool))
+            if k not in request_form.SERVER_PARAMETERS and isinstance(v, (str, int, float, bool))
         },
     )
 

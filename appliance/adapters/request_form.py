@@ -44,6 +44,33 @@ OBJECT = "object"  # one BYTES element given whole (an MQTT file's bytes)
 FILE = "file"  # a file on the device, by name (MQTT): read into RAW/OBJECT before build()
 
 
+# request parameters the server reads itself; the others travel with the request (to
+# a decoupled model: a language model's sampling settings)
+SERVER_PARAMETERS = frozenset(
+    (
+        "binary_data_output",
+        "timeout",
+        "sequence_id",
+        "sequence_start",
+        "sequence_end",
+        "priority",
+        "headers",
+        "triton_enable_empty_final_response",
+    )
+)
+_SCALARS = ("bool_param", "int64_param", "uint64_param", "double_param", "string_param")
+
+
+def own_parameters(params: Any) -> dict[str, str | int | float | bool]:
+    """A gRPC request's parameters that are not the server's, as plain values."""
+    out: dict[str, str | int | float | bool] = {}
+    for key, value in params.items():
+        kind = value.WhichOneof("parameter_choice")
+        if key not in SERVER_PARAMETERS and kind in _SCALARS:
+            out[key] = getattr(value, kind)
+    return out
+
+
 @dataclass(slots=True)
 class TensorForm:
     """One input as a wire declares it; ``data`` as :data:`RAW` .. :data:`OBJECT` say."""

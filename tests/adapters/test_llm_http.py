@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import queue
 import re
 import socket
 import subprocess
@@ -23,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import llm_models
+import numpy as np
 import openai
 import pytest
+import tritonclient.grpc as grpcclient
 from conftest import Running
 from http_helpers import metric_value
 
@@ -278,6 +281,36 @@ def test_two_concurrent_streams_both_finish(client: openai.OpenAI) -> None:
     for text, finish, tokens in results.values():
         assert text.strip() and 0 < tokens <= 24
         assert finish == "stop" if tokens < 24 else finish in ("length", "stop")
+
+
+def test_grpc_stream_as_tritons_vllm_clients_call_it(server: Running) -> None:
+    whole = _generate(server)["text_output"]
+    responses: queue.Queue[Any] = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([PROMPT.encode()], dtype=np.object_))
+        client.async_stream_infer(
+            MODEL,
+            [text],
+            parameters={"max_tokens": 8, "stream": True, "temperature": 0},
+            enable_empty_final_response=True,
+        )
+        pieces = []
+        while True:
+            result, error = responses.get(timeout=120)
+            assert error is None, error
+            final = result.get_response().parameters["triton_final_response"].bool_param
+            output = result.as_numpy("text_output")
+            if output is not None:
+                pieces.append(output[0].decode())
+            if final:
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    assert "".join(pieces) == whole and len(pieces) > 1
 
 
 def test_token_metrics_and_statistics(server: Running) -> None:
