@@ -161,8 +161,11 @@ class Engine:
             status = job.handle.get_status()
             if status == self._ignored:  # the scheduler cannot fit it in the KV cache
                 del self.jobs[job_id]
-                why = f"{REFUSED}the request ({job.input_tokens} prompt tokens) does not fit "
-                items.append([job_id, "", 0, job.input_tokens, "", why + "the KV cache"])
+                why = (
+                    f"{REFUSED}the request ({job.input_tokens} prompt tokens, {len(job.ids)} "
+                    "generated) does not fit the KV cache (kv_cache_size, kv_cache_blocks)"
+                )
+                items.append([job_id, "", 0, job.input_tokens, "", why])
                 continue
             done = job.cancelled or status != self._running
             text = self.tokenizer.decode(job.ids) if len(job.ids) > before or done else ""

@@ -135,6 +135,15 @@ def test_generate_refusals_are_tritons_errors(server: Running) -> None:
     assert "exactly one of the inputs" in json.loads(_events(body)[0])["error"]
 
 
+def test_a_prompt_the_kv_cache_cannot_hold_is_refused(server: Running) -> None:
+    # 64 blocks of the CPU's 32 tokens: 2,048 tokens in all
+    doc = {"text_input": "word " * 2100, "parameters": {"max_tokens": 4}}
+    status, _, body = _post(server, f"/v2/models/{MODEL}/generate", doc)
+    assert status == 400
+    assert "(2101 prompt tokens, 0 generated) does not fit the KV cache" in body
+    assert _generate(server)["finish_reason"] == "length"  # the others are served on
+
+
 def test_openai_client_completions_plain_and_streamed(
     server: Running, client: openai.OpenAI
 ) -> None:
