@@ -64,3 +64,16 @@ def test_the_docs_config_is_read_as_it_says(tmp_path: Path) -> None:
     model.write_bytes(b"x")
     settings = llm_settings.read("smollm", model, dict(config.parameters))
     assert (settings.kv_cache_blocks, settings.max_num_seqs, settings.max_tokens) == (64, 8, 256)
+
+
+def test_a_gguf_model_bundles_for_ota_as_the_llm_backend(tmp_path: Path) -> None:
+    pytest.importorskip("tuf", reason="the ota extra is not installed")
+    from ota import bundle
+
+    model = tmp_path / "smollm"
+    (model / "3").mkdir(parents=True)
+    (model / "3" / "model.gguf").write_bytes(b"GGUF" + bytes(1000))  # bundled, not loaded
+    (model / "config.yaml").write_text('parameters:\n  kv_cache_blocks: "64"\n')
+    manifest = bundle.build(model, 3, tmp_path / "smollm-3.tar")
+    assert manifest.backend == "llm"
+    assert bundle.inspect(tmp_path / "smollm-3.tar").backend == "llm"
