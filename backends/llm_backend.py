@@ -253,6 +253,11 @@ class LlmBackend:
 
     # ---- memory and life ---------------------------------------------------------------
 
+    @property
+    def healthy(self) -> bool:
+        """False once the engine process ended: the model reports not ready."""
+        return self._proc.poll() is None
+
     def memory_usage(self) -> MemoryUsage:
         """The engine process's resident memory plus its whole KV cache."""
         return MemoryUsage(cpu_bytes=max(_rss(self._proc.pid), self._weights) + self.kv_bytes)

@@ -378,3 +378,34 @@ def test_a_hot_swap_lets_a_running_stream_finish(server: Running) -> None:
     assert events[-1]["finish_reason"] == "length" and events[-1]["num_output_tokens"] == 200
     status, _, answer = _post(server, f"/v2/models/{MODEL}/generate", {"text_input": PROMPT})
     assert status == 200 and json.loads(answer)["num_output_tokens"] == 5
+
+
+def test_an_engine_that_dies_fails_its_requests_and_the_model_is_not_ready(
+    server: Running,
+) -> None:
+    """Last in this module: it ends the model's engine process (one this test's server
+    started: the backend's own child) and reloads the model afterwards."""
+    dataplane = server.server.dataplane
+    version = dataplane.lifecycle.get(MODEL, "")
+    engine = version._instances.instances[0].backend._proc  # the engine process
+    host, port = server.url.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    params = {"max_tokens": 400, "ignore_eos": True, "stream": True}
+    conn.request(
+        "POST",
+        f"/v2/models/{MODEL}/generate_stream",
+        body=json.dumps({"text_input": PROMPT, "parameters": params}),
+    )
+    response = conn.getresponse()
+    received = response.read1(65536)  # under way
+    engine.kill()
+    received += response.read()
+    conn.close()
+    last = json.loads(_events(received.decode())[-1])
+    assert "the LLM engine stopped" in last["error"]
+    assert not dataplane.model_ready(MODEL)
+    status, _, body = _post(server, f"/v2/models/{MODEL}/generate", {"text_input": PROMPT})
+    assert status == 503 and "smollm" in json.loads(body)["error"]
+    status, _, body = _post(server, f"/v2/repository/models/{MODEL}/load", {})
+    assert status == 200, body
+    assert _generate(server)["finish_reason"] == "length"
