@@ -12,8 +12,8 @@ be one too.
 Request fields: ``model``, ``prompt`` (a string, or a list of one) or ``messages``
 (``content`` a string or a list of text parts), ``max_tokens`` (chat:
 ``max_completion_tokens`` too), ``temperature``, ``top_p``, ``stop`` (a string or up
-to 4), ``seed``, ``n`` (1 only), ``stream`` and ``stream_options.include_usage``;
-they travel as the request's parameters. Other fields are accepted and ignored, as
+to 4), ``seed``, ``n`` (1 only), ``stream`` and ``stream_options.include_usage``,
+and vLLM's ``ignore_eos``; they travel as the request's parameters. Other fields are accepted and ignored, as
 OpenAI's clients send many. ``stream: true`` answers Server-Sent Events, a chunk per
 response of the model and ``data: [DONE]`` last; a client that leaves cancels the
 generation. Errors have OpenAI's shape, ``{"error": {"message", "type", "param",
@@ -171,6 +171,10 @@ def build(doc: dict[str, Any], config: ModelConfig, chat: bool) -> InferenceRequ
         params["max_tokens"] = tokens
     if doc.get("seed") is not None:
         params["seed"] = _number(doc, "seed", int, 0)
+    if doc.get("ignore_eos") is not None:  # vLLM's extension (extra_body in the client)
+        if not isinstance(doc["ignore_eos"], bool):
+            raise invalid("'ignore_eos' must be true or false")
+        params["ignore_eos"] = doc["ignore_eos"]
     return InferenceRequest(config.name, inputs, "", parameters=params)
 
 
@@ -266,11 +270,20 @@ def routes(key: web.AppKey[DataPlane], get: Register, post: Register) -> None:
                 options = doc.get("stream_options") or {}
                 usage = isinstance(options, dict) and bool(options.get("include_usage"))
                 return await _stream(request, dataplane, built, ticket, chat, model, usage)
+            # the model streams all the same: between its responses, a client that left
+            # is seen, and its generation cancelled
+            built.parameters["stream"] = True
             answer = _Answer()
-            async for item in http_sse.responses(dataplane, built, ticket):
-                if isinstance(item, ApplianceError):
-                    raise item
-                answer.add(item)
+            responses = http_sse.responses(dataplane, built, ticket)
+            try:
+                async for item in responses:
+                    if isinstance(item, ApplianceError):
+                        raise item
+                    answer.add(item)
+                    if http_sse.client_left(request):
+                        raise ConnectionResetError("the client left")
+            finally:
+                await responses.aclose()
         except ApplianceError as exc:
             return _of(exc)
         finally:

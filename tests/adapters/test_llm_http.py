@@ -258,6 +258,30 @@ def test_a_client_that_leaves_cancels_its_generation(server: Running) -> None:
     assert _generate(server)["finish_reason"] == "length"  # the model serves on
 
 
+def test_a_client_that_leaves_a_plain_completion_cancels_it(server: Running) -> None:
+    before = _token_stats(server)
+    executions = server.call(_stats(server))["model_stats"][0]["execution_count"]
+    host, port = server.url.split(":")
+    doc = json.dumps(
+        {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+    ).encode()
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(doc), doc)
+    )
+    deadline = time.monotonic() + 60
+    while server.call(_stats(server))["model_stats"][0]["execution_count"] == executions:
+        assert time.monotonic() < deadline, "the request never reached the model"
+        time.sleep(0.05)
+    sock.close()  # the request is with the engine: leave
+    deadline = time.monotonic() + 120
+    while _token_stats(server)["requests"] == before["requests"]:
+        assert time.monotonic() < deadline, "the abandoned request never ended"
+        time.sleep(0.2)
+    assert 0 < _token_stats(server)["output_tokens"] - before["output_tokens"] < 400
+
+
 def test_two_concurrent_streams_both_finish(client: openai.OpenAI) -> None:
     # batched together, the two requests' arithmetic differs from a request alone (other
     # shapes, other rounding), so greedy text may differ from a lone run's: what is
