@@ -168,3 +168,22 @@ def stream_of(inputs: dict[str, np.ndarray], model: str) -> ResponseStream:
     if not isinstance(stream, ResponseStream):
         raise internal(f"decoupled model '{model}' was called without a response stream")
     return stream
+
+
+def joined(responses: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """A decoupled model's responses as one: each BYTES output of one element (text,
+    a language model's tokens) joined over the responses, every other output as the
+    last response that had it sent it."""
+    parts: dict[str, list[bytes]] = {}
+    last: dict[str, np.ndarray] = {}
+    for outputs in responses:
+        for name, arr in outputs.items():
+            if arr.dtype == np.object_ and arr.size == 1:
+                value = arr.reshape(-1)[0]
+                parts.setdefault(name, []).append(
+                    value if isinstance(value, bytes) else str(value).encode()
+                )
+            last[name] = arr
+    for name, pieces in parts.items():
+        last[name] = np.array([b"".join(pieces)], dtype=np.object_).reshape(last[name].shape)
+    return last

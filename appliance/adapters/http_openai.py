@@ -13,11 +13,12 @@ Request fields: ``model``, ``prompt`` (a string, or a list of one) or ``messages
 (``content`` a string or a list of text parts), ``max_tokens`` (chat:
 ``max_completion_tokens`` too), ``temperature``, ``top_p``, ``stop`` (a string or up
 to 4), ``seed``, ``n`` (1 only), ``stream`` and ``stream_options.include_usage``,
-and vLLM's ``ignore_eos``; they travel as the request's parameters. Other fields are accepted and ignored, as
-OpenAI's clients send many. ``stream: true`` answers Server-Sent Events, a chunk per
-response of the model and ``data: [DONE]`` last; a client that leaves cancels the
-generation. Errors have OpenAI's shape, ``{"error": {"message", "type", "param",
-"code"}}``, with the status the data plane's error maps to. Tokens and scopes are
+and vLLM's ``ignore_eos``; they travel as the request's parameters. Other fields are
+accepted and ignored, as OpenAI's clients send many. ``stream: true`` answers
+Server-Sent Events, a chunk per response of the model and ``data: [DONE]`` last; a
+client that leaves cancels the generation, streamed or not. Errors have OpenAI's
+shape, ``{"error": {"message", "type", "param", "code"}}``, with the status the data
+plane's error maps to. Tokens and scopes are
 those of inference (the front's middleware checks them before the body is read, and
 its body limit applies); the model is admitted once the body named it.
 """

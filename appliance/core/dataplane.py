@@ -31,7 +31,7 @@ from appliance.core.queue_bytes import QueuedBytes, default_limit, tensor_bytes
 from appliance.core.servable import Servable, State
 from appliance.core.shared_memory import SharedMemoryRegistry
 from appliance.core.trace import Tracer
-from appliance.decoupled import RequestInputs, ResponseStream
+from appliance.decoupled import RequestInputs, ResponseStream, joined
 from appliance.errors import (
     ApplianceError,
     Code,
@@ -278,28 +278,17 @@ class DataPlane:
         self, request: InferenceRequest, ticket: Ticket | None = None
     ) -> InferenceResponse:
         """A decoupled model's responses as one answer, for a wire that answers once
-        (MQTT): each BYTES output of one element (text) joined over the responses,
-        every other output as the last response that had it sent it; the first error
-        the model sent is raised."""
-        parts: dict[str, list[bytes]] = {}
-        last: dict[str, np.ndarray] = {}
+        (MQTT): :func:`appliance.decoupled.joined`; the first error sent is raised."""
         answer: InferenceResponse | None = None
+        parts: list[dict[str, np.ndarray]] = []
         async for item, _final in self.infer_stream(request, ticket):
             if isinstance(item, ApplianceError):
                 raise item
             answer = answer or item
-            for name, arr in item.outputs.items():
-                if arr.dtype == np.object_ and arr.size == 1:
-                    value = arr.reshape(-1)[0]
-                    parts.setdefault(name, []).append(
-                        value if isinstance(value, bytes) else str(value).encode()
-                    )
-                last[name] = arr
+            parts.append(item.outputs)
         if answer is None:
             raise invalid(f"model '{request.model_name}' sent no response")
-        for name, pieces in parts.items():
-            last[name] = np.array([b"".join(pieces)], dtype=np.object_).reshape(last[name].shape)
-        answer.outputs = last
+        answer.outputs = joined(parts)
         return answer
 
     # ---- statistics and repository -----------------------------------------------------
