@@ -38,6 +38,7 @@ import contextlib
 import itertools
 import logging
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -116,7 +117,11 @@ class LlmBackend:
         self._to, self._from = self._proc.stdin, self._proc.stdout
         try:
             write_frame(self._to, self.settings.wire())
-            ready = read_frame(self._from)
+            started, _, _ = select.select([self._from], [], [], START_TIMEOUT_S)
+            if started:
+                ready = read_frame(self._from)
+            else:
+                ready = {"op": "failed", "error": f"not ready within {START_TIMEOUT_S:g} s"}
         except OSError as exc:
             ready = {"op": "failed", "error": str(exc)}
         if ready is None or ready.get("op") != "ready":

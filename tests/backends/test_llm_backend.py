@@ -77,3 +77,14 @@ def test_a_gguf_model_bundles_for_ota_as_the_llm_backend(tmp_path: Path) -> None
     manifest = bundle.build(model, 3, tmp_path / "smollm-3.tar")
     assert manifest.backend == "llm"
     assert bundle.inspect(tmp_path / "smollm-3.tar").backend == "llm"
+
+
+def test_a_file_the_engine_cannot_read_fails_its_load(run_appliance: Any, tmp_path: Path) -> None:
+    pytest.importorskip("openvino_genai", reason="the llm extra is not installed")
+    (tmp_path / "broken" / "1").mkdir(parents=True)
+    (tmp_path / "broken" / "1" / "model.gguf").write_bytes(b"GGUF" + bytes(4096))
+    (tmp_path / "broken" / "config.yaml").write_text('parameters:\n  kv_cache_blocks: "8"\n')
+    server = run_appliance(tmp_path)
+    (row,) = server.server.dataplane.repository_index()
+    assert row["state"] == "UNAVAILABLE"
+    assert "model 'broken': the LLM engine could not load it" in row["reason"], row
