@@ -30,15 +30,41 @@ import pytest
 import tritonclient.grpc as grpcclient
 from conftest import Running
 from http_helpers import metric_value
+from mosquitto import Broker, Client, find_mosquitto, require_mosquitto
 
 PROMPT = "The capital of France is"
 MODEL = "smollm"
 
 
+MQTT_PREFIX = "llmtest"
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker | None]:
+    """A mosquitto broker for the MQTT test, where one is installed (that test skips,
+    or fails under CI, without it; the others need none)."""
+    binary = find_mosquitto()
+    if binary is None:
+        yield None
+        return
+    b = Broker(binary, tmp_path_factory.mktemp("mosquitto"))
+    b.start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, broker: Broker | None) -> Iterator[Running]:
     repo = llm_models.write_repository(tmp_path_factory.mktemp("llm_repo"))
-    with llm_models.module_server(repo) as running:
+    options: dict[str, Any] = {}
+    if broker is not None:
+        options["mqtt"] = {
+            "host": "127.0.0.1",
+            "port": broker.port,
+            "device_id": "cam1",
+            "topic_prefix": MQTT_PREFIX,
+        }
+    with llm_models.module_server(repo, **options) as running:
         yield running
 
 
@@ -344,6 +370,36 @@ def test_grpc_stream_as_tritons_vllm_clients_call_it(server: Running) -> None:
         client.stop_stream()
         client.close()
     assert "".join(pieces) == whole and len(pieces) > 1
+
+
+def test_mqtt_answers_a_generate_request_with_the_final_text(
+    server: Running, broker: Broker | None
+) -> None:
+    require_mosquitto()
+    assert broker is not None
+    whole = _generate(server)["text_output"]  # MQTT joins the per-step texts below
+    client = Client(broker.port)
+    try:
+        client.subscribe(f"{MQTT_PREFIX}/cam1/status")
+        deadline = time.monotonic() + 30
+        while client.collect(1, timeout=deadline - time.monotonic())[0].payload != b"online":
+            pass
+        client.subscribe(f"{MQTT_PREFIX}/replies/#")
+        request = {
+            "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1], "data": [PROMPT]}],
+            "outputs": [{"name": "text_output"}, {"name": "num_output_tokens"}],
+            "parameters": {"max_tokens": 8, "stream": True},
+        }
+        client.publish(
+            f"{MQTT_PREFIX}/cam1/infer/{MODEL}",
+            json.dumps(request).encode(),
+            response_topic=f"{MQTT_PREFIX}/replies/x",
+        )
+        (reply,) = client.collect(1, timeout=120)
+    finally:
+        client.close()
+    outputs = {o["name"]: o["data"] for o in json.loads(reply.payload)["outputs"]}
+    assert outputs == {"text_output": [whole], "num_output_tokens": [8]}
 
 
 def test_token_metrics_and_statistics(server: Running) -> None:
