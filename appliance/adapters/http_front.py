@@ -252,7 +252,9 @@ class Connection(asyncio.Protocol):
             self._arm(self.front.header_timeout_s, self._head_late)
         self._advance()
 
-    async def _answer(self, head: http_head.Head, ticket: Ticket, body: bytes | bytearray) -> None:
+    async def _answer(
+        self, head: http_head.Head, ticket: Ticket, body: bytes | bytearray
+    ) -> None:
         front = self.front
         status, length = 200, None
         parts: list[bytes | memoryview]
