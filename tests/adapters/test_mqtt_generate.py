@@ -3,7 +3,6 @@ responses' text joined), and the request's parameters reach the model."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -11,8 +10,6 @@ from typing import Any
 import orjson
 import pytest
 from mosquitto import Broker, Client, require_mosquitto
-
-sys.path.insert(0, str(Path(__file__).parent))
 from test_mqtt import mqtt_options, new_prefix, wait_online
 
 CONFIG = """
