@@ -146,9 +146,10 @@ class InferenceResponseSender:
     times, from any thread, the last one with ``flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL``
     (with or without a response). Sending after the final response is an error."""
 
-    def __init__(self, deliver: Deliver) -> None:
+    def __init__(self, deliver: Deliver, cancelled: Callable[[], bool] | None = None) -> None:
         self._deliver = deliver
         self._closed = False
+        self._cancelled = cancelled
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
         if self._closed:
@@ -160,7 +161,8 @@ class InferenceResponseSender:
         self._deliver(response, final)
 
     def is_cancelled(self) -> bool:
-        return False
+        """True once the caller went away (a closed stream): the model may stop."""
+        return self._cancelled is not None and self._cancelled()
 
 
 def _error_of(exc: ApplianceError) -> TritonError:
@@ -236,7 +238,7 @@ class InferenceRequest:
         return self._parameters
 
     def is_cancelled(self) -> bool:
-        return False
+        return self._sender is not None and self._sender.is_cancelled()
 
     def get_response_sender(self) -> InferenceResponseSender:
         if self._sender is None:

@@ -32,6 +32,10 @@ class InferenceRequest:
     sequence_id: int | str = 0
     sequence_start: bool = False
     sequence_end: bool = False
+    # the request's own parameters that are not the server's (Triton's generate
+    # extension passes them on): name -> string, number or boolean. A decoupled model
+    # reads them (:attr:`appliance.decoupled.RequestInputs.parameters`)
+    parameters: dict[str, str | int | float | bool] = field(default_factory=dict)
 
 
 def check_sequence_id(value: object) -> int | str:

@@ -21,6 +21,7 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "openvino": ("backends.openvino_backend:OpenVinoBackend", "openvino"),
     "tensorrt": ("backends.tensorrt_backend:TensorRtBackend", "tensorrt"),
     "python": ("backends.python_backend:PythonBackend", ""),
+    "llm": ("backends.llm_backend:LlmBackend", "llm"),
 }
 
 # Triton platform names -> backend names
@@ -35,6 +36,7 @@ DEFAULT_FILENAMES: dict[str, str] = {
     "openvino": "model.xml",
     "tensorrt": "model.plan",
     "python": "model.py",
+    "llm": "model.gguf",
 }
 
 # model file suffix -> backend, used when a config names neither backend nor platform.
@@ -45,6 +47,7 @@ BY_SUFFIX: dict[str, str] = {
     ".plan": "tensorrt",
     ".engine": "tensorrt",
     ".py": "python",
+    ".gguf": "llm",
 }
 
 
@@ -63,6 +66,16 @@ def auto_max_batch_size(backend: object, default: int) -> int:
     the engine's own limit where it has one (a TensorRT optimization profile)."""
     limit = batch_limit(backend)
     return min(default, limit) if limit else default
+
+
+def estimate(name: str, path: Path, parameters: dict[str, str], source: str = "") -> int:
+    """What one instance of backend ``name`` is expected to need before it is built:
+    the model file's size (a language model: its weights plus its KV cache)."""
+    if name == "llm":
+        from backends import llm_settings  # no engine import: settings and file sizes
+
+        return llm_settings.estimate(path.parent.parent.name, path, parameters, source)
+    return path.stat().st_size
 
 
 def create(name: str, options: BackendOptions) -> Backend:
@@ -94,5 +107,6 @@ __all__ = [
     "auto_max_batch_size",
     "backend_for_file",
     "create",
+    "estimate",
     "install_hint",
 ]

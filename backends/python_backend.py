@@ -134,7 +134,7 @@ class PythonBackend:
         bls.bind_thread(self._bls, self._name)
         tensors = [pb.Tensor(n, a) for n, a in inputs.items()]
         if self._decoupled:
-            return self._infer_decoupled(tensors, outputs, decoupled.stream_of(inputs, self._name))
+            return self._infer_decoupled(tensors, outputs, inputs)
         request = pb.InferenceRequest(tensors, outputs, model_name=self._name)
         responses = self._execute([request])
         if not isinstance(responses, list) or len(responses) != 1:
@@ -150,10 +150,12 @@ class PythonBackend:
         return {n: result[n] for n in outputs if n in result}
 
     def _infer_decoupled(
-        self, tensors: list[pb.Tensor], outputs: list[str], stream: decoupled.ResponseStream
+        self, tensors: list[pb.Tensor], outputs: list[str], stream_inputs: dict[str, np.ndarray]
     ) -> dict[str, np.ndarray]:
-        """Run ``execute`` for one request whose responses go to ``stream``; what this
-        returns is a placeholder (every response travelled through the stream)."""
+        """Run ``execute`` for one request whose responses go to its stream (with its
+        parameters: Triton's generate extension passes them on); what this returns is
+        a placeholder (every response travelled through the stream)."""
+        stream = decoupled.stream_of(stream_inputs, self._name)
 
         def deliver(response: pb.InferenceResponse | None, final: bool) -> None:
             if response is None:
@@ -167,9 +169,13 @@ class PythonBackend:
             wanted = outputs or list(result)
             stream.put({n: result[n] for n in wanted if n in result}, final)
 
-        sender = pb.InferenceResponseSender(deliver)
+        sender = pb.InferenceResponseSender(deliver, lambda: stream.cancelled)
         request = pb.InferenceRequest(
-            tensors, outputs, model_name=self._name, response_sender=sender
+            tensors,
+            outputs,
+            model_name=self._name,
+            response_sender=sender,
+            parameters=decoupled.parameters_of(stream_inputs),
         )
         try:
             returned = self._execute([request])

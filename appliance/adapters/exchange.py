@@ -63,6 +63,9 @@ class Wire(Generic[A]):
     # the wire copies raw outputs into one buffer of its own (gRPC's message, an MQTT
     # payload) rather than writing views of them (HTTP)
     joins = False
+    # the wire answers once: a decoupled model's responses are joined into one answer
+    # (MQTT: a language model's final text) instead of refused
+    answers_once = False
 
     def read(self, payload: Any, ticket: Ticket | None) -> RequestForm:
         """The payload -> the request form, no tensor decoded (INVALID_ARG for what is
@@ -104,7 +107,10 @@ async def serve(
         ticket, request, fmt = await _decode(dataplane, wire, payload, size, ticket, hold)
         if not wire.proceed(payload, request):
             raise Dropped
-        response = await dataplane.infer(request, wire.endpoint, ticket)
+        if wire.answers_once and ticket.servable.config.decoupled:
+            response = await dataplane.infer_final(request, ticket)
+        else:
+            response = await dataplane.infer(request, wire.endpoint, ticket)
         answer = await _encode(wire, response, fmt, shm)
         if deliver is not None:
             deliver(answer)

@@ -216,6 +216,7 @@ def _request_parameters(params: Any, form: RequestForm) -> None:
     form.sequence_id = check_sequence_id(sequence)
     form.sequence_start = bool(param(params, "sequence_start", "bool_param", "request"))
     form.sequence_end = bool(param(params, "sequence_end", "bool_param", "request"))
+    form.parameters = request_form.own_parameters(params)
 
 
 def encode_response(

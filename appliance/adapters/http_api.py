@@ -21,7 +21,14 @@ import orjson
 from aiohttp import web, web_protocol
 from aiohttp.typedefs import Middleware
 
-from appliance.adapters import http_codec, http_infer, http_limits, http_shadow
+from appliance.adapters import (
+    http_codec,
+    http_generate,
+    http_infer,
+    http_limits,
+    http_openai,
+    http_shadow,
+)
 from appliance.adapters.access import AccessPolicy, Scope
 from appliance.core.dataplane import DataPlane
 from appliance.errors import ApplianceError, invalid
@@ -351,6 +358,8 @@ def create_app(
     post("/v2/repository/models/{model}/load", repository_load, admin)
     post("/v2/repository/models/{model}/unload", repository_unload, admin)
     http_shadow.routes(DATAPLANE, get, post, _json_body, _json)
+    http_generate.routes(DATAPLANE, post)  # Triton's generate extension
+    http_openai.routes(DATAPLANE, get, post)  # the OpenAI-compatible API under /v1
     shm = "/v2/systemsharedmemory"
     get(shm + "/status", shm_status, inference)
     get(shm + "/region/{region}/status", shm_status, inference)

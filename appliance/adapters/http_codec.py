@@ -222,6 +222,11 @@ def parse_request(
         sequence_id=check_sequence_id(req_params.get("sequence_id", 0)),
         sequence_start=_flag(req_params, "sequence_start", "request"),
         sequence_end=_flag(req_params, "sequence_end", "request"),
+        parameters={
+            k: v
+            for k, v in req_params.items()
+            if k not in request_form.SERVER_PARAMETERS and isinstance(v, (str, int, float, bool))
+        },
     )
 
 

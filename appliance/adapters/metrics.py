@@ -20,7 +20,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
@@ -150,6 +155,7 @@ class ApplianceCollector(Collector):
         yield from self._model_families(stats)
         yield from self._summaries(stats)
         yield from self._memory(stats)
+        yield from self._tokens(stats)
         mqtt = self.sources.mqtt()
         if mqtt is not None:
             yield from self._mqtt(mqtt)
@@ -222,6 +228,42 @@ class ApplianceCollector(Collector):
                 family.add_sample(name + "_sum", labels, total_us)
             yield family
 
+    def _tokens(self, stats: list[ModelStats]) -> Iterator[Metric]:
+        """A generating model's token figures (absent until one generated tokens):
+        time to first token and inter-token latency as histograms in seconds, prompt
+        and generated tokens as counters (output tokens per second: their rate())."""
+        generating = [s for s in stats if s.tokens is not None]
+        if not generating:
+            return
+        labels = ["model", "version"]
+        for name, help_text, which in (
+            (
+                "appliance_llm_time_to_first_token_seconds",
+                "Time from a generate request's arrival to its first generated token",
+                "ttft",
+            ),
+            (
+                "appliance_llm_inter_token_latency_seconds",
+                "Time between consecutive generated tokens of a request",
+                "itl",
+            ),
+        ):
+            family = HistogramMetricFamily(name, help_text, labels=labels)
+            for s in generating:
+                assert s.tokens is not None
+                histogram = s.tokens.ttft if which == "ttft" else s.tokens.itl
+                family.add_metric([s.name, s.version], histogram.cumulative(), histogram.sum_s)
+            yield family
+        for name, help_text, attr in (
+            ("appliance_llm_output_tokens", "Tokens generated", "output_tokens"),
+            ("appliance_llm_input_tokens", "Prompt tokens of generate requests", "input_tokens"),
+            ("appliance_llm_requests", "Generate requests that produced tokens", "requests"),
+        ):
+            counter = CounterMetricFamily(name, help_text, labels=labels)
+            for s in generating:
+                counter.add_metric([s.name, s.version], getattr(s.tokens, attr))
+            yield counter
+
     def _memory(self, stats: list[ModelStats]) -> Iterator[Metric]:
         _, used, total = process_memory()
         yield GaugeMetricFamily(
@@ -292,7 +334,6 @@ class ApplianceCollector(Collector):
         for reason in DROP_REASONS:
             family.add_sample(metric, {"reason": reason}, values[f"dropped_{reason}"])
         yield family
-
 
     def _telemetry(self, samples: Iterable[Sample]) -> Iterator[Metric]:
         """One family per kind of reading found; a family with no samples is absent."""

@@ -137,7 +137,7 @@ class MqttWire(exchange.Wire[Reply]):
     the reply's payload, in one join. The payload is the bridge's request: its
     ``msg`` and ``topic``, and ``proceed(request)``, its last look before inference."""
 
-    text = joins = True
+    text = joins = answers_once = True
 
     def __init__(self, file_root: Path | None, limit: int) -> None:
         self.file_root = file_root

@@ -45,6 +45,33 @@ FILE = "file"  # a file on the device, by name (MQTT): read into RAW/OBJECT befo
 ARRAY = "array"  # a numpy array already (the in-process API): passed by reference
 
 
+# request parameters the server reads itself; the others travel with the request (to
+# a decoupled model: a language model's sampling settings)
+SERVER_PARAMETERS = frozenset(
+    (
+        "binary_data_output",
+        "timeout",
+        "sequence_id",
+        "sequence_start",
+        "sequence_end",
+        "priority",
+        "headers",
+        "triton_enable_empty_final_response",
+    )
+)
+_SCALARS = ("bool_param", "int64_param", "uint64_param", "double_param", "string_param")
+
+
+def own_parameters(params: Any) -> dict[str, str | int | float | bool]:
+    """A gRPC request's parameters that are not the server's, as plain values."""
+    out: dict[str, str | int | float | bool] = {}
+    for key, value in params.items():
+        kind = value.WhichOneof("parameter_choice")
+        if key not in SERVER_PARAMETERS and kind in _SCALARS:
+            out[key] = getattr(value, kind)
+    return out
+
+
 @dataclass(slots=True)
 class TensorForm:
     """One input as a wire declares it; ``data`` as :data:`RAW` .. :data:`OBJECT` say."""
@@ -85,6 +112,8 @@ class RequestForm:
     sequence_id: int | str = 0
     sequence_start: bool = False
     sequence_end: bool = False
+    # the request's own parameters that are not the server's: to a decoupled model
+    parameters: dict[str, str | int | float | bool] = field(default_factory=dict)
     # typed contents -> array (gRPC's InferTensorContents reader)
     contents: Callable[[Any, str, list[int], str], np.ndarray] | None = None
     # BYTES elements build() turns into Python objects, one each (not JSON ones: the
@@ -164,6 +193,7 @@ def build(form: RequestForm, shared_memory: SharedMemoryRegistry | None) -> Infe
         sequence_id=form.sequence_id,
         sequence_start=form.sequence_start,
         sequence_end=form.sequence_end,
+        parameters=form.parameters,
     )
 
 

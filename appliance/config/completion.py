@@ -75,7 +75,8 @@ def complete(
         if not declared:
             # still checked below: an explicit max_batch_size > 0 needs dynamic first dims
             declared = tuple(
-                TensorConfig(s.name, s.datatype, s.shape[1:] if batched else s.shape) for s in specs
+                TensorConfig(s.name, s.datatype, s.shape[1:] if batched else s.shape, s.optional)
+                for s in specs
             )
         for t in declared:
             if t.name not in by_name:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,7 @@ from appliance.core.queue_bytes import Hold, QueuedBytes, default_limit, tensor_
 from appliance.core.servable import Servable, State
 from appliance.core.shared_memory import SharedMemoryRegistry
 from appliance.core.trace import Tracer
-from appliance.decoupled import RequestInputs, ResponseStream
+from appliance.decoupled import RequestInputs, ResponseStream, joined
 from appliance.errors import (
     ApplianceError,
     Code,
@@ -242,7 +242,7 @@ class DataPlane:
 
     async def infer_stream(
         self, request: InferenceRequest, ticket: Ticket | None = None
-    ) -> AsyncIterator[tuple[InferenceResponse | ApplianceError, bool]]:
+    ) -> AsyncGenerator[tuple[InferenceResponse | ApplianceError, bool]]:
         """The responses of one request with their "final" flag: exactly one for a
         regular model; 0..N for a decoupled one, the last flagged final (its response
         may be empty: the model sent only the flag). An error the model sent comes
@@ -260,7 +260,7 @@ class DataPlane:
             yield await self._infer_one(mv, request, declared), True
             return
         stream = ResponseStream(asyncio.get_running_loop(), mv.config.name)
-        request.inputs = RequestInputs(request.inputs, stream)
+        request.inputs = RequestInputs(request.inputs, stream, request.parameters)
         task = asyncio.get_running_loop().create_task(mv.infer(request, declared))
 
         def ended(t: asyncio.Task[InferenceResponse]) -> None:
@@ -269,8 +269,10 @@ class DataPlane:
                 stream.fail(error if isinstance(error, ApplianceError) else unavailable(str(error)))
 
         task.add_done_callback(ended)
+        finished = False
         try:
             async for item, final in stream:
+                finished = final
                 if isinstance(item, ApplianceError):
                     yield item, final
                     continue
@@ -281,6 +283,27 @@ class DataPlane:
         finally:
             if not task.done():
                 task.cancel()
+            if not finished:  # the caller went away: the model may stop generating
+                stream.cancel()
+            if stream.meter.output_tokens:
+                mv.stats.record_tokens(stream.meter)
+
+    async def infer_final(
+        self, request: InferenceRequest, ticket: Ticket | None = None
+    ) -> InferenceResponse:
+        """A decoupled model's responses as one answer, for a wire that answers once
+        (MQTT): :func:`appliance.decoupled.joined`; the first error sent is raised."""
+        answer: InferenceResponse | None = None
+        parts: list[dict[str, np.ndarray]] = []
+        async for item, _final in self.infer_stream(request, ticket):
+            if isinstance(item, ApplianceError):
+                raise item
+            answer = answer or item
+            parts.append(item.outputs)
+        if answer is None:
+            raise invalid(f"model '{request.model_name}' sent no response")
+        answer.outputs = joined(parts)
+        return answer
 
     # ---- statistics and repository -----------------------------------------------------
 

@@ -183,8 +183,17 @@ def complete_from(
     platform = config.platform or next(
         (p for p, b in backends.PLATFORMS.items() if b == backend), ""
     )
+    # an engine that answers 0..N times a request (a language model) makes the model
+    # decoupled whether or not its config says so
+    decoupled = config.decoupled or bool(getattr(engine, "decoupled", False))
     return complete(
-        replace(config, backend=backend, platform=platform, default_model_filename=path.name),
+        replace(
+            config,
+            backend=backend,
+            platform=platform,
+            default_model_filename=path.name,
+            decoupled=decoupled,
+        ),
         engine.inputs,
         engine.outputs,
         # capped by the engine's own limit (a TensorRT optimization profile)
@@ -232,7 +241,9 @@ async def load_model_version(
 
     def guess() -> int:  # read under the measuring lock: another load may be remembering
         known = budget.estimate(config.name, version)
-        return known[0].total if known else path.stat().st_size
+        if known:
+            return known[0].total
+        return backends.estimate(backend, path, config.parameters, config.source)
 
     admission = memory.Admission(budget, config.name, config.memory_limit)
     admitted = await start_within_budget(
@@ -271,6 +282,8 @@ async def load_model_version(
         time.perf_counter() - started,
     )
     lower = warmup.lower_bound(completed, probe_failures[0] if probe_failures else "")
+    if completed.decoupled and memory_usage(admitted.group.instances[0].backend) is not None:
+        lower = ""  # not probed, but the engine reported what it holds
     if lower:
         log.warning(
             "model '%s' version %d: memory is a lower bound: declare a model_warmup at your "

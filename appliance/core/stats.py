@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from appliance.decoupled import TokenMeter
 from appliance.errors import ApplianceError, Code, FailureReason
 
 # the quantiles of Triton's latency summaries
@@ -78,6 +79,73 @@ class LatencyWindow:
         return self.count, self._sums[i], [float(v) for v in values]
 
 
+# histogram buckets (upper bounds, seconds) of a generating model's token latencies
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Histogram:
+    """A Prometheus histogram: per-bucket counts (the last: above every bound) and
+    the sum of the observations; observations come as arrays (one numpy pass)."""
+
+    __slots__ = ("_edges_ns", "bounds", "counts", "sum_s")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self._edges_ns = np.array([int(b * 1e9) for b in bounds], dtype=np.int64)
+        self.counts = np.zeros(len(bounds) + 1, dtype=np.int64)
+        self.sum_s = 0.0
+
+    def observe_ns(self, values_ns: list[int]) -> None:
+        if not values_ns:
+            return
+        values = np.asarray(values_ns, dtype=np.int64)
+        # "le" buckets: a value equal to a bound falls in that bound's bucket
+        self.counts += np.bincount(
+            np.searchsorted(self._edges_ns, values, side="left"), minlength=len(self.counts)
+        )
+        self.sum_s += float(values.sum()) / 1e9
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, cumulative count) per bucket, ``+Inf`` last."""
+        running = np.cumsum(self.counts)
+        labels = [repr(float(b)) for b in self.bounds] + ["+Inf"]
+        return list(zip(labels, (int(c) for c in running), strict=True))
+
+    @property
+    def count(self) -> int:
+        return int(self.counts.sum())
+
+
+@dataclass(slots=True)
+class TokenStats:
+    """What a generating model (one that reports its tokens) produced: requests,
+    prompt and generated tokens, time to first token and the gaps between tokens."""
+
+    requests: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+
+    def record(self, meter: TokenMeter) -> None:
+        self.requests += 1
+        self.input_tokens += meter.input_tokens
+        self.output_tokens += meter.output_tokens
+        self.ttft.observe_ns([meter.first_ns - meter.start_ns])
+        self.itl.observe_ns(meter.gaps_ns)
+
+    def json(self) -> dict[str, int]:
+        return {
+            "requests": self.requests,
+            "input_tokens": self.input_tokens,
+            "output_tokens": self.output_tokens,
+            "time_to_first_token_ns": int(self.ttft.sum_s * 1e9),
+            "inter_token_count": self.itl.count,
+            "inter_token_ns": int(self.itl.sum_s * 1e9),
+        }
+
+
 @dataclass(slots=True)
 class ModelStats:
     """Counters of one model version; durations are cumulative nanoseconds."""
@@ -110,6 +178,14 @@ class ModelStats:
     # the latency window behind Triton's summaries; None unless the server config
     # turns summaries on (metrics_summary_latencies)
     latencies: LatencyWindow | None = None
+    # tokens, for a model that reports them (a language model); None before its first
+    tokens: TokenStats | None = None
+
+    def record_tokens(self, meter: TokenMeter) -> None:
+        """One generating request ended (its tokens were counted by ``meter``)."""
+        if self.tokens is None:
+            self.tokens = TokenStats()
+        self.tokens.record(meter)
 
     def record_execution(
         self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int
@@ -150,7 +226,7 @@ class ModelStats:
 
     def json(self) -> dict[str, Any]:
         empty = Duration().json()
-        return {
+        out = {
             "name": self.name,
             "version": self.version,
             "last_inference": self.last_inference_ms,
@@ -180,6 +256,9 @@ class ModelStats:
             # (pending_bytes, the memory lower bound) is on the metrics page only
             "memory_usage": self.memory_usage,
         }
+        if self.tokens is not None:  # a generating model's only: others keep Triton's shape
+            out["token_stats"] = self.tokens.json()
+        return out
 
 
 # ---- the MQTT bridge's counters ------------------------------------------------------

@@ -95,7 +95,9 @@ def samples(config: ModelConfig, model_dir: Path, allow_links: bool = False) -> 
     """The warm-up samples of a completed config, checked against its inputs; data
     files are read from ``model_dir/warmup`` (see :func:`_read`)."""
     if not config.model_warmup:
-        return [probe(config)]
+        # a decoupled model answers into a stream only a request has: not probed (an
+        # engine of that kind warms itself up and reports its memory)
+        return [] if config.decoupled else [probe(config)]
     out = []
     batched = config.batch_size > 0
     by_name = {t.name: t for t in config.inputs}
@@ -164,6 +166,8 @@ def lower_bound(config: ModelConfig, probe_failure: str = "") -> str:
         return ""
     if probe_failure:
         return f"the implicit warm-up run failed ({probe_failure}), only the load was measured"
+    if config.decoupled:
+        return "a decoupled model is not probed without a model_warmup, only the load was measured"
     dynamic = [
         f"'{t.name}' {list(t.model_dims)}"
         for t in config.inputs
