@@ -3,9 +3,11 @@
 Each block is preceded by ``<!-- readme-test: KIND (how) -->``; a block without a
 marker fails the test, so a snippet cannot be added unchecked. Kinds:
 
-- ``server``: the quick-start command. Its install half must read exactly
-  ``python3 -m pip install .`` (the suite runs on that install); its serve half is
-  started as written, on free loopback ports, and must exit 0 on SIGTERM.
+- ``server``: the quick-start line, run as written in a copy of the checkout (a fresh
+  clone's files) with ``python3`` on PATH a Python that refuses ``pip install`` as
+  Debian 12's and Ubuntu 24.04's do (PEP 668's ``EXTERNALLY-MANAGED``; see
+  ``managed_python``): every command before the last runs as written, the last one (the
+  server) on free loopback ports, and it must exit 0 on SIGTERM.
 - ``client``: Python run in a subprocess against that server (its HTTP port put in for
   8000), in a temporary folder holding a generated ``cat.jpg``.
 - ``python``: Python run as written in a subprocess, no server.
@@ -23,9 +25,11 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -57,18 +61,71 @@ def test_every_block_is_marked_with_a_known_kind() -> None:
     assert {kind for kind, _, _ in BLOCKS} <= KINDS
 
 
+def managed_python(folder: Path) -> Path:
+    """A Python that carries PEP 668's ``EXTERNALLY-MANAGED`` marker, as Debian's does.
+
+    pip looks for the marker in the interpreter's stdlib folder and ignores it inside a
+    venv, so a venv cannot carry it: this is a stand-in installation instead. The base
+    interpreter's binary is copied to ``folder/bin/python3``; ``folder/lib/pythonX.Y``
+    holds links to every entry of its standard library, the marker, and pip (so that the
+    refusal can be shown). Python finds its prefix from the binary's place (the
+    ``os.py`` landmark), so ``folder`` is this installation's prefix and stdlib."""
+    real = Path(os.path.realpath(getattr(sys, "_base_executable", sys.executable)))
+    stdlib = Path(sysconfig.get_paths(vars={"base": sys.base_prefix})["stdlib"])
+    (folder / "bin").mkdir(parents=True)
+    shutil.copy2(real, folder / "bin" / "python3")
+    lib = folder / "lib" / stdlib.name
+    lib.mkdir(parents=True)
+    for entry in stdlib.iterdir():
+        if entry.name not in ("site-packages", "dist-packages", "EXTERNALLY-MANAGED"):
+            (lib / entry.name).symlink_to(entry)
+    (lib / "EXTERNALLY-MANAGED").write_text(
+        "[externally-managed]\nError=managed by the system (tests/test_readme.py)\n",
+        encoding="utf-8",
+    )
+    (lib / "site-packages").mkdir()
+    import pip
+
+    (lib / "site-packages" / "pip").symlink_to(Path(pip.__file__).parent)
+    return folder / "bin"
+
+
+def _clone(into: Path) -> Path:
+    """The checkout's files as a fresh clone has them (no builds, caches or venvs)."""
+    skip = shutil.ignore_patterns(
+        ".git", "build", "*.egg-info", "__pycache__", ".venv", ".*_cache", "dist", "out"
+    )
+    shutil.copytree(ROOT, into, ignore=skip, symlinks=True)
+    return into
+
+
 @pytest.fixture(scope="module")
-def quick_start() -> Iterator[int]:
-    """The quick-start server, started as the README says, on free ports."""
+def quick_start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """The quick-start line run as written under a PEP 668 Python, the server on free ports."""
     (command,) = _blocks("server")
-    install, serve = (part.strip() for part in command.strip().split("&&"))
-    assert install == "python3 -m pip install ."
+    *setup, serve = (part.strip() for part in command.strip().split("&&"))
+    base = tmp_path_factory.mktemp("managed")
+    clone = _clone(base / "clone")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PATH"] = f"{managed_python(base / 'python')}{os.pathsep}{env.get('PATH', '')}"
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    refused = subprocess.run(
+        ["python3", "-m", "pip", "install", "."], cwd=clone, env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # the stand-in refuses as Debian's Python does
+    assert refused.returncode != 0 and "externally-managed-environment" in refused.stderr
+    for part in setup:
+        done = subprocess.run(
+            part, shell=True, cwd=clone, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, f"{part}: {done.stdout}\n{done.stderr}"
     argv = shlex.split(serve)
-    assert argv[:3] == ["python3", "-m", "appliance"]
+    assert argv[:2] == [".venv/bin/appliance", "serve"], serve
     port = free_port()
     ports = ["--http-port", str(port), "--grpc-port", "-1", "--metrics-port", str(free_port())]
     proc = subprocess.Popen(
-        [sys.executable, *argv[1:], *ports], env=_env(), stderr=subprocess.PIPE, text=True
+        [str(clone / argv[0]), *argv[1:], *ports], cwd=clone, env=env,
+        stderr=subprocess.PIPE, text=True,
     )
     try:
         deadline = time.monotonic() + 120
@@ -86,6 +143,7 @@ def quick_start() -> Iterator[int]:
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err  # "exits 0"
     assert "ready in" in err
+    assert "WARNING" not in err, err  # a first run is clean
 
 
 def _python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -120,6 +178,7 @@ def test_python_snippets_run_as_written(index: int, tmp_path: Path) -> None:
     done = _python(_blocks("python")[index], tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
+    assert "WARNING" not in done.stderr, done.stderr  # the demo models load cleanly
 
 
 @pytest.mark.parametrize("index", range(len(_blocks("server config"))))
