@@ -17,8 +17,8 @@ cycle and decides what each outcome means:
   (:func:`ota.check.still_wanted`): a halted rollout, a removed target or a newer
   version withdraws it (undone if it touched the device; never marked bad).
 - Transient failures (repository unreachable, disk full, a mirror too slow, the
-  server not reachable: a request that never reached it) keep the job and back off: the n-th such cycle in a row waits 2**(n-1) check
-  intervals, at most 16.
+  server not reachable: a request that never reached it) keep the job and back
+  off: the n-th such cycle in a row waits 2**(n-1) check intervals, at most 16.
 - Anything else a candidate does wrong marks its version bad: a refusal before
   stage drops the job, after stage it is rolled back. An unexpected error (a
   library's RecursionError, MemoryError, ...) counts the same, so a hostile bundle

@@ -164,7 +164,8 @@ def _config_file(model_dir: Path, version_dir: Path) -> tuple[str, bytes, str]:
     except ApplianceError as exc:
         raise OtaError(f"{model_dir} has no config file and cannot be completed: {exc}") from None
     text = dict_to_pbtxt(to_triton_json(completed))
-    where = f"{model_dir}/config.pbtxt (completed from {version_dir.name}/{completed.default_model_filename})"
+    model_file = f"{version_dir.name}/{completed.default_model_filename}"
+    where = f"{model_dir}/config.pbtxt (completed from {model_file})"
     return "config.pbtxt", text.encode(), where
 
 

@@ -75,8 +75,8 @@ KEYS = {
     "check_interval_s", "jitter", "probation_s", "probation_poll_s", "max_error_rate",
     "probation_min_requests", "probe_timeout_s", "max_latency_ratio", "max_latency_ms",
     "keep_versions", "max_bandwidth", "min_download_rate", "download_rate_window_s",
-    "job_deadline_s", "reserve_disk", "max_bundle_size", "max_load_attempts",
-    "server_wait_s", "request_timeout_s", "metadata_timeout_s", "maintenance_windows", "maintenance_timezone",
+    "job_deadline_s", "reserve_disk", "max_bundle_size", "max_load_attempts", "server_wait_s",
+    "request_timeout_s", "metadata_timeout_s", "maintenance_windows", "maintenance_timezone",
 }  # fmt: skip
 
 

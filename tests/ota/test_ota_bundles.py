@@ -236,7 +236,8 @@ def test_a_folder_without_config_ships_the_config_the_server_completes(
     shipped = release.read_config("simple", "config.pbtxt", data, "the bundle")
     assert shipped.max_batch_size == 8 and shipped.dynamic_batching is not None
     assert [(t.name, t.datatype, t.dims) for t in shipped.inputs] == [
-        ("INPUT0", "INT32", (16,)), ("INPUT1", "INT32", (16,))
+        ("INPUT0", "INT32", (16,)),
+        ("INPUT1", "INT32", (16,)),
     ]
     repo.publish(fleet.repo, fleet.keys, out, Rollout())
     assert device().run_once()
@@ -252,6 +253,7 @@ def test_a_missing_model_folder_is_named(
 ) -> None:
     """Named before the self-test file is read (which is missing too here)."""
     missing = tmp_path / "models" / "simple"
-    code, err = command(capsys, "bundle", "build", str(missing), "--version", "2", "-o",
-                        str(tmp_path / "b.bundle"), "--self-test", str(tmp_path / "v.json"))  # fmt: skip
+    out, vectors_file = tmp_path / "b.bundle", tmp_path / "v.json"
+    code, err = command(capsys, "bundle", "build", str(missing), "--version", "2", "-o", str(out),
+                        "--self-test", str(vectors_file))  # fmt: skip
     assert code == 2 and str(missing) in err and "v.json" not in err, err
