@@ -325,3 +325,21 @@ def test_the_quoted_config_error_is_what_the_validator_says() -> None:
     with pytest.raises(ConfigError) as error:
         parse_model_config(doc, "det", source)
     assert str(error.value) == quoted
+
+
+def test_the_layout_names_every_module_of_the_package() -> None:
+    """Each module of appliance/ and its subpackages appears in the README's Layout
+    (``sequence_*`` stands for every module with that prefix)."""
+    layout = README[README.index("## Layout") :]
+    layout = layout[: layout.index("\n## ", 1)] if "\n## " in layout[1:] else layout
+    words = set(re.findall(r"[a-z_0-9]+\*?", layout))
+    prefixes = tuple(w[:-1] for w in words if w.endswith("*"))
+    package = ROOT / "appliance"
+    modules = [
+        p.stem
+        for folder in (package, *(d for d in package.iterdir() if (d / "__init__.py").exists()))
+        for p in folder.glob("*.py")
+        if p.stem not in ("__init__", "__main__")
+    ]
+    missing = sorted(m for m in modules if m not in words and not m.startswith(prefixes))
+    assert not missing, f"the README's Layout leaves out {missing}"
