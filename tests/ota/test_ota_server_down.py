@@ -5,7 +5,8 @@ the candidate's fault: the agent waits for it with back-off before a load, keeps
 job when it does not come, and never marks the version bad for it.
 
 A real ``appliance serve`` process and real ``appliance ota agent --once`` processes
-over one appliance.yaml (tests/ota_device.py).
+over one appliance.yaml (tests/ota_device.py); one device for both cases, the second
+starting where the first left it (a server process costs seconds to start).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import yaml
 
 from ota import faults
 from ota.state import StateFile
@@ -26,46 +29,20 @@ def agree(truth: Truth, version: int) -> None:
     assert truth == Truth(version, False, (version,), [version], str(version)), truth
 
 
-def test_an_update_tried_while_the_server_is_down_waits_and_is_not_marked_bad(
-    tmp_path: Path,
-) -> None:
-    """The server stopped, v2 published: one cycle downloads, verifies and stages v2,
-    waits ``server_wait_s`` for the server, then keeps the job (exit 1, the reason
-    said). Once the server is back, the next cycle installs v2."""
-    fleet = start_fleet(tmp_path / "fleet")
-    root = fleet.repo / "metadata" / "1.root.json"
-    device = Device(tmp_path, fleet.server.url, root, server_wait_s=1)
-    try:
-        fleet.publish(1)
-        device.start()
-        assert device.agent().returncode == 0
-        device.stop()
-        fleet.publish(2)
-        run = device.agent()
-        assert run.returncode == 1, run.stderr
-        assert "cannot be reached" in run.stderr or "did not answer within" in run.stderr
-        assert "Traceback" not in run.stderr
-        state = StateFile(device.state_dir).load()
-        assert state is not None and state.models["simple"].bad == []
-        assert state.job is not None and state.job.version == 2 and state.phase == "load"
-        assert state.job.load_attempts == 0  # waiting for a server is not an attempt
-        device.start()
-        run = device.agent()
-        assert run.returncode == 0, run.stderr
-        agree(device.truth(), 2)
-        state = StateFile(device.state_dir).load()
-        assert state is not None and state.models["simple"].bad == []
-    finally:
-        device.stop()
-        fleet.server.stop()
+def set_server_wait(device: Device, seconds: float) -> None:
+    doc = yaml.safe_load(device.config.read_text())
+    doc["ota"]["server_wait_s"] = seconds
+    device.config.write_text(yaml.safe_dump(doc))
 
 
-def test_the_agent_started_before_the_server_waits_for_it(tmp_path: Path) -> None:
-    """A boot where the agent comes up first: it takes v1, stages it, waits in the load
-    phase; the server starts later and the same cycle installs v1."""
+def test_the_agent_waits_for_a_server_that_is_not_there(tmp_path: Path) -> None:
+    """A boot where the agent comes up first: it takes v1, stages it and waits in the
+    load phase; the server starts later and the same cycle installs v1. Then the server
+    is stopped and v2 published: one cycle downloads, verifies and stages v2, waits
+    ``server_wait_s`` for the server, then keeps the job (exit 1, the reason said), v2
+    not marked bad. Once the server is back, the next cycle installs v2."""
     fleet = start_fleet(tmp_path / "fleet")
-    root = fleet.repo / "metadata" / "1.root.json"
-    device = Device(tmp_path, fleet.server.url, root)
+    device = Device(tmp_path, fleet.server.url, fleet.repo / "metadata" / "1.root.json")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop(faults.ENV, None)
     fleet.publish(1)
@@ -86,6 +63,24 @@ def test_the_agent_started_before_the_server_waits_for_it(tmp_path: Path) -> Non
         _, err = agent.communicate(timeout=120)
         assert agent.returncode == 0, err
         agree(device.truth(), 1)
+
+        device.stop()
+        fleet.publish(2)
+        set_server_wait(device, 1)
+        run = device.agent()
+        assert run.returncode == 1, run.stderr
+        assert "cannot be reached" in run.stderr or "did not answer within" in run.stderr
+        assert "Traceback" not in run.stderr
+        state = StateFile(device.state_dir).load()
+        assert state is not None and state.models["simple"].bad == []
+        assert state.job is not None and state.job.version == 2 and state.phase == "load"
+        assert state.job.load_attempts == 0  # waiting for a server is not an attempt
+        device.start()
+        run = device.agent()
+        assert run.returncode == 0, run.stderr
+        agree(device.truth(), 2)
+        state = StateFile(device.state_dir).load()
+        assert state is not None and state.models["simple"].bad == []
     finally:
         if agent.poll() is None:
             agent.kill()
