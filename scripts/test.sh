@@ -65,8 +65,9 @@ collect() {  # pid, log, name, start time of a step run with background(): its e
     read -r status end <"$2.end" || { status=1; end=$SECONDS; }
     record "$3" "$4" "$status" "$end"
 }
-tar --exclude=.git --exclude='*.egg-info' --exclude=build --exclude=__pycache__ -cf - . \
-    | tar -xf - -C "$scratch"
+# (not the quick start's .venv, nor anything a build left)
+tar --exclude=.git --exclude=./.venv --exclude='*.egg-info' --exclude=build \
+    --exclude=__pycache__ -cf - . | tar -xf - -C "$scratch"
 constraints=()
 [ -f constraints.txt ] && constraints=(-c constraints.txt)
 # the MQTT tests run a real broker: Debian's mosquitto (installed to /usr/sbin, which a
