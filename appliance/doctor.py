@@ -257,10 +257,18 @@ def check_device(root: str = "/") -> Check:
         telemetry.close()
 
 
-def run_checks(config_path: Path | None, ota_url: str | None, timeout: float) -> list[Check]:
+def run_checks(
+    config_path: Path | None,
+    ota_url: str | None,
+    timeout: float,
+    model_repository: Path | None = None,
+) -> list[Check]:
+    """Every check, on the server config at ``config_path`` (defaults without one) with
+    ``model_repository`` in place of its repository when given, as ``serve`` takes it."""
     checks = [check_platform(), check_engines(), check_gpu(), check_device()]
     try:
-        config: ServerConfig | None = load_server_config(config_path, {})
+        overrides = {"model_repository": model_repository}
+        config: ServerConfig | None = load_server_config(config_path, overrides)
         checks.append(Check("config", OK, f"{config_path or 'defaults'}: valid"))
     except ApplianceError as exc:
         config = None
@@ -285,6 +293,11 @@ def add_parser(sub: Any) -> None:
     doctor = sub.add_parser("doctor", help="check this device: platform, engines, config, models")
     doctor.add_argument("--config", type=Path, help="server config file (appliance.yaml)")
     doctor.add_argument(
+        "--model-repository",
+        type=Path,
+        help="model repository to check (as serve takes it; default: the config's, else the demo)",
+    )
+    doctor.add_argument(
         "--ota-url", help="OTA source to check for reachability (default: the config's ota.source)"
     )
     doctor.add_argument("--timeout", type=float, default=2.0, help="network checks (seconds)")
@@ -292,7 +305,7 @@ def add_parser(sub: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    checks = run_checks(args.config, args.ota_url, args.timeout)
+    checks = run_checks(args.config, args.ota_url, args.timeout, args.model_repository)
     if args.json:
         print(json.dumps([asdict(c) for c in checks], indent=2, default=str))
     else:

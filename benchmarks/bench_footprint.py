@@ -108,12 +108,14 @@ def _rss(pid: int) -> int:
     return 0
 
 
-def cold_start(venv: Path) -> tuple[float, int, float]:
+def cold_start(venv: Path, grpc: bool) -> tuple[float, int, float]:
     """Seconds from process start to ready, idle RSS 3 s later (bytes), and the
-    server's own start-up figure from its log (listening to ready, imports excluded)."""
+    server's own start-up figure from its log (listening to ready, imports excluded).
+    ``grpc``: the gRPC endpoint on a free port (the install has the grpc extra); else
+    off, as the default install turns it off (a port asked for would stop the start)."""
     http_port = _free_port()
     cmd = [str(venv / "bin" / "python"), "-m", "appliance", "serve", "--http-port", str(http_port)]
-    cmd += ["--grpc-port", str(_free_port()), "--metrics-port", str(_free_port())]
+    cmd += ["--grpc-port", str(_free_port() if grpc else -1), "--metrics-port", str(_free_port())]
     started = time.perf_counter()
     log = venv.parent / "serve.log"
     with log.open("w") as sink:
@@ -146,6 +148,20 @@ def slow_imports(venv: Path, top: int = 12) -> list[tuple[int, str]]:
     return sorted(rows, reverse=True)[:top]
 
 
+def _without_out(argv: list[str]) -> list[str]:
+    """The command line to reproduce a run: without ``--out FILE`` / ``--out=FILE``."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip or a.startswith("--out="):
+            skip = False
+            continue
+        skip = a == "--out"
+        if not skip:
+            out.append(a)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--extras", default="", help="extras to install, e.g. grpc,uvloop")
@@ -157,7 +173,8 @@ def main() -> None:
         venv = Path(tmp) / "venv"
         install_s = install(venv, args.extras, args.constraints)
         per_dist = sizes(venv)
-        starts = [cold_start(venv) for _ in range(args.runs)]
+        grpc = "grpc" in args.extras.split(",") or "all" in args.extras.split(",")
+        starts = [cold_start(venv, grpc) for _ in range(args.runs)]
         imports = slow_imports(venv)
         versions = _run([str(venv / "bin" / "python"), "-m", "pip", "list", "--format=freeze"])
     counted = {k: v for k, v in per_dist.items() if k not in EXCLUDED}
@@ -173,7 +190,7 @@ def main() -> None:
         "",
         "```",
         "python3 benchmarks/bench_footprint.py "
-        + " ".join(a for a in sys.argv[1:] if not a.startswith("--out")),
+        + " ".join(_without_out(sys.argv[1:])),
         "```",
         "",
         "| machine | |",

@@ -16,9 +16,9 @@ cycle and decides what each outcome means:
   commit, fresh verified metadata must still offer the job
   (:func:`ota.check.still_wanted`): a halted rollout, a removed target or a newer
   version withdraws it (undone if it touched the device; never marked bad).
-- Transient failures (repository unreachable, disk full, a mirror too slow) keep
-  the job and back off: the n-th such cycle in a row waits 2**(n-1) check
-  intervals, at most 16.
+- Transient failures (repository unreachable, disk full, a mirror too slow, the
+  server not reachable: a request that never reached it) keep the job and back
+  off: the n-th such cycle in a row waits 2**(n-1) check intervals, at most 16.
 - Anything else a candidate does wrong marks its version bad: a refusal before
   stage drops the job, after stage it is rolled back. An unexpected error (a
   library's RecursionError, MemoryError, ...) counts the same, so a hostile bundle
@@ -52,7 +52,7 @@ from ota import (
 )
 from ota.config import OtaConfig
 from ota.context import Context, Hook
-from ota.server_api import ServerGone
+from ota.server_api import ServerGone, ServerUnreachable
 from ota.state import AgentState, Job, StateLock
 
 log = logging.getLogger(__name__)
@@ -242,6 +242,8 @@ class Agent:
             return self.ctx.state.job is None
         if isinstance(exc, Rollback):
             return self._roll_back(job, str(exc))
+        if isinstance(exc, ServerUnreachable):  # not the candidate's doing: wait for it
+            return self._transient(f"{phase} of {job.model} version {job.version}: {exc}")
         if isinstance(exc, ServerGone):
             if phase in SERVER_PHASES and not job.committed:
                 return self._roll_back(job, f"the server stopped during {phase}: {exc}")

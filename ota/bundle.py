@@ -74,6 +74,16 @@ def _entries(folder: Path) -> list[tuple[FileEntry, Path]]:
     return sorted(entries, key=lambda e: e[0].path)
 
 
+def version_folder(model_dir: Path, version: int) -> Path:
+    """``model_dir/<version>``; OtaError naming whichever of the two is missing."""
+    if not model_dir.is_dir():
+        raise OtaError(f"{model_dir}: no such model folder (expected <model>/<version>/)")
+    version_dir = model_dir / str(version)
+    if not version_dir.is_dir():
+        raise OtaError(f"{version_dir} is not a folder: expected <model>/<version>/")
+    return version_dir
+
+
 def build(
     model_dir: Path,
     version: int,
@@ -91,16 +101,9 @@ def build(
     key lines the model files are sealed to (:mod:`ota.sealing`; the bundle is then
     not reproducible: each build draws a new content key)."""
     name = check_name(model_dir.name, "model name")
-    version_dir = model_dir / str(version)
-    if not version_dir.is_dir():
-        raise OtaError(f"{version_dir} is not a folder: expected <model>/<version>/")
-    configs = [model_dir / n for n in CONFIG_FILES if (model_dir / n).is_file()]
-    if len(configs) != 1:
-        raise OtaError(f"{model_dir}: expected exactly one config file ({', '.join(CONFIG_FILES)})")
-    config = configs[0]
-    config_name = "config.pbtxt" if config.suffix == ".pbtxt" else "config.yaml"
-    config_data = config.read_bytes()
-    parsed = release.read_config(name, config_name, config_data, str(config))
+    version_dir = version_folder(model_dir, version)
+    config_name, config_data, where = _config_file(model_dir, version_dir)
+    parsed = release.read_config(name, config_name, config_data, where)
     plain = _entries(version_dir)
     backend = release.backend_of(parsed, [e.path for e, _ in plain])
     with tempfile.TemporaryDirectory(prefix="appliance-seal-") as tmp:
@@ -134,6 +137,36 @@ def build(
                     add(entry, content)
         os.replace(tmp_out, out)
     return manifest
+
+
+def _config_file(model_dir: Path, version_dir: Path) -> tuple[str, bytes, str]:
+    """The config the bundle ships (its file name, bytes, where it came from): the
+    folder's config file, or for a folder without one, the config the server would
+    complete from the model file (as Triton's config.pbtxt), so that the device serves
+    exactly what was tested here."""
+    configs = [model_dir / n for n in CONFIG_FILES if (model_dir / n).is_file()]
+    if len(configs) > 1:
+        raise OtaError(f"{model_dir}: found {' and '.join(p.name for p in configs)}: "
+                       "keep exactly one config file")  # fmt: skip
+    if configs:
+        config = configs[0]
+        name = "config.pbtxt" if config.suffix == ".pbtxt" else "config.yaml"
+        return name, config.read_bytes(), str(config)
+    from appliance.config.model_config import ModelConfig
+    from appliance.config.server_config import ServerConfig
+    from appliance.config.triton_config import dict_to_pbtxt, to_triton_json
+    from appliance.core.loader import completed_config
+    from appliance.errors import ApplianceError
+
+    bare = ModelConfig(name=model_dir.name, source=str(model_dir))
+    try:
+        completed = completed_config(bare, version_dir, ServerConfig())
+    except ApplianceError as exc:
+        raise OtaError(f"{model_dir} has no config file and cannot be completed: {exc}") from None
+    text = dict_to_pbtxt(to_triton_json(completed))
+    model_file = f"{version_dir.name}/{completed.default_model_filename}"
+    where = f"{model_dir}/config.pbtxt (completed from {model_file})"
+    return "config.pbtxt", text.encode(), where
 
 
 @contextlib.contextmanager

@@ -75,6 +75,7 @@ def _bundle(args: argparse.Namespace) -> int:
     if args.bundle_command == "inspect":
         print(bundle.describe(bundle.inspect(args.file, args.max_size)))
         return 0
+    bundle.version_folder(args.model_dir, args.version)  # named before the files beside it
     vectors = _json_file(args.self_test, list, "a JSON list of self-test vectors")
     policy = _json_file(args.shadow, dict, "a JSON object (a shadow probation policy)")
     manifest = bundle.build(

@@ -112,8 +112,11 @@ def rollback_step(ctx: Context, job: Job) -> str:
         ms.bad.append(job.version)
     reason = job.reason or "rolled back"
     result = job.result or "rolled_back"
-    log.error("ota: %s version %d %s: %s", job.model, job.version, result.replace("_", " "),
-              reason)  # fmt: skip
+    if result == "withdrawn":  # said once, as a warning, when it was withdrawn
+        log.info("ota: %s version %d undone", job.model, job.version)
+    else:
+        log.error("ota: %s version %d %s: %s", job.model, job.version,
+                  result.replace("_", " "), reason)  # fmt: skip
     if job.bad:
         finish(ctx, job, result, reason)
     else:

@@ -48,6 +48,7 @@ class OtaConfig:
     reserve_disk: int = 32 << 20  # free space the agent always leaves on each file system
     max_bundle_bytes: int = 4 << 30
     max_load_attempts: int = 2  # loads of one version interrupted before it is marked bad
+    server_wait_s: float = 120.0  # a cycle waits this long for the server before a load
     admin_token: str = ""
     memory_limit: int | None = None
     mqtt: MqttConfig | None = None
@@ -74,7 +75,7 @@ KEYS = {
     "check_interval_s", "jitter", "probation_s", "probation_poll_s", "max_error_rate",
     "probation_min_requests", "probe_timeout_s", "max_latency_ratio", "max_latency_ms",
     "keep_versions", "max_bandwidth", "min_download_rate", "download_rate_window_s",
-    "job_deadline_s", "reserve_disk", "max_bundle_size", "max_load_attempts",
+    "job_deadline_s", "reserve_disk", "max_bundle_size", "max_load_attempts", "server_wait_s",
     "request_timeout_s", "metadata_timeout_s", "maintenance_windows", "maintenance_timezone",
 }  # fmt: skip
 
@@ -159,6 +160,7 @@ def load(path: Path) -> OtaConfig:
             f.data.get("max_bundle_size", "4GiB"), str(path), "ota.max_bundle_size"
         ),
         max_load_attempts=f.integer("max_load_attempts", 2, minimum=1),
+        server_wait_s=_number(f, "server_wait_s", 120.0, 0.0),
         admin_token=server.admin_token,
         memory_limit=server.memory_limit,
         mqtt=server.mqtt,

@@ -5,12 +5,16 @@ statistics through the statistics extension (and, for the failures that were the
 caller's fault, the metrics page); self-test vectors through ordinary
 KServe v2 inference addressed by version. :class:`ServerGone` means the server
 stopped answering (crashed or restarting), which the agent treats differently
-from a refusal.
+from a refusal; :class:`ServerUnreachable`, its narrower case, that no connection
+could be made at all: the request never reached the server, so nothing a candidate
+did can have caused it (a server not started yet, or restarting).
 """
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +26,10 @@ from ota import OtaError
 
 class ServerGone(OtaError):
     """The server did not answer (connection refused or dropped)."""
+
+
+class ServerUnreachable(ServerGone):
+    """No connection could be made: the request never reached the server."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +89,8 @@ class ServerApi:
                 timeout=timeout_s or self._timeout,
                 retries=False,
             )
+        except (urllib3.exceptions.NewConnectionError, urllib3.exceptions.ConnectTimeoutError):
+            raise ServerUnreachable(f"the server at {self.base} cannot be reached") from None
         except urllib3.exceptions.HTTPError as exc:
             raise ServerGone(f"the server at {self.base} did not answer: {exc}") from None
         text = r.data.decode("utf-8", "replace")
@@ -98,6 +108,22 @@ class ServerApi:
         except OtaError:
             return False
         return True
+
+    def wait_live(self, wait_s: float, alive: Callable[[], None]) -> None:
+        """Return once the server answers; ServerUnreachable when it has not within
+        ``wait_s``. Asks after 0.5 s, 1 s, 2 s, ... (at most 30 s apart), calling
+        ``alive`` between asks (the agent's watchdog)."""
+        deadline = time.monotonic() + wait_s
+        pause = 0.5
+        while not self.live():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServerUnreachable(
+                    f"the server at {self.base} did not answer within {wait_s:g}s"
+                )
+            alive()
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 30.0)
 
     def load(self, model: str, config: dict[str, Any], default_version: int = 0) -> None:
         """(Re)load ``model`` with ``config`` (Triton JSON) instead of its config file;

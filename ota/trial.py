@@ -1,10 +1,13 @@
 """Trying the candidate on the running server: the load, self-test, switch and
 probation steps.
 
-- load: a repository load with a config override naming the committed and the new
-  version, ``default_version`` the committed one: the new version is addressable
-  by version while unversioned traffic stays where it was. A load interrupted
-  ``max_load_attempts`` times (server crash, power cut) marks the version bad.
+- load: first waits for the server to answer (``server_wait_s``, with back-off: at
+  boot the agent may start before the server), then a repository load with a
+  config override naming the committed and the new version, ``default_version``
+  the committed one: the new version is addressable by version while unversioned
+  traffic stays where it was. A load interrupted ``max_load_attempts`` times
+  (server crash, power cut) marks the version bad; a server that cannot be reached
+  never does (the agent keeps the job and tries again later).
 - self_test: the bundle's vectors against the new version, by version.
 - shadow: when the bundle's manifest carries a shadow policy and a version serves,
   a sample of live traffic mirrored to the candidate and its outputs judged against
@@ -46,6 +49,7 @@ def _candidate_lost(ctx: Context, job: Job) -> bool:
 
 
 def load_step(ctx: Context, job: Job) -> str:
+    ctx.api.wait_live(ctx.cfg.server_wait_s, ctx.mark_alive)  # not an attempt yet
     job.load_attempts += 1
     ctx.save()
     if job.load_attempts > ctx.cfg.max_load_attempts:

@@ -4,9 +4,10 @@ Subscribes to the retained ``<prefix>/+/ota`` reports and keeps each device's
 latest one. A report is the device's state (:mod:`ota.report`), so a watcher that
 starts late reads the retained reports into the same counts as one that ran all
 along. Per model version it counts devices pending (an update under way),
-updated, failed (refused or an error) and rolled back, plus devices silent for
-longer than the report timeout mid-update (counted as failed; the report's own
-time says how long, not when the watcher happened to receive it). Once at least
+updated, failed (refused or an error), rolled back and withdrawn (the fleet
+halted or removed the version under way: shown, never counted as a failure), plus
+devices silent for longer than the report timeout mid-update (counted as failed;
+the report's own time says how long, not when the watcher happened to receive it). Once at least
 ``min_reports`` devices reported on a version and the failed share exceeds the
 threshold, the rollout is halted by re-signing the targets with ``halted: true``
 (as hawkBit and AWS IoT Jobs stop a rollout on an error threshold).
@@ -103,8 +104,8 @@ class Tally:
                     kind = "rolled_back"
                 elif result in FAILED:
                     kind = "failed"
-                elif result:  # withdrawn: the fleet's own doing, not the device's
-                    continue
+                elif result:  # withdrawn: the fleet's own doing, never a failure
+                    kind = "withdrawn"
                 elif now - self.seen[device] > timeout_s:
                     kind = "failed"  # silent too long mid-update
                 else:
@@ -145,8 +146,14 @@ def _number(v: Any) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def judged(counts: Counter[str]) -> int:
+    """Devices whose reports on a version count towards its failure rate (a withdrawn
+    job was the fleet's doing: it does not)."""
+    return sum(n for kind, n in counts.items() if kind != "withdrawn")
+
+
 def failing(counts: Counter[str], rate: float, min_reports: int) -> bool:
-    total = sum(counts.values())
+    total = judged(counts)
     bad = counts["failed"] + counts["rolled_back"]
     return total >= min_reports and bad / total > rate
 
@@ -192,11 +199,13 @@ def accept(tally: Tally, keys: Keys | None, topic: str, payload: bytes) -> None:
 
 
 def _line(model: str, version: int, c: Counter[str], min_reports: int) -> str:
-    total = sum(c.values())
+    total = judged(c)
     line = (
         f"{model} v{version}: pending {c['pending']} updated {c['updated']} "
         f"failed {c['failed']} rolled back {c['rolled_back']}"
     )
+    if c["withdrawn"]:
+        line += f" withdrawn {c['withdrawn']}"
     if total < min_reports:
         line += f" (judged once {min_reports} devices reported: --min-reports; {total} so far)"
     return line

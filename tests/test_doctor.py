@@ -34,7 +34,9 @@ def _doctor(*args: str) -> tuple[int, dict[str, dict[str, Any]]]:
 def _checks(*args: str) -> tuple[int, dict[str, dict[str, Any]]]:
     """The same checks in this process (the CLI's JSON shape, without a subprocess)."""
     parsed = build_parser().parse_args(["doctor", *args])
-    checks = doctor.run_checks(parsed.config, parsed.ota_url, parsed.timeout)
+    checks = doctor.run_checks(
+        parsed.config, parsed.ota_url, parsed.timeout, parsed.model_repository
+    )
     code = 1 if any(c.status == "fail" for c in checks) else 0
     return code, {c.name: asdict(c) for c in checks}
 
@@ -56,6 +58,19 @@ def test_a_healthy_setup_passes(tmp_path: Path) -> None:
     assert "onnxruntime" in checks["engines"]["details"]["installed"]
     assert "CPUExecutionProvider" in checks["engines"]["details"]["onnxruntime_providers"]
     assert checks["platform"]["details"]["arch"]
+
+
+def test_the_repository_serve_was_given_is_the_one_checked(tmp_path: Path) -> None:
+    """``--model-repository`` as ``serve`` takes it: alone (the demo models otherwise),
+    and over the config's own repository."""
+    mine = tmp_path / "mine"
+    modelgen.write_model(mine, "mymodel", modelgen.simple_add_sub())
+    code, checks = _doctor("--model-repository", str(mine))
+    assert code == 0, checks
+    assert list(checks["models"]["details"]["models"]) == ["mymodel"]
+    config = _config(tmp_path)  # its models/ folder does not exist
+    code, checks = _checks("--config", str(config), "--model-repository", str(mine))
+    assert code == 0 and list(checks["models"]["details"]["models"]) == ["mymodel"], checks
 
 
 def test_a_model_whose_memory_would_be_a_lower_bound_is_named(tmp_path: Path) -> None:

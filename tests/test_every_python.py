@@ -123,3 +123,37 @@ def test_the_deployment_constraints_pinned_what_this_python_installed() -> None:
     off = {n: (v, wanted.get(n)) for n, v in seen.items() if wanted.get(n) != v}
     assert not off, f"installed, but not at this Python's pin (installed, pin): {off}"
     assert {"numpy", "onnxruntime", "grpcio", "protobuf", "uvloop"} <= set(seen)
+
+
+# what ONNX Runtime 1.23 (the last release for Python 3.10) requires but imports only in
+# its model tools (onnxruntime.tools, onnxruntime.transformers): 53 MiB a 3.10 device
+# may uninstall (the README's footprint)
+ENGINE_TOOLS_ONLY = ("sympy", "mpmath", "coloredlogs", "humanfriendly")
+
+SERVE_DEMO = """
+import asyncio, json, sys
+import numpy as np
+from appliance import InProcessServer
+
+async def main():
+    async with InProcessServer(None) as server:  # the demo models, their warm-up too
+        out = await server.infer("simple", {"INPUT0": np.ones((1, 16), np.int32),
+                                            "INPUT1": np.ones((1, 16), np.int32)})
+        assert int(out["OUTPUT0"].sum()) == 32
+asyncio.run(main())
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in sys.argv[1:])))
+"""
+
+
+def test_serving_never_imports_what_only_the_engines_tools_need() -> None:
+    """The demo models loaded, warmed up and serving in a fresh interpreter: none of
+    ONNX Runtime's tool-only dependencies is imported, so a device may remove them."""
+    done = subprocess.run(
+        [sys.executable, "-c", SERVE_DEMO, *ENGINE_TOOLS_ONLY],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == []

@@ -84,6 +84,10 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["serve", "--port", "1"], "(did you mean --http-port?) (see appliance serve --help)"),
         (["serve", "--memory-limit", "60"], "memory_limit: expected a size such as"),
         (["serve", "--config", "configs/models/mymodel/config.yaml"], "this is a model config"),
+        (  # flags given beside it do not hide what the file is
+            ["serve", "--config", "configs/models/mymodel/config.yaml", "--log-level", "info"],
+            "this is a model config",
+        ),
         (["serv"], "invalid choice: 'serv'"),
         (["doctor", "--jsn"], "(did you mean --json?) (see appliance doctor --help)"),
     ],

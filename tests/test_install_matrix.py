@@ -41,7 +41,6 @@ from pathlib import Path
 
 import pytest
 from cameras import BRIGHT_CONFIG, BRIGHT_MODEL, wait_for
-from ota_helpers import vectors
 from serve_process import startup_lines
 from test_every_python import normal, pins
 from test_readme import _blocks
@@ -279,23 +278,25 @@ def test_grpc_extra_and_tritonclient_grpc_beside_it(prepared: dict[str, Future])
 
 
 def test_ota_extra_runs_the_readme_fleet_commands(prepared: dict[str, Future]) -> None:
+    """The fleet-side lines of the README's OTA sequence (tests/test_readme.py runs all
+    of it over the default install plus this extra), with this extra alone."""
     env: Venv = prepared["ota"].result()
     assert not env.imports("grpc")
     demo = env.package_dir()
-    shutil.copytree(demo / "demo_models" / "simple" / "1", env.work / "models" / "simple" / "2")
-    shutil.copy2(demo / "demo_models" / "simple" / "config.yaml", env.work / "models" / "simple")
-    (env.work / "vectors.json").write_text(json.dumps(vectors()))
-    (block,) = _blocks("commands")
+    shutil.copytree(
+        demo / "demo_models" / "simple", env.work / "appliance" / "demo_models" / "simple"
+    )
+    shutil.copytree(ROOT / "configs" / "ota", env.work / "configs" / "ota")
+    (block,) = _blocks("shell")
     ran = 0
     for line in block.splitlines():
-        argv = shlex.split(line)
-        if not argv or argv[1:3] == ["fleet", "watch"]:  # follows a broker: tests/ota
-            continue
-        env.appliance(*argv[1:])
-        ran += 1
+        argv = shlex.split(line.split("#")[0])
+        if argv[:2] in (["appliance", "fleet"], ["appliance", "bundle"]) and argv[2] != "watch":
+            env.appliance(*argv[1:])
+            ran += 1
     assert ran == 6
-    shown = json.loads(env.appliance("bundle", "inspect", "simple-2.bundle").stdout)
-    assert shown["version"] == 2 and "simple" in json.dumps(shown)
+    shown = json.loads(env.appliance("bundle", "inspect", "simple-1.bundle").stdout)
+    assert shown["version"] == 1 and "simple" in json.dumps(shown)
 
 
 def test_client_extra_runs_the_readme_client_example(prepared: dict[str, Future]) -> None:

@@ -74,6 +74,20 @@ def test_the_unit_asks_for_what_the_server_provides() -> None:
     assert "u appliance " in sysusers
 
 
+def test_the_agent_unit_pulls_in_the_server_and_starts_after_it() -> None:
+    """Ordered after the server and pulling it in (Wants=), never bound to it: a server
+    that restarts must not stop the agent, which waits for it before a load."""
+    text = (UNITS / "appliance-ota.service").read_text()
+    settings: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if "=" in line and line[0] != "#":
+            key, value = line.split("=", 1)
+            settings.setdefault(key, []).extend(value.split())
+    assert "appliance.service" in settings["After"]
+    assert "appliance.service" in settings["Wants"]
+    assert "appliance.service" not in settings.get("BindsTo", []) + settings.get("Requires", [])
+
+
 # ---- the notify protocol ----------------------------------------------------------
 
 

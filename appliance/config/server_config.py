@@ -105,13 +105,14 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
             raise ConfigError(source, "", f"not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(source, "", f"expected a mapping, got {type(data).__name__}")
+    in_file = set(data)  # what the file says, before any flag: the model-config hint's
     overrides = dict(overrides)
     broker = overrides.pop("mqtt_broker", None)  # --mqtt-broker HOST:PORT
     data.update({k: v for k, v in overrides.items() if v is not None})
     if data.get("shared_memory") is False:  # YAML 1.1 reads a bare `off` as false
         data["shared_memory"] = "off"
     f = Fields(source, data)
-    if _MODEL_FIELDS & set(data) and not set(ServerConfig.__slots__) & set(data):
+    if _MODEL_FIELDS & in_file and not set(ServerConfig.__slots__) & in_file:
         raise ConfigError(
             source,
             "",

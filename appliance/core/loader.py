@@ -5,7 +5,8 @@ itself. A plain model version is built in four steps, each owned elsewhere:
 which backend and file serve it (:func:`resolve_backend`), the backend options
 every instance gets (:func:`backend_factory`), how many instances the memory
 budget admits (:func:`appliance.core.instances.start_within_budget`), and the config
-completed from the first instance's declared tensors (:func:`complete_from`).
+completed from the first instance's declared tensors (:func:`complete_from`;
+:func:`completed_config` does the same outside a load, for ``bundle build``).
 An ensemble is validated against the loaded step models instead.
 """
 
@@ -176,10 +177,9 @@ def backend_factory(
 
 
 def complete_from(
-    config: ModelConfig, first: ModelInstance, backend: str, path: Path, server: ServerConfig
+    config: ModelConfig, engine: backends.Backend, backend: str, path: Path, server: ServerConfig
 ) -> ModelConfig:
     """Triton's auto-complete: the config filled in from the first instance's tensors."""
-    engine = first.backend
     platform = config.platform or next(
         (p for p, b in backends.PLATFORMS.items() if b == backend), ""
     )
@@ -199,6 +199,22 @@ def complete_from(
         # capped by the engine's own limit (a TensorRT optimization profile)
         backends.auto_max_batch_size(engine, server.default_max_batch_size),
     )
+
+
+def completed_config(config: ModelConfig, version_dir: Path, server: ServerConfig) -> ModelConfig:
+    """The config ``version_dir`` would serve with: ``config`` completed as a load
+    completes it (:func:`resolve_backend`, one engine built with the load's options,
+    :func:`complete_from`), the engine closed again. For tools that ship a config
+    (``bundle build`` of a folder without one), so that what they ship is what the
+    server would have made of the folder."""
+    backend, path = resolve_backend(config, version_dir, server.allow_symlinked_models)
+    share_group = f"{config.name}:{version_dir.name}:{next(_LOADS)}"
+    factory = backend_factory(config, backend, path, (1, 1), share_group, server.model_key_file)
+    engine = factory(0)
+    try:
+        return complete_from(config, engine, backend, path, server)
+    finally:
+        engine.close()
 
 
 async def load_model_version(
@@ -222,7 +238,7 @@ async def load_model_version(
 
     async def prepare(first: ModelInstance) -> Warm:
         nonlocal completed
-        completed = complete_from(config, first, backend, path, server)
+        completed = complete_from(config, first.backend, backend, path, server)
         completed = load_initial_states(completed, version_dir.parent)
         samples = [
             _with_sequence_inputs(s, completed)

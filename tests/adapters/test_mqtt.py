@@ -7,6 +7,7 @@ matched by their v5 correlation data.
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import signal
@@ -23,6 +24,7 @@ import orjson
 import pytest
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
+from docs_examples import examples
 from mosquitto import Broker, Client, Reply, free_port, mqtt_metrics, require_mosquitto, wait_until
 
 from appliance.adapters.mqtt_codec import payload_form, read_device_file
@@ -867,3 +869,24 @@ def test_tls_with_a_client_certificate(
         and outputs(reply)["OUTPUT0"]["data"] == (2 * A).ravel().tolist()
     )
     assert mqtt_metrics(srv)["connected"] == 1
+
+
+def test_the_documented_paho_example_prints_its_reply(
+    run_appliance, broker, client, mqtt_repository
+):
+    """docs/mqtt.md's paho example as written (its broker's address put in), in a process
+    of its own: it waits for the reply and prints it."""
+    (example,) = examples("mqtt.md", "test_the_documented_paho_example_prints_its_reply")
+    start(run_appliance, mqtt_repository, broker.port, "cam-gate-3", "site-a/appliance")
+    wait_online(client(broker.port), "site-a/appliance", "cam-gate-3")
+    code = example.replace('connect("192.168.1.10", 1883)', f'connect("127.0.0.1", {broker.port})')
+    assert code != example
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    correlation, reply = done.stdout.split(" ", 1)
+    assert len(bytes.fromhex(correlation)) == 16  # the request's uuid
+    doc = ast.literal_eval(reply)  # the printed dict (print shows Python's form of the JSON)
+    out = {o["name"]: o["data"] for o in doc["outputs"]}
+    assert out["OUTPUT0"] == list(range(1, 17)) and out["OUTPUT1"] == list(range(-1, 15))

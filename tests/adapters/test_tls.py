@@ -8,6 +8,8 @@ import datetime
 import ipaddress
 import socket
 import ssl
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +23,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from docs_examples import examples
 from tritonclient.utils import InferenceServerException
 
 from appliance.config.fields import ConfigError
@@ -199,3 +202,30 @@ def test_failed_handshakes_do_not_hold_connection_slots(run_appliance, pki: Path
     assert not srv.server._grpc.connections
     for _ in range(2):  # both slots are free
         np.testing.assert_array_equal(_simple_grpc(_grpc(srv.grpc_url, pki, "client")), 2)
+
+
+def test_the_documented_clients_are_served(run_appliance, pki: Path) -> None:
+    """docs/tls.md's two client examples as written, in the folder holding ca.pem,
+    client.pem and client.key, the server's addresses put in for device.local's: both
+    are served under mutual TLS."""
+    srv = run_appliance(
+        pki.parent / "repo",
+        tls_cert=str(pki / "server.pem"),
+        tls_key=str(pki / "server.key"),
+        tls_client_ca=str(pki / "ca.pem"),
+    )
+    grpc_example, http_example = examples("tls.md", "test_the_documented_clients_are_served")
+    for example, here, url in (
+        (grpc_example, "device.local:8001", srv.grpc_url),
+        (http_example, "device.local:8000", srv.url),
+    ):
+        assert here in example
+        done = subprocess.run(
+            [sys.executable, "-c", example.replace(here, url)],
+            cwd=pki,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "True", done.stdout

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from docs_examples import examples
 from sequence_models import write_batching_repository, write_counter, write_sequence_repository
 from tritonclient.utils import InferenceServerException
 
@@ -293,8 +294,7 @@ def test_the_documented_example_runs(
     run_appliance: Callable[..., Any], sequence_repo: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """docs/sequence-batching.md's client example, against its documented model."""
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "sequence-batching.md").read_text()
-    example = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    (example,) = examples("sequence-batching.md", "test_the_documented_example_runs")
     srv = run_appliance(sequence_repo)
     assert (
         "sequence" in httpclient.InferenceServerClient(srv.url).get_server_metadata()["extensions"]

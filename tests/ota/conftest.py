@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from tests.mosquitto import Broker, require_mosquitto
-from tests.ota_device import Device
 from tests.ota_helpers import Fleet, LocalDevice, start_fleet
 
 
@@ -39,19 +38,6 @@ def device_on(
 @pytest.fixture
 def device(tmp_path: Path, device_on: Callable[[Path, Path], LocalDevice]) -> LocalDevice:
     return device_on(tmp_path / "models", tmp_path / "state")
-
-
-@pytest.fixture
-def real_device(tmp_path: Path) -> Iterator[tuple[Fleet, Device]]:
-    """A fleet and a device whose server is its own process (``appliance serve``),
-    not started yet."""
-    fleet = start_fleet(tmp_path / "fleet")
-    device = Device(tmp_path, fleet.server.url, fleet.repo / "metadata" / "1.root.json")
-    try:
-        yield fleet, device
-    finally:
-        device.stop()
-        fleet.server.stop()
 
 
 @pytest.fixture

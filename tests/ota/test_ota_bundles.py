@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import tarfile
 from pathlib import Path
 
 import pytest
+import urllib3
 
 from appliance.cli import main
+from appliance.config.triton_config import to_triton_json
 from devtools import modelgen
-from ota import OtaError, bundle, repo
+from ota import OtaError, bundle, release, repo
 from ota.rollout import Rollout
 from tests.ota_helpers import (
     PY_SIMPLE_CONFIG,
@@ -27,6 +30,7 @@ from tests.ota_helpers import (
     files_under,
     publish_raw,
     raw_bundle,
+    vectors,
     write_python_simple,
 )
 
@@ -211,3 +215,45 @@ def test_a_release_that_changes_the_backend_is_refused(fleet: Fleet, device: Loc
     assert "is installed with backend onnxruntime" in agent.state.last_error
     assert agent.state.models["simple"].bad == [2] and device.serving() == "1"
     assert not (device.models / "simple" / "2").exists()
+
+
+def test_a_folder_without_config_ships_the_config_the_server_completes(
+    fleet: Fleet, device: LocalDevice, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``serve`` auto-completes a folder holding only ``1/model.onnx``; ``bundle build``
+    does the same with the server's own code (one engine built and closed) and ships
+    the completed config as config.pbtxt, which the device installs and serves."""
+    folder = modelgen.write_model(fleet.src, "simple", modelgen.simple_add_sub(), None, 1)
+    assert sorted(p.name for p in folder.iterdir()) == ["1"]
+    vectors_file = fleet.root / "vectors.json"
+    vectors_file.write_text(json.dumps(vectors()))
+    out = fleet.root / "bare.bundle"
+    code, err = command(capsys, "bundle", "build", str(folder), "--version", "1", "-o", str(out),
+                        "--self-test", str(vectors_file))  # fmt: skip
+    assert code == 0, err
+    manifest, data = bundle.read(out)
+    assert manifest.config_file == "config.pbtxt" and manifest.backend == "onnxruntime"
+    shipped = release.read_config("simple", "config.pbtxt", data, "the bundle")
+    assert shipped.max_batch_size == 8 and shipped.dynamic_batching is not None
+    assert [(t.name, t.datatype, t.dims) for t in shipped.inputs] == [
+        ("INPUT0", "INT32", (16,)),
+        ("INPUT1", "INT32", (16,)),
+    ]
+    repo.publish(fleet.repo, fleet.keys, out, Rollout())
+    assert device().run_once()
+    assert device.serving() == "1"
+    served = json.loads(urllib3.request("GET", f"{device.url}/v2/models/simple/config").data)
+    expected = to_triton_json(shipped)
+    for key in ("max_batch_size", "input", "output", "dynamic_batching", "backend"):
+        assert served[key] == expected[key], key
+
+
+def test_a_missing_model_folder_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Named before the self-test file is read (which is missing too here)."""
+    missing = tmp_path / "models" / "simple"
+    out, vectors_file = tmp_path / "b.bundle", tmp_path / "v.json"
+    code, err = command(capsys, "bundle", "build", str(missing), "--version", "2", "-o", str(out),
+                        "--self-test", str(vectors_file))  # fmt: skip
+    assert code == 2 and str(missing) in err and "v.json" not in err, err

@@ -97,26 +97,25 @@ def test_killed_at_any_point_converges(chain: Chain, point: str, power_cut: bool
     agree(device.truth(), new)
 
 
-def test_a_corrupt_state_file_is_recovered(real_device: tuple[Fleet, Device]) -> None:
+def test_a_corrupt_state_file_is_recovered(chain: Chain) -> None:
     """A truncated state.json (a power cut on a file system without data journaling):
     the agent resumes from state.json.prev; with both damaged it rebuilds its state
-    from the model repository; `ota status` says so. Never a traceback."""
-    fleet, device = real_device
-    fleet.publish(1)
-    device.start()
-    assert device.agent(check=True).returncode == 0
+    from the model repository; `ota status` says so. Never a traceback. (On the chain's
+    device, where the crash cases left it.)"""
+    fleet, device, v = chain.fleet, chain.device, chain.version
+    assert device.agent(check=True).returncode == 0  # a cycle with nothing to do
     state_file = device.state_dir / "state.json"
     prev = device.state_dir / "state.json.prev"
-    assert json.loads(prev.read_text())["models"]["simple"]["current"] == 1
+    assert json.loads(prev.read_text())["models"]["simple"]["current"] == v
 
     state_file.write_bytes(state_file.read_bytes()[:40])  # truncated mid-write
     status = json.loads(device_status(device))
     assert "resumed from state.json.prev" in status["note"]
-    fleet.publish(2)
+    fleet.publish(v + 1)
     run = device.agent()
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
     assert "resumed from state.json.prev" in run.stderr
-    agree(device.truth(), 2)
+    agree(device.truth(), v + 1)
 
     state_file.write_text('{"phase": "load", "job": {"model": 3')
     prev.write_text("\0" * 64)  # both damaged: rebuilt from what is on disk
@@ -125,12 +124,13 @@ def test_a_corrupt_state_file_is_recovered(real_device: tuple[Fleet, Device]) ->
     run = device.agent()
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
     rebuilt = StateFile(device.state_dir).load()
-    assert rebuilt is not None and rebuilt.models["simple"].current == 2
-    assert rebuilt.models["simple"].previous == [1]
-    agree(device.truth(), 2)
-    fleet.publish(3)  # and it goes on updating
+    assert rebuilt is not None and rebuilt.models["simple"].current == v + 1
+    assert rebuilt.models["simple"].previous == [v]
+    agree(device.truth(), v + 1)
+    fleet.publish(v + 2)  # and it goes on updating
     assert device.agent().returncode == 0
-    agree(device.truth(), 3)
+    agree(device.truth(), v + 2)
+    chain.version = v + 2
 
 
 def device_status(device: Device) -> str:
@@ -139,12 +139,11 @@ def device_status(device: Device) -> str:
     return result.stdout
 
 
-def test_two_agents_never_work_at_once(real_device: tuple[Fleet, Device]) -> None:
+def test_two_agents_never_work_at_once(chain: Chain) -> None:
     """A unit restarted while the old agent lingers: the second one finds the state
     folder locked, says which pid holds it and changes nothing."""
-    fleet, device = real_device
-    fleet.publish(1)
-    device.start()
+    fleet, device, v = chain.fleet, chain.device, chain.version
+    fleet.publish(v + 1)
     cfg = ota_config.load(device.config)
     first = Agent(cfg)
     results: list[str] = []
@@ -159,24 +158,20 @@ def test_two_agents_never_work_at_once(real_device: tuple[Fleet, Device]) -> Non
     assert first.run_once(), first.state.last_error
     stderr, code = results
     assert code == "2" and "another update agent" in stderr and "Traceback" not in stderr
-    agree(device.truth(), 1)
+    agree(device.truth(), v + 1)
+    chain.version = v + 1
 
 
-def test_a_phase_the_agent_keeps_dying_in_gives_the_version_up(
-    real_device: tuple[Fleet, Device],
-) -> None:
+def test_a_phase_the_agent_keeps_dying_in_gives_the_version_up(chain: Chain) -> None:
     """As when the OOM killer takes the agent each time it verifies a hostile bundle:
     after three deaths in one phase the version is refused as bad, not retried forever."""
-    fleet, device = real_device
-    fleet.publish(1)
-    device.start()
-    assert device.agent().returncode == 0
-    fleet.publish(2)
+    fleet, device, v = chain.fleet, chain.device, chain.version
+    fleet.publish(v + 1)
     for _ in range(3):
         killed = device.agent(kill_at="step:verify")
         assert killed.returncode == -signal.SIGKILL, killed.stderr
     run = device.agent()
     assert run.returncode == 1 and "interrupted 3 times during verify" in run.stderr
     state = StateFile(device.state_dir).load()
-    assert state is not None and state.models["simple"].bad == [2]
-    agree(device.truth(), 1)
+    assert state is not None and state.models["simple"].bad == [v + 1]
+    agree(device.truth(), v)

@@ -13,13 +13,14 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ota.state import StateFile
 from tests.ota_device import Device
-from tests.ota_helpers import Fleet, LocalDevice
+from tests.ota_helpers import Fleet, LocalDevice, start_fleet
 
 
 def faketime_env(offset: str) -> dict[str, str]:
@@ -42,35 +43,54 @@ def floor(device: Device) -> float:
     return state.clock_floor
 
 
-def test_a_clock_ahead_then_corrected_recovers(real_device: tuple[Fleet, Device]) -> None:
-    fleet, device = real_device
-    fleet.publish(1)
-    device.start()
+@pytest.fixture(scope="module")
+def clock_device(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, Device]]:
+    """One fleet with version 1 published and one device (its server a process of its
+    own) for the clock cases: each starts from whatever the other left committed."""
+    tmp = tmp_path_factory.mktemp("clock")
+    fleet = start_fleet(tmp / "fleet")
+    device = Device(tmp, fleet.server.url, fleet.repo / "metadata" / "1.root.json")
+    try:
+        fleet.publish(1)
+        device.start()
+        yield fleet, device
+    finally:
+        device.stop()
+        fleet.server.stop()
+
+
+def published(fleet: Fleet) -> int:
+    """The newest version the fleet published."""
+    return max(int(p.name.split("-")[1].split(".")[0]) for p in fleet.root.glob("simple-*.bundle"))
+
+
+def test_a_clock_ahead_then_corrected_recovers(clock_device: tuple[Fleet, Device]) -> None:
+    fleet, device = clock_device
+    v = published(fleet)
     env = faketime_env("+400d")  # far ahead: the metadata looks expired
     ahead = device.agent(env=env)
     assert ahead.returncode == 1 and "Expired" in ahead.stderr, ahead.stderr
     assert floor(device) <= time.time()  # the imagined time was not recorded
     right = device.agent()  # NTP set the clock right
     assert right.returncode == 0, right.stderr
-    assert device.version() == "1"
+    assert device.version() == str(v)
 
-    fleet.publish(2)
+    fleet.publish(v + 1)
     a_little = device.agent(env=faketime_env("+2h"))  # ahead, but the metadata is valid
     assert a_little.returncode == 0, a_little.stderr
-    assert device.version() == "2"
+    assert device.version() == str(v + 1)
     assert floor(device) <= time.time()  # the floor stops where the repository vouches
-    fleet.publish(3)
+    fleet.publish(v + 2)
     right = device.agent()
     assert right.returncode == 0, right.stderr
-    assert device.version() == "3"
+    assert device.version() == str(v + 2)
 
 
-def test_a_clock_behind_is_still_refused(real_device: tuple[Fleet, Device]) -> None:
+def test_a_clock_behind_is_still_refused(clock_device: tuple[Fleet, Device]) -> None:
     """What the floor is for: a device that boots at an old time waits for NTP."""
-    fleet, device = real_device
-    fleet.publish(1)
-    device.start()
+    fleet, device = clock_device
     assert device.agent().returncode == 0
+    assert device.version() == str(published(fleet))
     behind = device.agent(env=faketime_env("-3d"))
     assert behind.returncode == 1 and "waiting for it to be set (NTP)" in behind.stderr
 

@@ -143,6 +143,26 @@ def test_malformed_reports_are_skipped_and_counted(broker: Broker) -> None:
     assert "simple v1: pending 0 updated 1" in out
 
 
+def test_a_withdrawn_job_is_shown_and_never_counted_as_a_failure(broker: Broker) -> None:
+    """A device's report goes from an update under way to withdrawn (the fleet halted
+    the version): the watcher's line for that version says so, not "pending 1"."""
+    mqtt = MqttConfig(host="127.0.0.1", port=broker.port, topic_prefix="fleet")
+    r = Reporter(mqtt, "cam-1")
+    r.publish({"model": "simple", "version": 2, "state": "download", "result": ""})
+    r.close()
+    assert "simple v2: pending 1 updated 0 failed 0 rolled back 0" in watch(broker, reports=1)
+    r = Reporter(mqtt, "cam-1")
+    r.publish({"model": "simple", "version": 2, "state": "idle", "result": "withdrawn"})
+    r.close()
+    out = watch(broker, "--min-reports", "1", "--halt-at-failure-rate", "0", reports=1)
+    last = [line for line in out.splitlines() if line.startswith("simple v2")][-1]
+    assert last == (
+        "simple v2: pending 0 updated 0 failed 0 rolled back 0 withdrawn 1 "
+        "(judged once 1 devices reported: --min-reports; 0 so far)"
+    )
+    assert "halting" not in out
+
+
 def test_the_watcher_says_what_it_waits_for(broker: Broker, fleet: Fleet) -> None:
     mqtt = MqttConfig(host="127.0.0.1", port=broker.port, topic_prefix="fleet")
     for d in ("cam-1", "cam-2"):

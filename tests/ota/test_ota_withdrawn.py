@@ -6,6 +6,7 @@ metadata instead of retrying the same job forever."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -43,7 +44,7 @@ def test_withdrawn_mid_download_is_never_installed(
 
 
 def test_halted_while_under_test_is_rolled_back_not_marked_bad(
-    fleet: Fleet, device: LocalDevice
+    fleet: Fleet, device: LocalDevice, caplog: pytest.LogCaptureFixture
 ) -> None:
     fleet.publish(1)
     assert device().run_once()
@@ -51,7 +52,11 @@ def test_halted_while_under_test_is_rolled_back_not_marked_bad(
     agent = device()
     # the fleet halts version 2 while this device runs its self-test
     agent.hook = lambda phase: phase == "self_test" and withdraw(fleet, "halt", 2)
-    assert agent.run_once(), agent.state.last_error
+    with caplog.at_level(logging.INFO, logger="ota"):
+        assert agent.run_once(), agent.state.last_error
+    said = [r for r in caplog.records if "withdrawn" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING], said  # said once, not an error
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert agent.state.history[-1]["result"] == "withdrawn"
     assert "no longer offers" in agent.state.history[-1]["error"]
     assert device.serving() == "1" and agent.state.models["simple"].current == 1
