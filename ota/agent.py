@@ -246,7 +246,7 @@ class Agent:
             if phase in SERVER_PHASES and not job.committed:
                 return self._roll_back(job, f"the server stopped during {phase}: {exc}")
             return self._transient(str(exc))
-        if isinstance(exc, download.Dropped):  # a bad mirror or a deadline: start over later
+        if isinstance(exc, download.Dropped):  # a deadline: start over later
             commit.finish(self.ctx, job, "refused", str(exc))
             return False
         if isinstance(exc, OSError):
