@@ -53,6 +53,14 @@ def _fleet(args: argparse.Namespace) -> int:
         )
         for base, info in sorted(repo.deltas_of(target).items()):
             print(f"  delta from version {base}: {info['length']} bytes ({info['path']})")
+        manifest = bundle.first_manifest(args.file)
+        if not manifest.self_test:
+            print(
+                f"appliance: warning: {manifest.name} version {manifest.version} has no "
+                "self-test vectors: devices probe it with inputs generated from its config, "
+                "which proves it answers, not that it answers right (bundle build --self-test)",
+                file=sys.stderr,
+            )
     elif cmd == "rollout":
         halted = True if args.halt else (False if args.resume else None)
         new = repo.set_rollout(args.repo, args.keys, args.model, args.version, args.percent, halted)

@@ -40,7 +40,8 @@ def payload(device_id: str, state: AgentState, result: str = "") -> dict[str, An
     ``result``: "" while a job is under way, else that job's outcome (``event`` says
     "error" when this report is about a failed check, not a job); ``results``: the
     last outcome of each model; ``shadow`` the agreement shadow probation measured,
-    ``download`` whether it came as a delta and the bytes it saved; ``window_opens``
+    ``download`` whether it came as a delta and the bytes it saved; ``probe`` the
+    kind of probes self-test and probation sent (ota.probes); ``window_opens``
     when a job waits for a maintenance window."""
     job = state.job
     last: dict[str, dict[str, Any]] = {}
@@ -59,7 +60,7 @@ def payload(device_id: str, state: AgentState, result: str = "") -> dict[str, An
         "error": state.last_error,
         "time": time.time(),
         # how the job (or the last one) came and what its shadow probation saw
-        **{k: v for k in ("shadow", "download") if (v := _detail(job, latest, k))},
+        **{k: v for k in ("shadow", "download", "probe") if (v := _detail(job, latest, k))},
         **({"window_opens": job.window_opens} if job and job.window_opens else {}),
     }
 

@@ -75,6 +75,7 @@ class Job:
     bad: bool = True  # whether a rollback marks the version bad (a withdrawal does not)
     result: str = ""  # the result a rollback reports: rolled_back or withdrawn
     probation: dict[str, int] = field(default_factory=dict)  # what probation counted
+    probe: str = ""  # the probes self-test and probation sent (ota.probes)
     # the signed delta from ``previous`` (ota.fetching): target, length, sha256, base and
     # the full target's content hashes; emptied when the agent falls back to the full
     # bundle
