@@ -40,6 +40,7 @@ from ota import (
     Rollback,
     Transient,
     Withdrawn,
+    abinstall,
     check,
     clock,
     commit,
@@ -47,6 +48,7 @@ from ota import (
     faults,
     fetching,
     install,
+    selfupdate,
     space,
     trial,
 )
@@ -137,6 +139,8 @@ class Agent:
         ctx, state = self.ctx, self.ctx.state
         try:
             commit.converge(ctx)
+            if abinstall.converge(self.cfg):  # a software job a crash interrupted
+                ctx.report()
         except OSError as exc:
             raise Transient(f"cannot repair the model repository: {exc}") from None
         now = time.time()
@@ -165,7 +169,7 @@ class Agent:
             if job is None:
                 state.last_error = ""
                 ctx.enter("idle")
-                return True
+                return self._software(fresh)
             state.job = job
             ctx.enter("download")
         elif not job.committed and state.phase != "rollback":
@@ -201,6 +205,23 @@ class Agent:
             started=time.time(),
             delta=check.delta_for(fresh, offer, previous),
         )
+
+    def _software(self, fresh: check.Fresh) -> bool:
+        """With no model job: the newest software release, installed A/B."""
+        try:
+            result = selfupdate.run(self.ctx, fresh)
+        except download.Dropped as exc:
+            return self._transient(str(exc))
+        except Transient as exc:
+            return self._transient(str(exc))
+        except OtaError as exc:
+            log.error("ota: software refused: %s", exc)
+            self.ctx.state.last_error = str(exc)
+            self.ctx.report("refused")
+            return False
+        if result:
+            self.ctx.report(result)
+        return result in ("", "updated")
 
     def _gate(self, job: Job) -> None:
         """Withdrawn unless fresh verified metadata still offers ``job``."""

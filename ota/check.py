@@ -143,6 +143,8 @@ def offers(cfg: OtaConfig, state: AgentState, targets: Metadata[Targets]) -> dic
     best: dict[str, Offer] = {}
     for target in targets.signed.targets.values():
         info = _info(target)
+        if info is not None and info.get("kind") == "software":
+            continue  # the appliance itself: ota.selfupdate
         chosen = applies(cfg, state, info) if info is not None else None
         if info is None or chosen is None:
             continue

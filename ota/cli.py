@@ -27,6 +27,10 @@ SEAL_TO = (
     "appliance ota model-key prints a device's)"
 )
 DELTA_FROM = "an older bundle of the model: publish a delta from it too (repeatable)"
+WHEELS = (
+    "a folder of the dependency wheels for the target (default: pip download them for "
+    "--platform and --python under --constraints)"
+)
 CONFIG = Path("/etc/appliance/appliance.yaml")
 
 
@@ -104,6 +108,15 @@ def register(sub: Any) -> None:
     p.add_argument("--self-test", type=Path, help="JSON list of self-test vectors")
     p.add_argument("--shadow", type=Path, help="JSON shadow probation policy (docs/ota.md)")
     p.add_argument("--seal-to", action="append", default=[], metavar="KEY", help=SEAL_TO)
+    p = bs.add_parser("build-software", help="bundle the appliance itself, its wheels and SBOM")
+    p.add_argument("-o", "--output", type=Path, required=True, help="the bundle file to write")
+    p.add_argument("--wheel", type=Path, help="the appliance's wheel (default: built from --source)")
+    p.add_argument("--source", type=Path, default=Path("."), help="the project to build it from")
+    p.add_argument("--wheels", type=Path, help=WHEELS)
+    p.add_argument("--constraints", type=Path, default=Path("constraints.txt"), help="the pins")
+    p.add_argument("--python", default="", help="the target's Python, e.g. 3.11 (default: this)")
+    p.add_argument("--platform", choices=["x86_64", "aarch64"], help="default: this machine's")
+    p.add_argument("--extras", default="ota", help="extras to install (default: ota)")
     p = bs.add_parser("inspect", help="show a bundle's manifest after checking every member")
     p.add_argument("file", type=Path, help="the bundle file")
     p.add_argument(

@@ -14,7 +14,7 @@ from typing import Any
 
 from appliance.errors import ApplianceError
 from appliance.sdnotify import Notifier
-from ota import OtaError, bundle, devicekey, keys, repo, sealing, watch
+from ota import OtaError, bundle, devicekey, keys, repo, sealing, software, watch
 from ota import config as ota_config
 from ota.agent import Agent
 from ota.rollout import Rollout
@@ -53,8 +53,9 @@ def _fleet(args: argparse.Namespace) -> int:
         )
         for base, info in sorted(repo.deltas_of(target).items()):
             print(f"  delta from version {base}: {info['length']} bytes ({info['path']})")
-        manifest = bundle.first_manifest(args.file)
-        if not manifest.self_test:
+        is_software = software.first(args.file).get("kind") == software.KIND
+        manifest = None if is_software else bundle.first_manifest(args.file)
+        if manifest is not None and not manifest.self_test:
             print(
                 f"appliance: warning: {manifest.name} version {manifest.version} has no "
                 "self-test vectors: devices probe it with inputs generated from its config, "
@@ -80,6 +81,15 @@ def _fleet(args: argparse.Namespace) -> int:
 
 
 def _bundle(args: argparse.Namespace) -> int:
+    if args.bundle_command == "build-software":
+        sw = software.build(
+            args.output, args.constraints, wheel=args.wheel, source=args.source,
+            deps=args.wheels, python=args.python, platform=args.platform,
+            extras=tuple(e for e in args.extras.split(",") if e),
+        )  # fmt: skip
+        print(f"software {sw.version} for Python {sw.python} on {sw.platform}: "
+              f"{len(sw.files)} files, SBOM sha256 {sw.sbom_sha256} -> {args.output}")  # fmt: skip
+        return 0
     if args.bundle_command == "inspect":
         print(bundle.describe(bundle.inspect(args.file, args.max_size)))
         return 0

@@ -35,7 +35,7 @@ from tuf.api.metadata import (
 )
 from tuf.api.serialization.json import JSONSerializer
 
-from ota import ROLES, OtaError, bundle, clock, delta, keys, release
+from ota import ROLES, OtaError, bundle, clock, delta, keys, release, software
 from ota.rollout import Rollout
 
 _SERIALIZER = JSONSerializer(compact=False)
@@ -217,6 +217,8 @@ def publish(
     not diff).
     """
     expiry = expiry or Expiry()
+    if software.first(bundle_file).get("kind") == software.KIND:
+        return _publish_software(repo, keys_dir, bundle_file, rollout, expiry)
     manifest, config = bundle.read(bundle_file)
     release.check_bundle(manifest, config)  # what a device would refuse, refused here
     path = target_path(manifest.name, manifest.version)
@@ -243,6 +245,27 @@ def publish(
     signed["content"] = delta.content_hashes(bundle_file)
     if deltas:
         signed["deltas"] = deltas
+    target.unrecognized_fields["custom"] = {"appliance": signed}
+    _store(repo, path, bundle_file, digest)
+    targets.signed.targets[path] = target
+    _sign_chain(repo, keys_dir, targets, expiry, bump=True)
+    return target
+
+
+def _publish_software(
+    repo: Path, keys_dir: Path, bundle_file: Path, rollout: Rollout, expiry: Expiry
+) -> TargetFile:
+    """A software bundle as a target of its own kind, ``appliance/appliance-<v>.software``,
+    with the same rollout settings a model bundle has."""
+    manifest = software.read(bundle_file, bundle.DEFAULT_MAX_BYTES)
+    path = f"{software.NAME}/{software.NAME}-{manifest.version}.software"
+    targets: Metadata[Targets] = _load(repo / "metadata", "targets")
+    digest = _sha256(bundle_file)
+    known = targets.signed.targets.get(path)
+    if known is not None and known.hashes.get("sha256") != digest:
+        raise OtaError(f"software {manifest.version} is already published with other bytes")
+    target = TargetFile.from_file(path, str(bundle_file), ["sha256"])
+    signed = {**manifest.summary(), "rollout": rollout.to_json()}
     target.unrecognized_fields["custom"] = {"appliance": signed}
     _store(repo, path, bundle_file, digest)
     targets.signed.targets[path] = target
