@@ -110,7 +110,7 @@ def register(sub: Any) -> None:
     p.add_argument("--seal-to", action="append", default=[], metavar="KEY", help=SEAL_TO)
     p = bs.add_parser("build-software", help="bundle the appliance itself, its wheels and SBOM")
     p.add_argument("-o", "--output", type=Path, required=True, help="the bundle file to write")
-    p.add_argument("--wheel", type=Path, help="the appliance's wheel (default: built from --source)")
+    p.add_argument("--wheel", type=Path, help="the appliance wheel (else built)")
     p.add_argument("--source", type=Path, default=Path("."), help="the project to build it from")
     p.add_argument("--wheels", type=Path, help=WHEELS)
     p.add_argument("--constraints", type=Path, default=Path("constraints.txt"), help="the pins")

@@ -175,7 +175,7 @@ def build(
         if wheel is None:
             if source is None:
                 raise OtaError("give the appliance's wheel (--wheel) or its source (--source)")
-            _pip(["wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp / "own"),
+            _pip(["wheel", "--no-deps", "-q", "-w", str(tmp / "own"),
                   str(source)], "building the appliance's wheel")  # fmt: skip
             wheel = next((tmp / "own").glob("*.whl"))
         name, version, summary = _wheel_meta(wheel)
