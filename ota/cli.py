@@ -27,6 +27,7 @@ SEAL_TO = (
     "appliance ota model-key prints a device's)"
 )
 DELTA_FROM = "an older bundle of the model: publish a delta from it too (repeatable)"
+TARGET = "a target path to include (repeatable; default: every current target)"
 WHEELS = (
     "a folder of the dependency wheels for the target (default: pip download them for "
     "--platform and --python under --constraints)"
@@ -67,6 +68,10 @@ def register(sub: Any) -> None:
     p = fs.add_parser("refresh", help="re-sign the timestamp (run it from a daily timer)")
     p.add_argument("repo", type=Path, help="folder of the TUF repository")
     p.add_argument("--keys", type=Path, required=True, help=KEYS)
+    p = fs.add_parser("export", help="the metadata and bundles in one file, for offline sites")
+    p.add_argument("repo", type=Path, help="folder of the TUF repository")
+    p.add_argument("-o", "--output", type=Path, required=True, help="the file to write")
+    p.add_argument("--target", action="append", default=[], help=TARGET)
     p = fs.add_parser("rotate", help="replace a role's key (new root signed by the old)")
     p.add_argument("repo", type=Path, help="folder of the TUF repository")
     p.add_argument("role", choices=["root", "targets", "snapshot", "timestamp"], help="role")
@@ -132,6 +137,9 @@ def register(sub: Any) -> None:
     p.add_argument("--config", type=Path, default=CONFIG, help="the server config (its ota:)")
     p.add_argument("--once", action="store_true", help="one cycle, then exit 0 / 1")
     p = os_.add_parser("status", help="the agent's state")
+    p.add_argument("--config", type=Path, default=CONFIG, help="the server config (its ota:)")
+    p = os_.add_parser("import", help="install from an export file (appliance fleet export)")
+    p.add_argument("file", type=Path, help="the export file")
     p.add_argument("--config", type=Path, default=CONFIG, help="the server config (its ota:)")
     p = os_.add_parser("model-key", help="the key sealed models open with (made if missing)")
     p.add_argument("key_file", type=Path, help="the private key file (the server's model_key_file)")

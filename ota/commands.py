@@ -14,7 +14,7 @@ from typing import Any
 
 from appliance.errors import ApplianceError
 from appliance.sdnotify import Notifier
-from ota import OtaError, bundle, devicekey, keys, repo, sealing, software, watch
+from ota import OtaError, bundle, devicekey, keys, offline, repo, sealing, software, watch
 from ota import config as ota_config
 from ota.agent import Agent
 from ota.rollout import Rollout
@@ -72,6 +72,9 @@ def _fleet(args: argparse.Namespace) -> int:
     elif cmd == "remove":
         repo.remove(args.repo, args.keys, args.model, args.version)
         print(f"{args.model} version {args.version} removed from the signed targets")
+    elif cmd == "export":
+        paths = offline.export(args.repo, args.output, tuple(args.target))
+        print(f"{args.output}: the metadata and {len(paths)} target(s): {', '.join(paths)}")
     elif cmd == "rotate":
         version = repo.rotate(args.repo, args.keys, args.role)
         print(f"{args.role} key rotated; root version {version}")
@@ -144,6 +147,14 @@ def _ota(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2, sort_keys=True))
         return 0
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    if args.ota_command == "import":
+        ok, done = offline.import_file(cfg, args.file)
+        for entry in done:
+            print(json.dumps(entry, sort_keys=True))
+        if not done:
+            print(f"nothing in {args.file} applies to this device (already installed, another "
+                  "platform or Python, or outside its rollout)")  # fmt: skip
+        return 0 if ok else 1
     agent = Agent(cfg)
     try:
         if args.once:

@@ -19,12 +19,14 @@ downgrade (:func:`check_device`). The install is :mod:`ota.abinstall`.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import json
 import re
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -208,9 +210,6 @@ def build(
 
 
 def _write(out: Path, manifest: bytes, payload: list[tuple[str, bytes]]) -> None:
-    import gzip
-    import tarfile
-
     with (
         open(out, "wb") as raw,
         gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz,

@@ -13,6 +13,7 @@ seconds): each case publishes the next version.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,11 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from ota import abinstall, software
+from ota import abinstall, devicekey, report, software
 from ota import config as ota_config
 from ota.agent import Agent
 from ota.config import OtaConfig
-from tests.ota_device import Device, appliance
+from ota.state import StateFile
+from tests.ota_device import Device, appliance, cli
 from tests.ota_helpers import Fleet, start_fleet
 from tests.ota_software import Supervisor, release
 
@@ -164,3 +166,30 @@ def test_killed_at_any_software_phase_converges(site: Site, point: str, power_cu
     again = appliance(*args, check=False, timeout=300)
     assert again.returncode in (0, 1), again.stderr[-2000:]
     site.agrees(old if broken else new)
+
+
+def test_a_software_release_imported_from_a_file_takes_the_same_path(site: Site) -> None:
+    new = site.publish()
+    exported = site.work / "software.export"
+    cli("fleet", "export", str(site.fleet.repo), "-o", str(exported),
+        "--target", f"appliance/appliance-{new}.software")  # fmt: skip
+    done = appliance("ota", "import", str(exported), "--config", str(site.device.config),
+                     check=False, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1])["software"]["result"] == "updated"
+    site.agrees(new)
+
+
+def test_the_signed_report_names_the_software_its_sbom_and_the_models(site: Site) -> None:
+    key = devicekey.load(site.cfg.state_dir)
+    assert key is not None
+    state = StateFile(site.cfg.state_dir).load()
+    assert state is not None
+    sw = report.software_of(site.layout.root)
+    signed = devicekey.sign(report.payload("cam-gate-3", state, "", sw), key)
+    assert devicekey.verify(signed, key.public_key())
+    sbom = (site.layout.envs / site.committed / software.SBOM).read_bytes()
+    assert signed["software"]["version"] == site.committed
+    assert signed["software"]["sbom_sha256"] == hashlib.sha256(sbom).hexdigest()
+    assert signed["current"] == {"simple": 1}
+    assert not devicekey.verify({**signed, "software": {**sw, "version": "9.9"}}, key.public_key())
