@@ -300,3 +300,25 @@ def converge(cfg: OtaConfig) -> str:
         lay.flip(committed)
         restart(cfg)
     return ""
+
+
+def rescue(cfg: OtaConfig) -> str:
+    """The unit-level rule's action (``appliance ota rescue``, run by
+    ``OnFailure=`` when the agent of the committed version cannot start): flip back
+    to the version it replaced, mark it bad, restart the server. What it did."""
+    lay = Layout(cfg)
+    doc = lay.load()
+    job = doc.get("job")
+    failing = str(job["version"]) if job else str(doc["committed"])
+    back = str(doc["committed"]) if job else str(doc.get("previous", ""))
+    if not back or back == failing or not lay.installed(back):
+        return f"nothing to roll back to from software {failing or 'none'}"
+    if failing not in doc["bad"]:
+        doc["bad"].append(failing)
+    doc["committed"], doc["job"] = back, None
+    why = "its update agent could not start (rescued by the unit rule)"
+    doc["last"] = {"version": failing, "result": "rolled_back", "time": time.time(), "error": why}
+    lay.save(doc)
+    lay.flip(back)
+    restart(cfg)
+    return f"software {failing} rolled back to {back}"

@@ -73,6 +73,7 @@ class Agent:
         self.cfg = config
         self.ctx = Context(config, hook)
         self.lock = StateLock(config.state_dir)
+        self.software_updated = False  # a software update committed: time to make way
         self._load_state()
         self.steps: dict[str, Step] = {
             "download": fetching.download_step,
@@ -221,6 +222,8 @@ class Agent:
             return False
         if result:
             self.ctx.report(result)
+        # a new agent runs from ``current`` now: the service exits so its unit starts it
+        self.software_updated = self.software_updated or result == "updated"
         return result in ("", "updated")
 
     def _gate(self, job: Job) -> None:
@@ -346,6 +349,9 @@ class Agent:
                 log.error("ota: %s", exc if isinstance(exc, OtaError) else repr(exc))
                 log.debug("ota: cycle failed", exc_info=exc)
                 self.ctx.state.next_check = time.time() + self.cfg.check_interval_s  # no busy loop
+            if self.software_updated:
+                log.info("ota: software updated: exiting, so the new agent takes over")
+                return
             state = self.ctx.state
             while not stop.wait(min(_IDLE_BEAT_S, max(0.0, state.next_check - time.time()))):
                 self.ctx.alive_at = time.monotonic()  # idle, and alive

@@ -141,6 +141,8 @@ def register(sub: Any) -> None:
     p = os_.add_parser("import", help="install from an export file (appliance fleet export)")
     p.add_argument("file", type=Path, help="the export file")
     p.add_argument("--config", type=Path, default=CONFIG, help="the server config (its ota:)")
+    p = os_.add_parser("rescue", help="roll software back when its agent cannot start")
+    p.add_argument("--config", type=Path, default=CONFIG, help="the server config (its ota:)")
     p = os_.add_parser("model-key", help="the key sealed models open with (made if missing)")
     p.add_argument("key_file", type=Path, help="the private key file (the server's model_key_file)")
 

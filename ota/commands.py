@@ -14,11 +14,24 @@ from typing import Any
 
 from appliance.errors import ApplianceError
 from appliance.sdnotify import Notifier
-from ota import OtaError, bundle, devicekey, keys, offline, repo, sealing, software, watch
+from ota import (
+    OtaError,
+    abinstall,
+    bundle,
+    devicekey,
+    keys,
+    offline,
+    repo,
+    sealing,
+    software,
+    watch,
+)
 from ota import config as ota_config
 from ota.agent import Agent
 from ota.rollout import Rollout
 from ota.state import StateFile
+
+SOFTWARE_UPDATED = 3  # the agent exits so its unit starts the new one from ``current``
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,6 +160,9 @@ def _ota(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2, sort_keys=True))
         return 0
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    if args.ota_command == "rescue":
+        print(abinstall.rescue(cfg))
+        return 0
     if args.ota_command == "import":
         ok, done = offline.import_file(cfg, args.file)
         for entry in done:
@@ -167,9 +183,10 @@ def _ota(args: argparse.Namespace) -> int:
         notifier.notify("READY=1", f"STATUS=checking {cfg.source} every {cfg.check_interval_s:g}s")
         agent.run_forever(stop)
         notifier.notify("STOPPING=1")
+        stop.set()
         if watchdog is not None:
             watchdog.join()
-        return 0
+        return SOFTWARE_UPDATED if agent.software_updated else 0
     finally:
         agent.close()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +104,12 @@ def test_a_good_release_is_committed_and_serves_the_same_models(site: Site) -> N
     old = site.committed
     new = site.publish()
     agent = Agent(site.cfg)
-    assert agent.run_once(), agent.state.last_error
+    stop = threading.Event()
+    service = threading.Thread(target=agent.run_forever, args=(stop,), daemon=True)
+    service.start()
+    service.join(180)  # the service makes way for the new agent by itself
+    stop.set()
+    assert not service.is_alive() and agent.software_updated, agent.state.last_error
     site.agrees(new)
     envs = sorted(p.name for p in site.layout.envs.iterdir())
     assert envs == [old, new]  # the one to roll back to is kept
@@ -193,3 +199,14 @@ def test_the_signed_report_names_the_software_its_sbom_and_the_models(site: Site
     assert signed["software"]["sbom_sha256"] == hashlib.sha256(sbom).hexdigest()
     assert signed["current"] == {"simple": 1}
     assert not devicekey.verify({**signed, "software": {**sw, "version": "9.9"}}, key.public_key())
+
+
+def test_the_unit_rule_rolls_back_a_release_whose_agent_cannot_start(site: Site) -> None:
+    """What OnFailure= runs (appliance-ota-rescue.service): back to the version the
+    failing one replaced, which is marked bad."""
+    doc = site.layout.load()
+    failing, back = doc["committed"], doc["previous"]
+    done = appliance("ota", "rescue", "--config", str(site.device.config))
+    assert f"software {failing} rolled back to {back}" in done.stdout
+    site.agrees(back)
+    assert failing in site.layout.load()["bad"]
