@@ -194,6 +194,13 @@ class Agent:
             return None
         check.fits_budget(self.cfg, self.ctx.api, offer)
         previous = check.current(self.cfg, self.ctx.state, offer.model)
+        ms = self.ctx.state.model(offer.model)
+        if offer.version in ms.bad:  # the fleet asked the devices that failed to retry
+            info = offer.target.custom.get("appliance", {})
+            ms.retried[str(offer.version)] = int(info.get("rollout", {}).get("retry", 0))
+            ms.bad.remove(offer.version)
+            log.info("ota: %s version %d failed here before; the fleet asks for a retry",
+                     offer.model, offer.version)  # fmt: skip
         return Job(
             model=offer.model,
             version=offer.version,

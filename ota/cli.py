@@ -27,6 +27,9 @@ SEAL_TO = (
     "appliance ota model-key prints a device's)"
 )
 DELTA_FROM = "an older bundle of the model: publish a delta from it too (repeatable)"
+RETRY = "the devices that failed on this version take it again (after a fix)"
+PIN = "this device takes this version and no other of the model (repeatable)"
+PHASES = "percents the rollout widens through, each by fleet rollout --approve (1,10,100)"
 TARGET = "a target path to include (repeatable; default: every current target)"
 WHEELS = (
     "a folder of the dependency wheels for the target (default: pip download them for "
@@ -51,15 +54,20 @@ def register(sub: Any) -> None:
     p.add_argument("--percent", type=float, default=100.0, help="share of devices to offer it")
     p.add_argument("--group", action="append", default=[], help="device group (repeatable)")
     p.add_argument("--delta-from", action="append", type=Path, default=[], help=DELTA_FROM)
+    p.add_argument("--phases", type=_phases, default=(), help=PHASES)
     p = fs.add_parser("rollout", help="widen, halt or resume a model's rollout")
     p.add_argument("repo", type=Path, help="folder of the TUF repository")
     p.add_argument("model", help="the model whose rollout changes")
     p.add_argument("--keys", type=Path, required=True, help=KEYS)
-    p.add_argument("--version", type=int, default=0, help="default: the newest published")
+    p.add_argument("--version", default="", help="default: the newest published")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--percent", type=float, help="widen (or narrow) to this share of devices")
     g.add_argument("--halt", action="store_true", help="stop offering the version")
     g.add_argument("--resume", action="store_true", help="offer a halted version again")
+    g.add_argument("--retry-failed", action="store_true", help=RETRY)
+    g.add_argument("--approve", metavar="NAME", help="widen to the next phase, approved by NAME")
+    g.add_argument("--pin", action="append", metavar="DEVICE", help=PIN)
+    g.add_argument("--unpin", action="append", metavar="DEVICE", help="release a pinned device")
     p = fs.add_parser("remove", help="withdraw a published version from the signed targets")
     p.add_argument("repo", type=Path, help="folder of the TUF repository")
     p.add_argument("model", help="the model of the version to withdraw")
@@ -145,6 +153,13 @@ def register(sub: Any) -> None:
     p.add_argument("--config", type=Path, default=CONFIG, help="the server config (its ota:)")
     p = os_.add_parser("model-key", help="the key sealed models open with (made if missing)")
     p.add_argument("key_file", type=Path, help="the private key file (the server's model_key_file)")
+
+
+def _phases(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(p) for p in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected percents like 1,10,100, got {text!r}") from None
 
 
 def _size(text: str) -> int:

@@ -56,7 +56,9 @@ def _fleet(args: argparse.Namespace) -> int:
         root = repo.init(args.repo, args.keys)
         print(f"repository in {args.repo}; devices pin {root}")
     elif cmd == "publish":
-        rollout = Rollout(args.channel, args.percent, tuple(args.group))
+        phases = tuple(args.phases)
+        percent = phases[0] if phases else args.percent
+        rollout = Rollout(args.channel, percent, tuple(args.group), phases=phases)
         target = repo.publish(
             args.repo, args.keys, args.file, rollout, delta_from=tuple(args.delta_from)
         )
@@ -77,7 +79,11 @@ def _fleet(args: argparse.Namespace) -> int:
             )
     elif cmd == "rollout":
         halted = True if args.halt else (False if args.resume else None)
-        new = repo.set_rollout(args.repo, args.keys, args.model, args.version, args.percent, halted)
+        new = repo.set_rollout(
+            args.repo, args.keys, args.model, args.version, args.percent, halted,
+            retry_failed=args.retry_failed, approve=args.approve or "",
+            pin=tuple(args.pin or ()), unpin=tuple(args.unpin or ()),
+        )  # fmt: skip
         print(f"{args.model}: {json.dumps(new.to_json(), sort_keys=True)}")
     elif cmd == "refresh":
         ts = repo.refresh(args.repo, args.keys)
