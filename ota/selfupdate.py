@@ -34,8 +34,12 @@ def installed(ctx: Context) -> str:
 
 
 def offer(ctx: Context, targets: Metadata[Targets]) -> tuple[TargetFile, dict[str, Any]] | None:
-    """The newest software release for this device, or None."""
-    have, bad = installed(ctx), abinstall.Layout(ctx.cfg).load()["bad"]
+    """The newest software release for this device, or None (always None on a device
+    the image did not lay out for A/B: no ``current`` link, nothing to flip back to)."""
+    lay = abinstall.Layout(ctx.cfg)
+    if not lay.linked():
+        return None
+    have, bad = installed(ctx), lay.load()["bad"]
     best: tuple[TargetFile, dict[str, Any]] | None = None
     for target in targets.signed.targets.values():
         custom = target.custom if isinstance(target.custom, dict) else {}

@@ -53,6 +53,10 @@ def version_key(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in text.split("."))
 
 
+def valid_version(text: str) -> bool:
+    return _VERSION.fullmatch(text) is not None
+
+
 def python_tag() -> str:
     return f"{sys.version_info.major}.{sys.version_info.minor}"
 

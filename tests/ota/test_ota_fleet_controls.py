@@ -5,15 +5,18 @@ repository, a real server and the fleet's own commands."""
 from __future__ import annotations
 
 import json
+import time
+import zipfile
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from appliance.cli import main
-from ota import OtaError, repo
+from ota import OtaError, repo, software, watch
 from ota.repo import _load
-from tests.ota_device import cli
+from tests.ota_device import ROOT, cli
 from tests.ota_helpers import Fleet, LocalDevice
 
 
@@ -81,3 +84,32 @@ def test_phases_widen_by_approval_and_a_pinned_device_stays_put(
     fleet_cmd(fleet, "rollout", "simple", "--version", "3", "--unpin", "cam-1")
     assert "pinned" not in rollout_of(fleet, 3)
     assert device().run_once() and device.serving() == "4"
+
+
+def test_software_reports_are_counted_and_a_failing_software_rollout_halted(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    wheel = tmp_path / "appliance-0.1.2-py3-none-any.whl"  # the fleet side reads its METADATA
+    with zipfile.ZipFile(wheel, "w") as z:
+        meta = "Metadata-Version: 2.1\nName: appliance\nVersion: 0.1.2\nSummary: s\n"
+        z.writestr("appliance-0.1.2.dist-info/METADATA", meta)
+    (tmp_path / "deps").mkdir()
+    out = tmp_path / "appliance-0.1.2.software"
+    software.build(out, ROOT / "constraints.txt", wheel=wheel, deps=tmp_path / "deps", extras=())
+    fleet_cmd(fleet, "publish", str(out))
+    now = time.time()
+    tally = watch.Tally()
+    for i, result in enumerate(["rolled_back", "rolled_back", "updated"]):
+        report = {"device_id": f"cam-{i}", "state": "idle", "model": "", "version": 0,
+                  "result": "", "results": {}, "time": now,
+                  "software": {"version": "0.1.1", "last": {"version": "0.1.2",
+                                                            "result": result}}}  # fmt: skip
+        assert watch.valid(report)
+        tally.add(f"cam-{i}", report, now)
+    counts = tally.counts(3600, now)
+    assert counts[("appliance", "0.1.2")] == Counter(rolled_back=2, updated=1)
+    assert watch.failing(counts[("appliance", "0.1.2")], 0.2, 3)
+    repo.set_rollout(fleet.repo, fleet.keys, "appliance", "0.1.2", halted=True)  # what watch does
+    targets = _load(fleet.repo / "metadata", "targets")
+    signed = targets.signed.targets["appliance/appliance-0.1.2.software"].custom["appliance"]
+    assert signed["rollout"]["halted"] and signed["kind"] == "software"
