@@ -36,6 +36,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ class Layout:
         self.envs = self.root / "envs"
         self.current = self.root / "current"
         self.state_file = self.root / "state.json"
+        self.on_save: Callable[[], None] | None = None  # the agent reports each step
 
     def load(self) -> dict[str, Any]:
         try:
@@ -75,6 +77,8 @@ class Layout:
     def save(self, doc: dict[str, Any]) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         install.write_json(self.state_file, doc)
+        if self.on_save is not None:
+            self.on_save()
 
     def linked(self) -> str:
         """The version ``current`` points at ("" without a link)."""
@@ -140,7 +144,10 @@ def _run(cmd: list[str], what: str, timeout_s: float = 900) -> None:
 
 
 def restart(cfg: OtaConfig) -> None:
-    _run(list(cfg.restart_command), "the restart command", timeout_s=120)
+    """The restart command; OtaError when it fails (``systemctl restart`` of a
+    ``Type=notify`` unit waits for READY=1, so a server that cannot start fails here)."""
+    _run(list(cfg.restart_command), "the restart command",
+         timeout_s=max(120.0, cfg.software_ready_timeout_s))  # fmt: skip
 
 
 def _get(http: urllib3.PoolManager, url: str) -> Any:

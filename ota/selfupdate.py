@@ -16,7 +16,7 @@ from typing import Any
 
 from tuf.api.metadata import Metadata, TargetFile, Targets
 
-from ota import OtaError, abinstall, download, software
+from ota import OtaError, abinstall, download, faults, software
 from ota.check import Fresh
 from ota.context import Context, log
 from ota.download import Limits
@@ -72,6 +72,7 @@ def run(ctx: Context, fresh: Fresh) -> str:
     target, info = found
     version, cfg = str(info["version"]), ctx.cfg
     lay = abinstall.Layout(cfg)
+    lay.on_save = ctx.report  # each step reported, as a model job's
     digest = target.hashes.get("sha256", "")
     folder, _, name = target.path.rpartition("/")
     url = f"{cfg.source}targets/{folder}/{digest}.{name}"
@@ -90,6 +91,7 @@ def run(ctx: Context, fresh: Fresh) -> str:
         doc["job"] = {"version": version, "phase": "install",
                       "models": abinstall.ready_models(cfg, ctx.http)}  # fmt: skip
         lay.save(doc)
+        faults.point("software:install")
         abinstall.install_env(lay, path, manifest)
         return abinstall.run_job(cfg, lay, doc)
     except OtaError as exc:

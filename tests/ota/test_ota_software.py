@@ -149,6 +149,7 @@ def test_other_platforms_pythons_and_downgrades_are_refused(site: Site) -> None:
 
 
 POINTS = [
+    ("software:install", False),
     ("software:flip", False),
     ("software:restart", False),
     ("software:watch", False),
