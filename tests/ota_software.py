@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -78,22 +79,44 @@ def release(work: Path, version: str, broken: bool = False, python: str = "") ->
     return out
 
 
+RESTART = """
+import pathlib, sys, time
+
+# what `systemctl restart` does for a Type=notify unit: ask, then wait for the
+# outcome (READY, or the service failed), bounded
+folder = pathlib.Path(sys.argv[1])
+(folder / "restart-result").unlink(missing_ok=True)
+(folder / "restart-request").touch()
+end = time.monotonic() + 90
+while time.monotonic() < end:
+    result = folder / "restart-result"
+    if result.exists():
+        sys.exit(0 if result.read_text() == "ready" else 1)
+    time.sleep(0.05)
+sys.exit(1)
+"""
+
+
 class Supervisor:
     """Runs ``<software>/current/bin/python -m appliance serve`` and restarts it when
-    the restart command (``restart_command``) touches its request file."""
+    the restart command (:meth:`command`) asks, answering READY or failed as
+    ``systemctl restart`` does."""
 
     def __init__(self, software_dir: Path, config: Path, url: str) -> None:
         self.dir, self.config, self.url = software_dir, config, url
-        self.request = software_dir.parent.parent / "restart-request"
+        self.folder = software_dir.parent.parent
+        self.request = self.folder / "restart-request"
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    @property
-    def command(self) -> list[str]:
-        touch = "import pathlib, sys; pathlib.Path(sys.argv[1]).touch()"
-        return [sys.executable, "-c", touch, str(self.request)]
+    @staticmethod
+    def command(folder: Path) -> str:
+        """The ``restart_command`` for a device in ``folder``."""
+        script = folder / "restart.py"
+        script.write_text(RESTART)
+        return f"{sys.executable} {script} {folder}"
 
     def start(self) -> None:
         self._spawn()
@@ -113,6 +136,13 @@ class Supervisor:
             (self.process.kill if power_cut else self.process.terminate)()
             self.process.wait(30)
 
+    def _ready(self) -> bool:
+        try:
+            r = urllib3.request("GET", f"{self.url}/v2/health/ready", retries=False, timeout=1)
+            return r.status == 200
+        except urllib3.exceptions.HTTPError:
+            return False
+
     def _loop(self) -> None:
         while not self._stop.wait(0.05):  # bounded by stop()
             if self.request.exists():
@@ -120,6 +150,15 @@ class Supervisor:
                 self._end()
                 self.restarts += 1
                 self._spawn()
+                outcome, end = "failed", time.monotonic() + 60
+                while time.monotonic() < end and not self._stop.is_set():
+                    if self.process is not None and self.process.poll() is not None:
+                        break
+                    if self._ready():
+                        outcome = "ready"
+                        break
+                    time.sleep(0.1)
+                (self.folder / "restart-result").write_text(outcome)
 
     def power_cut(self) -> None:
         """The server killed and started again from ``current`` (a reboot)."""
