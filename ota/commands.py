@@ -22,6 +22,7 @@ from ota import (
     keys,
     offline,
     repo,
+    report,
     sealing,
     software,
     watch,
@@ -163,6 +164,7 @@ def _ota(args: argparse.Namespace) -> int:
             doc["note"] = store.note
         key = devicekey.load(cfg.state_dir, create=False)  # registered with the fleet
         doc["report_key"] = devicekey.public_text(key) if key is not None else None
+        doc["software"] = report.software_of(cfg.state_dir / "software")
         print(json.dumps(doc, indent=2, sort_keys=True))
         return 0
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")

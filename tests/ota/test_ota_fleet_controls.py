@@ -18,6 +18,7 @@ from ota import OtaError, repo, software, watch
 from ota.repo import _load
 from tests.ota_device import ROOT, cli
 from tests.ota_helpers import Fleet, LocalDevice
+from tests.ota_software import require_cyclonedx
 
 
 def rollout_of(fleet: Fleet, version: int) -> dict[str, object]:
@@ -89,6 +90,7 @@ def test_phases_widen_by_approval_and_a_pinned_device_stays_put(
 def test_software_reports_are_counted_and_a_failing_software_rollout_halted(
     fleet: Fleet, tmp_path: Path
 ) -> None:
+    require_cyclonedx()
     wheel = tmp_path / "appliance-0.1.2-py3-none-any.whl"  # the fleet side reads its METADATA
     with zipfile.ZipFile(wheel, "w") as z:
         meta = "Metadata-Version: 2.1\nName: appliance\nVersion: 0.1.2\nSummary: s\n"

@@ -199,6 +199,8 @@ def test_the_signed_report_names_the_software_its_sbom_and_the_models(site: Site
     assert signed["software"]["sbom_sha256"] == hashlib.sha256(sbom).hexdigest()
     assert signed["current"] == {"simple": 1}
     assert not devicekey.verify({**signed, "software": {**sw, "version": "9.9"}}, key.public_key())
+    status = json.loads(cli("ota", "status", "--config", str(site.device.config)))
+    assert status["software"] == sw  # what ota status shows on the device
 
 
 def test_the_unit_rule_rolls_back_a_release_whose_agent_cannot_start(site: Site) -> None:
