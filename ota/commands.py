@@ -18,6 +18,7 @@ from ota import (
     OtaError,
     abinstall,
     bundle,
+    controls,
     devicekey,
     keys,
     offline,
@@ -80,7 +81,7 @@ def _fleet(args: argparse.Namespace) -> int:
             )
     elif cmd == "rollout":
         halted = True if args.halt else (False if args.resume else None)
-        new = repo.set_rollout(
+        new = controls.set_rollout(
             args.repo, args.keys, args.model, args.version, args.percent, halted,
             retry_failed=args.retry_failed, approve=args.approve or "",
             pin=tuple(args.pin or ()), unpin=tuple(args.unpin or ()),

@@ -34,7 +34,7 @@ import paho.mqtt.client as mqtt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from paho.mqtt.enums import CallbackAPIVersion
 
-from ota import OtaError, devicekey, repo, software
+from ota import OtaError, controls, devicekey, software
 from ota.rollout import check_name
 
 FAILED = {"rolled_back", "refused", "error"}
@@ -280,7 +280,8 @@ def main(args: argparse.Namespace, stop_after: int | None = None) -> int:
                 print(f"{model} v{version}: failure rate above {args.halt_at_failure_rate:g}; "
                       "halting the rollout", flush=True)  # fmt: skip
                 if args.repo is not None:
-                    repo.set_rollout(Path(args.repo), Path(args.keys), model, version, halted=True)
+                    where = (Path(args.repo), Path(args.keys))
+                    controls.set_rollout(*where, model, version, halted=True)
                     print(f"{model} v{version}: rollout halted (targets re-signed)", flush=True)
             if done or (halted and args.exit_on_halt):
                 return 0

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ota import OtaError, bundle, check, probation, repo
+from ota import OtaError, bundle, check, controls, probation, repo
 from ota.agent import Agent
 from ota.config import OtaConfig
 from ota.rollout import Rollout, bucket
@@ -101,7 +101,7 @@ def test_key_rotation_is_followed_by_devices(fleet: Fleet, tmp_path: Path) -> No
 def test_halted_rollout_is_not_offered(fleet: Fleet, tmp_path: Path) -> None:
     fleet.publish(1)
     fleet.publish(2)
-    repo.set_rollout(fleet.repo, fleet.keys, "simple", halted=True)
+    controls.set_rollout(fleet.repo, fleet.keys, "simple", halted=True)
     (tmp_path / "models").mkdir()
     cfg = fleet.device(tmp_path / "state", tmp_path / "models", "http://127.0.0.1:9")
     offer = check.newest_offer(cfg, AgentState())

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from appliance.cli import main
-from ota import OtaError, repo, software, watch
+from ota import OtaError, controls, software, watch
 from ota.repo import _load
 from tests.ota_device import ROOT, cli
 from tests.ota_helpers import Fleet, LocalDevice
@@ -73,7 +73,7 @@ def test_phases_widen_by_approval_and_a_pinned_device_stays_put(
     said = json.loads(cli(*args, "--approve", "alice").split(": ", 1)[1])
     assert said["basis_points"] == 10000 and said["approvals"] == ["alice:100%"]
     with pytest.raises(OtaError, match="no phase left"):
-        repo.set_rollout(fleet.repo, fleet.keys, "simple", approve="bob")
+        controls.set_rollout(fleet.repo, fleet.keys, "simple", approve="bob")
     assert device().run_once() and device.serving() == "2"
     # pinned to 3: it takes 3 and nothing newer; unpinned, it goes on to the newest
     fleet.publish(3)
@@ -111,7 +111,8 @@ def test_software_reports_are_counted_and_a_failing_software_rollout_halted(
     counts = tally.counts(3600, now)
     assert counts[("appliance", "0.1.2")] == Counter(rolled_back=2, updated=1)
     assert watch.failing(counts[("appliance", "0.1.2")], 0.2, 3)
-    repo.set_rollout(fleet.repo, fleet.keys, "appliance", "0.1.2", halted=True)  # what watch does
+    # what fleet watch does then
+    controls.set_rollout(fleet.repo, fleet.keys, "appliance", "0.1.2", halted=True)
     targets = _load(fleet.repo / "metadata", "targets")
     signed = targets.signed.targets["appliance/appliance-0.1.2.software"].custom["appliance"]
     assert signed["rollout"]["halted"] and signed["kind"] == "software"
