@@ -44,6 +44,7 @@ import urllib3
 
 from ota import OtaError, faults, install, probes, software
 from ota.config import OtaConfig
+from ota.server_api import ServerApi
 from ota.state import fsync_dir
 
 log = logging.getLogger("ota.software")
@@ -196,8 +197,7 @@ def watch(cfg: OtaConfig, version: str, models: list[str]) -> str:
 
 
 def _probe_all(cfg: OtaConfig, models: list[str]) -> str:
-    from ota.server_api import ServerApi
-
+    """Why a model READY before the flip does not answer a generated probe now ("")."""
     api = ServerApi(cfg.server, cfg.admin_token, cfg.request_timeout_s)
     for m in models:
         config = install.on_disk(cfg.model_repository, m)

@@ -231,7 +231,7 @@ class Agent:
             self.ctx.report(result)
         # a new agent runs from ``current`` now: the service exits so its unit starts it
         self.software_updated = self.software_updated or result == "updated"
-        return result in ("", "updated")
+        return result in ("", "updated", "withdrawn")
 
     def _gate(self, job: Job) -> None:
         """Withdrawn unless fresh verified metadata still offers ``job``."""

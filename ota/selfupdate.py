@@ -12,12 +12,13 @@ verified against the signed target like a bundle's (:mod:`ota.download`).
 
 from __future__ import annotations
 
+import shutil
+import time
 from typing import Any
 
 from tuf.api.metadata import Metadata, TargetFile, Targets
 
-from ota import OtaError, abinstall, download, faults, software
-from ota.check import Fresh
+from ota import OtaError, Transient, abinstall, check, download, faults, software
 from ota.context import Context, log
 from ota.download import Limits
 from ota.rollout import Rollout
@@ -63,7 +64,7 @@ def offer(ctx: Context, targets: Metadata[Targets]) -> tuple[TargetFile, dict[st
     return best
 
 
-def run(ctx: Context, fresh: Fresh) -> str:
+def run(ctx: Context, fresh: check.Fresh) -> str:
     """Take and install the newest software release; its result, or "" for none.
     OtaError when the download or bundle is refused."""
     found = offer(ctx, fresh.targets)
@@ -71,6 +72,9 @@ def run(ctx: Context, fresh: Fresh) -> str:
         return ""
     target, info = found
     version, cfg = str(info["version"]), ctx.cfg
+    if not cfg.windows().is_open(time.time()):
+        log.info("ota: software %s waits for a maintenance window", version)
+        return ""
     lay = abinstall.Layout(cfg)
     lay.on_save = ctx.report  # each step reported, as a model job's
     digest = target.hashes.get("sha256", "")
@@ -93,7 +97,20 @@ def run(ctx: Context, fresh: Fresh) -> str:
         lay.save(doc)
         faults.point("software:install")
         abinstall.install_env(lay, path, manifest)
+        again = offer(ctx, check.refresh(cfg).targets)  # the fleet may have changed its mind
+        if again is None or again[0].hashes != target.hashes:
+            shutil.rmtree(lay.envs / version, ignore_errors=True)
+            doc["job"] = None
+            doc["last"] = {"version": version, "result": "withdrawn", "time": time.time()}
+            lay.save(doc)
+            log.warning("ota: software %s withdrawn by the fleet before the flip", version)
+            return "withdrawn"
         return abinstall.run_job(cfg, lay, doc)
+    except Transient:  # passing: the job is taken again at the next check
+        doc = lay.load()
+        doc["job"] = None
+        lay.save(doc)
+        raise
     except OtaError as exc:
         doc = lay.load()
         doc["job"] = None
