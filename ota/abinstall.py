@@ -59,7 +59,8 @@ class Layout:
         self.envs = self.root / "envs"
         self.current = self.root / "current"
         self.state_file = self.root / "state.json"
-        self.on_save: Callable[[], None] | None = None  # the agent reports each step
+        # the agent reports each step (and tells its hook the step, as for models)
+        self.on_save: Callable[[dict[str, Any]], None] | None = None
 
     def load(self) -> dict[str, Any]:
         try:
@@ -79,7 +80,7 @@ class Layout:
         self.root.mkdir(parents=True, exist_ok=True)
         install.write_json(self.state_file, doc)
         if self.on_save is not None:
-            self.on_save()
+            self.on_save(doc)
 
     def linked(self) -> str:
         """The version ``current`` points at ("" without a link)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from functools import partial
 from typing import Any
 
 from tuf.api.metadata import Metadata, TargetFile, Targets
@@ -64,6 +65,13 @@ def offer(ctx: Context, targets: Metadata[Targets]) -> tuple[TargetFile, dict[st
     return best
 
 
+def _saved(ctx: Context, doc: dict[str, Any]) -> None:
+    ctx.report()
+    job = doc.get("job")
+    if ctx.hook is not None and isinstance(job, dict):
+        ctx.hook(f"software:{job.get('phase')}")
+
+
 def run(ctx: Context, fresh: check.Fresh) -> str:
     """Take and install the newest software release; its result, or "" for none.
     OtaError when the download or bundle is refused."""
@@ -76,7 +84,7 @@ def run(ctx: Context, fresh: check.Fresh) -> str:
         log.info("ota: software %s waits for a maintenance window", version)
         return ""
     lay = abinstall.Layout(cfg)
-    lay.on_save = ctx.report  # each step reported, as a model job's
+    lay.on_save = partial(_saved, ctx)  # each step reported, as a model job's
     digest = target.hashes.get("sha256", "")
     folder, _, name = target.path.rpartition("/")
     url = f"{cfg.source}targets/{folder}/{digest}.{name}"

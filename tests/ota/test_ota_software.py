@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ota import abinstall, devicekey, report, software
+from ota import abinstall, controls, devicekey, report, software
 from ota import config as ota_config
 from ota.agent import Agent
 from ota.config import OtaConfig
@@ -145,6 +145,23 @@ def test_other_platforms_pythons_and_downgrades_are_refused(site: Site) -> None:
     elsewhere = software.check_device({**info, "platforms": ["riscv64"]}, installed)
     assert elsewhere.startswith("software 9.0 is for ['riscv64'], not ")
     assert "is for Python 3.9" in software.check_device({**info, "python": "3.9"}, installed)
+
+
+def test_a_release_the_fleet_halts_during_the_install_is_withdrawn(site: Site) -> None:
+    old = site.committed
+    new = site.publish()
+    agent = Agent(site.cfg)
+
+    def halt(phase: str) -> None:
+        if phase == "software:install":  # saved, before the venv is made
+            controls.set_rollout(site.fleet.repo, site.fleet.keys, "appliance", new, halted=True)
+
+    agent.hook = halt
+    assert agent.run_once(), agent.state.last_error
+    site.agrees(old)  # nothing flipped
+    doc = site.layout.load()
+    assert doc["last"]["result"] == "withdrawn" and new not in doc["bad"]
+    assert not (site.layout.envs / new).exists()
 
 
 POINTS = [
