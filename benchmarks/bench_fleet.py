@@ -47,7 +47,7 @@ from machine import describe  # noqa: E402
 from mosquitto import Broker, find_mosquitto  # noqa: E402
 from ota_helpers import StaticServer, start_fleet  # noqa: E402
 
-from ota import OtaError, bundle, check, download, repo  # noqa: E402
+from ota import OtaError, bundle, check, controls, download, repo  # noqa: E402
 from ota.config import OtaConfig  # noqa: E402
 from ota.rollout import Rollout, bucket  # noqa: E402
 from ota.state import AgentState  # noqa: E402
@@ -201,7 +201,7 @@ def main() -> None:
             wait_for("10 %", lambda: reports.count(1, "updated", cohort) >= need, args.timeout),
             1,
         )
-        repo.set_rollout(fleet.repo, fleet.keys, "simple", percent=100)
+        controls.set_rollout(fleet.repo, fleet.keys, "simple", percent=100)
         need = int(len(everyone) * 0.95 + 0.999)
         results["widen to 100% -> 95% of all updated (s)"] = round(
             wait_for("100 %", lambda: reports.count(1, "updated", everyone) >= need, args.timeout),

@@ -40,6 +40,7 @@ from ota import (
     Rollback,
     Transient,
     Withdrawn,
+    abinstall,
     check,
     clock,
     commit,
@@ -47,6 +48,7 @@ from ota import (
     faults,
     fetching,
     install,
+    selfupdate,
     space,
     trial,
 )
@@ -71,6 +73,7 @@ class Agent:
         self.cfg = config
         self.ctx = Context(config, hook)
         self.lock = StateLock(config.state_dir)
+        self.software_updated = False  # a software update committed: time to make way
         self._load_state()
         self.steps: dict[str, Step] = {
             "download": fetching.download_step,
@@ -137,6 +140,8 @@ class Agent:
         ctx, state = self.ctx, self.ctx.state
         try:
             commit.converge(ctx)
+            if abinstall.converge(self.cfg):  # a software job a crash interrupted
+                ctx.report()
         except OSError as exc:
             raise Transient(f"cannot repair the model repository: {exc}") from None
         now = time.time()
@@ -165,7 +170,7 @@ class Agent:
             if job is None:
                 state.last_error = ""
                 ctx.enter("idle")
-                return True
+                return self._software(fresh)
             state.job = job
             ctx.enter("download")
         elif not job.committed and state.phase != "rollback":
@@ -189,6 +194,13 @@ class Agent:
             return None
         check.fits_budget(self.cfg, self.ctx.api, offer)
         previous = check.current(self.cfg, self.ctx.state, offer.model)
+        ms = self.ctx.state.model(offer.model)
+        if offer.version in ms.bad:  # the fleet asked the devices that failed to retry
+            info = offer.target.custom.get("appliance", {})
+            ms.retried[str(offer.version)] = int(info.get("rollout", {}).get("retry", 0))
+            ms.bad.remove(offer.version)
+            log.info("ota: %s version %d failed here before; the fleet asks for a retry",
+                     offer.model, offer.version)  # fmt: skip
         return Job(
             model=offer.model,
             version=offer.version,
@@ -201,6 +213,25 @@ class Agent:
             started=time.time(),
             delta=check.delta_for(fresh, offer, previous),
         )
+
+    def _software(self, fresh: check.Fresh) -> bool:
+        """With no model job: the newest software release, installed A/B."""
+        try:
+            result = selfupdate.run(self.ctx, fresh)
+        except download.Dropped as exc:
+            return self._transient(str(exc))
+        except Transient as exc:
+            return self._transient(str(exc))
+        except OtaError as exc:
+            log.error("ota: software refused: %s", exc)
+            self.ctx.state.last_error = str(exc)
+            self.ctx.report("refused")
+            return False
+        if result:
+            self.ctx.report(result)
+        # a new agent runs from ``current`` now: the service exits so its unit starts it
+        self.software_updated = self.software_updated or result == "updated"
+        return result in ("", "updated", "withdrawn")
 
     def _gate(self, job: Job) -> None:
         """Withdrawn unless fresh verified metadata still offers ``job``."""
@@ -248,7 +279,7 @@ class Agent:
             if phase in SERVER_PHASES and not job.committed:
                 return self._roll_back(job, f"the server stopped during {phase}: {exc}")
             return self._transient(str(exc))
-        if isinstance(exc, download.Dropped):  # a bad mirror or a deadline: start over later
+        if isinstance(exc, download.Dropped):  # a deadline: start over later
             commit.finish(self.ctx, job, "refused", str(exc))
             return False
         if isinstance(exc, OSError):
@@ -327,6 +358,9 @@ class Agent:
                 log.error("ota: %s", exc if isinstance(exc, OtaError) else repr(exc))
                 log.debug("ota: cycle failed", exc_info=exc)
                 self.ctx.state.next_check = time.time() + self.cfg.check_interval_s  # no busy loop
+            if self.software_updated:
+                log.info("ota: software updated: exiting, so the new agent takes over")
+                return
             state = self.ctx.state
             while not stop.wait(min(_IDLE_BEAT_S, max(0.0, state.next_check - time.time()))):
                 self.ctx.alive_at = time.monotonic()  # idle, and alive

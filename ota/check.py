@@ -107,17 +107,41 @@ def current(cfg: OtaConfig, state: AgentState, model: str) -> int:
     return max(on_disk) if on_disk else 0
 
 
-def applies(cfg: OtaConfig, state: AgentState, info: dict[str, Any]) -> tuple[str, int] | None:
-    """(model, version) when this device should install the bundle, else None."""
+def pins(cfg: OtaConfig, targets: Metadata[Targets]) -> dict[str, int]:
+    """The version of each model this device is pinned to (``fleet pin``)."""
+    out: dict[str, int] = {}
+    for target in targets.signed.targets.values():
+        info = _info(target)
+        if info is None or info.get("kind") == "software":
+            continue
+        try:
+            rollout = Rollout.from_json(info.get("rollout", {}))
+            if cfg.device_id in rollout.pinned:
+                out[str(info["name"])] = int(info["version"])
+        except (KeyError, TypeError, ValueError, OtaError):
+            continue
+    return out
+
+
+def applies(
+    cfg: OtaConfig, state: AgentState, info: dict[str, Any], pinned: dict[str, int] | None = None
+) -> tuple[str, int] | None:
+    """(model, version) when this device should install the bundle, else None. A
+    device pinned to a version of the model (``pinned``) takes that one only; a
+    version it marked bad is taken again once the fleet raised its ``retry``."""
     try:
         model, version = str(info["name"]), int(info["version"])
         rollout = Rollout.from_json(info.get("rollout", {}))
     except (KeyError, TypeError, ValueError, OtaError):
         return None
+    if pinned and model in pinned and pinned[model] != version:
+        return None
     if not rollout.includes(model, cfg.device_id, cfg.channel, cfg.groups):
         return None
     ms = state.models.get(model)
-    if version <= current(cfg, state, model) or (ms is not None and version in ms.bad):
+    if version <= current(cfg, state, model) or (
+        ms is not None and version in ms.bad and rollout.retry <= ms.retried.get(str(version), 0)
+    ):
         return None
     if bundle.machine() not in info.get("platforms", [bundle.machine()]):
         return None
@@ -141,9 +165,12 @@ def _size(info: dict[str, Any], key: str) -> int:
 def offers(cfg: OtaConfig, state: AgentState, targets: Metadata[Targets]) -> dict[str, Offer]:
     """The newest applicable bundle of each model."""
     best: dict[str, Offer] = {}
+    pinned = pins(cfg, targets)
     for target in targets.signed.targets.values():
         info = _info(target)
-        chosen = applies(cfg, state, info) if info is not None else None
+        if info is not None and info.get("kind") == "software":
+            continue  # the appliance itself: ota.selfupdate
+        chosen = applies(cfg, state, info, pinned) if info is not None else None
         if info is None or chosen is None:
             continue
         model, version = chosen
@@ -196,7 +223,8 @@ def still_wanted(cfg: OtaConfig, state: AgentState, job: Job, fresh: Fresh) -> s
     if target.length != job.length or target.hashes.get("sha256") != job.sha256:
         return f"the signed target of {job.model} version {job.version} changed"
     info = _info(target)
-    if info is None or applies(cfg, state, info) != (job.model, job.version):
+    pinned = pins(cfg, fresh.targets)
+    if info is None or applies(cfg, state, info, pinned) != (job.model, job.version):
         return (
             f"the fleet no longer offers {job.model} version {job.version} to this "
             "device (rollout halted or narrowed)"

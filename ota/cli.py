@@ -27,6 +27,14 @@ SEAL_TO = (
     "appliance ota model-key prints a device's)"
 )
 DELTA_FROM = "an older bundle of the model: publish a delta from it too (repeatable)"
+RETRY = "the devices that failed on this version take it again (after a fix)"
+PIN = "this device takes this version and no other of the model (repeatable)"
+PHASES = "percents the rollout widens through, each by fleet rollout --approve (1,10,100)"
+TARGET = "a target path to include (repeatable; default: every current target)"
+WHEELS = (
+    "a folder of the dependency wheels for the target (default: pip download them for "
+    "--platform and --python under --constraints)"
+)
 CONFIG = Path("/etc/appliance/appliance.yaml")
 
 
@@ -46,15 +54,20 @@ def register(sub: Any) -> None:
     p.add_argument("--percent", type=float, default=100.0, help="share of devices to offer it")
     p.add_argument("--group", action="append", default=[], help="device group (repeatable)")
     p.add_argument("--delta-from", action="append", type=Path, default=[], help=DELTA_FROM)
+    p.add_argument("--phases", type=_phases, default=(), help=PHASES)
     p = fs.add_parser("rollout", help="widen, halt or resume a model's rollout")
     p.add_argument("repo", type=Path, help="folder of the TUF repository")
     p.add_argument("model", help="the model whose rollout changes")
     p.add_argument("--keys", type=Path, required=True, help=KEYS)
-    p.add_argument("--version", type=int, default=0, help="default: the newest published")
+    p.add_argument("--version", default="", help="default: the newest published")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--percent", type=float, help="widen (or narrow) to this share of devices")
     g.add_argument("--halt", action="store_true", help="stop offering the version")
     g.add_argument("--resume", action="store_true", help="offer a halted version again")
+    g.add_argument("--retry-failed", action="store_true", help=RETRY)
+    g.add_argument("--approve", metavar="NAME", help="widen to the next phase, approved by NAME")
+    g.add_argument("--pin", action="append", metavar="DEVICE", help=PIN)
+    g.add_argument("--unpin", action="append", metavar="DEVICE", help="release a pinned device")
     p = fs.add_parser("remove", help="withdraw a published version from the signed targets")
     p.add_argument("repo", type=Path, help="folder of the TUF repository")
     p.add_argument("model", help="the model of the version to withdraw")
@@ -63,6 +76,10 @@ def register(sub: Any) -> None:
     p = fs.add_parser("refresh", help="re-sign the timestamp (run it from a daily timer)")
     p.add_argument("repo", type=Path, help="folder of the TUF repository")
     p.add_argument("--keys", type=Path, required=True, help=KEYS)
+    p = fs.add_parser("export", help="the metadata and bundles in one file, for offline sites")
+    p.add_argument("repo", type=Path, help="folder of the TUF repository")
+    p.add_argument("-o", "--output", type=Path, required=True, help="the file to write")
+    p.add_argument("--target", action="append", default=[], help=TARGET)
     p = fs.add_parser("rotate", help="replace a role's key (new root signed by the old)")
     p.add_argument("repo", type=Path, help="folder of the TUF repository")
     p.add_argument("role", choices=["root", "targets", "snapshot", "timestamp"], help="role")
@@ -104,6 +121,15 @@ def register(sub: Any) -> None:
     p.add_argument("--self-test", type=Path, help="JSON list of self-test vectors")
     p.add_argument("--shadow", type=Path, help="JSON shadow probation policy (docs/ota.md)")
     p.add_argument("--seal-to", action="append", default=[], metavar="KEY", help=SEAL_TO)
+    p = bs.add_parser("build-software", help="bundle the appliance itself, its wheels and SBOM")
+    p.add_argument("-o", "--output", type=Path, required=True, help="the bundle file to write")
+    p.add_argument("--wheel", type=Path, help="the appliance wheel (else built)")
+    p.add_argument("--source", type=Path, default=Path("."), help="the project to build it from")
+    p.add_argument("--wheels", type=Path, help=WHEELS)
+    p.add_argument("--constraints", type=Path, default=Path("constraints.txt"), help="the pins")
+    p.add_argument("--python", default="", help="the target's Python, e.g. 3.11 (default: this)")
+    p.add_argument("--platform", choices=["x86_64", "aarch64"], help="default: this machine's")
+    p.add_argument("--extras", default="ota", help="extras to install (default: ota)")
     p = bs.add_parser("inspect", help="show a bundle's manifest after checking every member")
     p.add_argument("file", type=Path, help="the bundle file")
     p.add_argument(
@@ -120,8 +146,20 @@ def register(sub: Any) -> None:
     p.add_argument("--once", action="store_true", help="one cycle, then exit 0 / 1")
     p = os_.add_parser("status", help="the agent's state")
     p.add_argument("--config", type=Path, default=CONFIG, help="the server config (its ota:)")
+    p = os_.add_parser("import", help="install from an export file (appliance fleet export)")
+    p.add_argument("file", type=Path, help="the export file")
+    p.add_argument("--config", type=Path, default=CONFIG, help="the server config (its ota:)")
+    p = os_.add_parser("rescue", help="roll software back when its agent cannot start")
+    p.add_argument("--config", type=Path, default=CONFIG, help="the server config (its ota:)")
     p = os_.add_parser("model-key", help="the key sealed models open with (made if missing)")
     p.add_argument("key_file", type=Path, help="the private key file (the server's model_key_file)")
+
+
+def _phases(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(p) for p in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected percents like 1,10,100, got {text!r}") from None
 
 
 def _size(text: str) -> int:

@@ -14,11 +14,26 @@ from typing import Any
 
 from appliance.errors import ApplianceError
 from appliance.sdnotify import Notifier
-from ota import OtaError, bundle, devicekey, keys, repo, sealing, watch
+from ota import (
+    OtaError,
+    abinstall,
+    bundle,
+    controls,
+    devicekey,
+    keys,
+    offline,
+    repo,
+    report,
+    sealing,
+    software,
+    watch,
+)
 from ota import config as ota_config
 from ota.agent import Agent
 from ota.rollout import Rollout
 from ota.state import StateFile
+
+SOFTWARE_UPDATED = 3  # the agent exits so its unit starts the new one from ``current``
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,7 +58,9 @@ def _fleet(args: argparse.Namespace) -> int:
         root = repo.init(args.repo, args.keys)
         print(f"repository in {args.repo}; devices pin {root}")
     elif cmd == "publish":
-        rollout = Rollout(args.channel, args.percent, tuple(args.group))
+        phases = tuple(args.phases)
+        percent = phases[0] if phases else args.percent
+        rollout = Rollout(args.channel, percent, tuple(args.group), phases=phases)
         target = repo.publish(
             args.repo, args.keys, args.file, rollout, delta_from=tuple(args.delta_from)
         )
@@ -53,9 +70,22 @@ def _fleet(args: argparse.Namespace) -> int:
         )
         for base, info in sorted(repo.deltas_of(target).items()):
             print(f"  delta from version {base}: {info['length']} bytes ({info['path']})")
+        is_software = software.first(args.file).get("kind") == software.KIND
+        manifest = None if is_software else bundle.first_manifest(args.file)
+        if manifest is not None and not manifest.self_test:
+            print(
+                f"appliance: warning: {manifest.name} version {manifest.version} has no "
+                "self-test vectors: devices probe it with inputs generated from its config, "
+                "which proves it answers, not that it answers right (bundle build --self-test)",
+                file=sys.stderr,
+            )
     elif cmd == "rollout":
         halted = True if args.halt else (False if args.resume else None)
-        new = repo.set_rollout(args.repo, args.keys, args.model, args.version, args.percent, halted)
+        new = controls.set_rollout(
+            args.repo, args.keys, args.model, args.version, args.percent, halted,
+            retry_failed=args.retry_failed, approve=args.approve or "",
+            pin=tuple(args.pin or ()), unpin=tuple(args.unpin or ()),
+        )  # fmt: skip
         print(f"{args.model}: {json.dumps(new.to_json(), sort_keys=True)}")
     elif cmd == "refresh":
         ts = repo.refresh(args.repo, args.keys)
@@ -63,6 +93,9 @@ def _fleet(args: argparse.Namespace) -> int:
     elif cmd == "remove":
         repo.remove(args.repo, args.keys, args.model, args.version)
         print(f"{args.model} version {args.version} removed from the signed targets")
+    elif cmd == "export":
+        paths = offline.export(args.repo, args.output, tuple(args.target))
+        print(f"{args.output}: the metadata and {len(paths)} target(s): {', '.join(paths)}")
     elif cmd == "rotate":
         version = repo.rotate(args.repo, args.keys, args.role)
         print(f"{args.role} key rotated; root version {version}")
@@ -72,6 +105,15 @@ def _fleet(args: argparse.Namespace) -> int:
 
 
 def _bundle(args: argparse.Namespace) -> int:
+    if args.bundle_command == "build-software":
+        sw = software.build(
+            args.output, args.constraints, wheel=args.wheel, source=args.source,
+            deps=args.wheels, python=args.python, platform=args.platform,
+            extras=tuple(e for e in args.extras.split(",") if e),
+        )  # fmt: skip
+        print(f"software {sw.version} for Python {sw.python} on {sw.platform}: "
+              f"{len(sw.files)} files, SBOM sha256 {sw.sbom_sha256} -> {args.output}")  # fmt: skip
+        return 0
     if args.bundle_command == "inspect":
         print(bundle.describe(bundle.inspect(args.file, args.max_size)))
         return 0
@@ -124,9 +166,21 @@ def _ota(args: argparse.Namespace) -> int:
             doc["note"] = store.note
         key = devicekey.load(cfg.state_dir, create=False)  # registered with the fleet
         doc["report_key"] = devicekey.public_text(key) if key is not None else None
+        doc["software"] = report.software_of(cfg.state_dir / "software")
         print(json.dumps(doc, indent=2, sort_keys=True))
         return 0
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
+    if args.ota_command == "rescue":
+        print(abinstall.rescue(cfg))
+        return 0
+    if args.ota_command == "import":
+        ok, done = offline.import_file(cfg, args.file)
+        for entry in done:
+            print(json.dumps(entry, sort_keys=True))
+        if not done:
+            print(f"nothing in {args.file} applies to this device (already installed, another "
+                  "platform or Python, or outside its rollout)")  # fmt: skip
+        return 0 if ok else 1
     agent = Agent(cfg)
     try:
         if args.once:
@@ -139,9 +193,10 @@ def _ota(args: argparse.Namespace) -> int:
         notifier.notify("READY=1", f"STATUS=checking {cfg.source} every {cfg.check_interval_s:g}s")
         agent.run_forever(stop)
         notifier.notify("STOPPING=1")
+        stop.set()
         if watchdog is not None:
             watchdog.join()
-        return 0
+        return SOFTWARE_UPDATED if agent.software_updated else 0
     finally:
         agent.close()
 

@@ -49,7 +49,7 @@ def finish(ctx: Context, job: Job, result: str, error: str = "", reason: str = "
         {"model": job.model, "version": job.version, "result": result,
          "error": error or reason, "time": time.time(),
          **{k: v for k, v in (("probation", job.probation), ("shadow", job.shadow),
-                              ("download", job.download)) if v}},
+                              ("download", job.download), ("probe", job.probe)) if v}},
     ]  # fmt: skip
     ctx.state.job, ctx.state.last_error, ctx.state.progress = None, error, {}
     ctx.state.phase = "idle"

@@ -8,7 +8,9 @@ so the two can never disagree. Errors name the file and the field.
 from __future__ import annotations
 
 import os
+import shlex
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,9 +60,18 @@ class OtaConfig:
     # when an update may be applied (ota.window); downloads happen any time. (): always
     maintenance_windows: tuple[str, ...] = ()
     maintenance_timezone: str = "UTC"
+    # software updates (ota.abinstall): how the server is restarted after a flip, how
+    # long it has to come up READY, and how the versioned venvs are made
+    restart_command: tuple[str, ...] = ("systemctl", "restart", "appliance")
+    software_ready_timeout_s: float = 120.0
+    system_site_packages: bool = False  # venvs see the image's packages (JetPack's)
+    software_python: str = sys.executable
 
     def windows(self) -> window.Windows:
         return window.parse(self.maintenance_windows, self.maintenance_timezone)
+
+
+RESTART = "systemctl restart appliance"
 
 
 def _number(f: Fields, key: str, default: float, minimum: float) -> float:
@@ -77,6 +88,7 @@ KEYS = {
     "keep_versions", "max_bandwidth", "min_download_rate", "download_rate_window_s",
     "job_deadline_s", "reserve_disk", "max_bundle_size", "max_load_attempts", "server_wait_s",
     "request_timeout_s", "metadata_timeout_s", "maintenance_windows", "maintenance_timezone",
+    "restart_command", "software_ready_timeout_s", "system_site_packages", "software_python",
 }  # fmt: skip
 
 
@@ -169,4 +181,8 @@ def load(path: Path) -> OtaConfig:
         metadata_timeout_s=_number(f, "metadata_timeout_s", 30.0, 0.1),
         maintenance_windows=tuple(windows),
         maintenance_timezone=timezone,
+        restart_command=tuple(shlex.split(f.text("restart_command", RESTART))),
+        software_ready_timeout_s=_number(f, "software_ready_timeout_s", 120.0, 1.0),
+        system_site_packages=f.flag("system_site_packages", False),
+        software_python=f.text("software_python", sys.executable),
     )

@@ -81,7 +81,8 @@ class Context:
 
     def report(self, result: str = "") -> None:
         if self.reporter is not None:
-            self.reporter.publish(report.payload(self.cfg.device_id, self.state, result))
+            sw = report.software_of(self.cfg.state_dir / "software")
+            self.reporter.publish(report.payload(self.cfg.device_id, self.state, result, sw))
 
     def progress(self, done: int, total: int) -> None:
         self.state.progress = {"bytes": done, "total": total}

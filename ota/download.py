@@ -2,12 +2,20 @@
 
 Bytes go to ``<dir>/<sha256>.part``; after an interruption the next attempt asks
 for the rest with an HTTP Range request. The answer must be a ``206`` whose
-``Content-Range`` starts where the partial file ends; a mirror that ignores the
-Range (``200``), answers from another offset (a broken cache answering ``206``
-from 0) or cannot serve it (``416``) gets the partial file discarded and a full
-download in the same attempt. Nothing longer than the signed length is ever
-written, and the finished file is checked against the target's length and hashes
-before it is renamed to ``<sha256>.bundle``; a mismatch deletes it.
+``Content-Range`` starts where the partial file ends, ends within the signed
+length, names the signed length as the total, and agrees with its
+``Content-Length``. Nothing longer than the signed length is ever written, and the
+finished file is checked against the target's length and hashes before it is
+renamed to ``<sha256>.bundle``.
+
+A mirror that lies about a range (the lying-mirror rule): an answer that does not
+resume where asked (a ``200``, a ``416``, a ``206`` from another offset or of
+another length), a body longer than its range promised, or a finished file whose
+hash fails after a resume, discards the partial file and starts again from byte 0,
+once, in the same attempt. A second failure from byte 0 is the mirror's fault:
+:class:`Mismatch`, a :class:`~ota.Transient` (the job is kept, the agent backs off
+and re-reads the metadata, and the next attempt starts from 0 again). A grown
+partial file is never resumed from.
 
 Bounded in time: an attempt whose rate stays below ``min_rate`` bytes/s over a
 window (a mirror that trickles) ends as :class:`~ota.Transient` (the partial file
@@ -43,8 +51,14 @@ class Dropped(OtaError):
     bad, and the next check starts over."""
 
 
-class Mismatch(Dropped):
-    """The downloaded bytes are not the signed target."""
+class Mismatch(Transient):
+    """The mirror served bytes that are not the signed target even from byte 0 (or lied
+    about a range twice): the partial file is gone, the job is kept, the agent backs
+    off."""
+
+
+class _Lie(Exception):
+    """The mirror's answer is not the range it was asked for (internal)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +88,8 @@ def fetch(
 ) -> Path:
     """Download ``target`` from ``url`` into ``folder``; returns the verified file.
     Transient (the partial file kept for the next attempt) when the transfer breaks
-    or is too slow, Dropped past the deadline, Mismatch for the wrong bytes."""
+    or is too slow, Dropped past the deadline, Mismatch (a Transient, nothing kept)
+    when the mirror served wrong bytes or lied about a range even from byte 0."""
     limits = limits or Limits()
     digest = target.hashes.get("sha256", "")
     if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
@@ -87,16 +102,26 @@ def fetch(
     have = part.stat().st_size if part.exists() else 0
     if have > target.length:
         have = 0
-    if have < target.length:
-        _transfer(http, url, target, part, have, limits, progress)
-    try:
-        with open(part, "rb") as f:
-            target.verify_length_and_hashes(f)
-    except LengthOrHashMismatchError as exc:
-        part.unlink(missing_ok=True)
-        raise Mismatch(
-            f"download of {target.path} does not match the signed target: {exc}"
-        ) from None
+    again = False  # the one restart from byte 0 this attempt allows
+    while True:
+        resumed = have > 0
+        try:
+            if have < target.length:
+                _transfer(http, url, target, part, have, limits, progress)
+            with open(part, "rb") as f:
+                target.verify_length_and_hashes(f)
+            break
+        except (_Lie, LengthOrHashMismatchError) as exc:
+            part.unlink(missing_ok=True)
+            why = str(exc) if isinstance(exc, _Lie) else f"does not match the signed target: {exc}"
+            if again or not resumed:
+                raise Mismatch(
+                    f"download of {target.path} from byte 0: {why}; the mirror is at fault, "
+                    "the next attempt starts again from byte 0"
+                ) from None
+            log.warning("%s: %s: discarding the partial file, downloading it again from "
+                        "byte 0", target.path, why)  # fmt: skip
+            have, again = 0, True
     os.replace(part, done_path)
     return done_path
 
@@ -113,10 +138,22 @@ def _open(
         raise Transient(f"cannot download {url}: {exc}") from None
 
 
-def _resumes_at(response: urllib3.BaseHTTPResponse, have: int) -> bool:
-    """Whether a 206 answer really continues at byte ``have``."""
-    m = _CONTENT_RANGE.fullmatch(response.headers.get("Content-Range", "").strip())
-    return m is not None and int(m.group(1)) == have
+def _promised(response: urllib3.BaseHTTPResponse, have: int, length: int) -> int:
+    """The body length a 206 answer promises, when it is the rest of the signed target
+    from byte ``have``; else _Lie."""
+    what = response.headers.get("Content-Range", "")
+    m = _CONTENT_RANGE.fullmatch(what.strip())
+    if m is None or int(m.group(1)) != have or m.group(3) not in (str(length), "*"):
+        raise _Lie(f"asked for bytes {have}- of {length}, the mirror answered {what!r}")
+    first, last = int(m.group(1)), int(m.group(2))
+    if not first <= last < length:
+        raise _Lie(f"asked for bytes {have}- of {length}, the mirror answered {what!r}")
+    promised = last - first + 1
+    declared = response.headers.get("Content-Length")
+    if declared is not None and declared.strip() != str(promised):
+        raise _Lie(f"the mirror's Content-Range {what!r} promises {promised} bytes, its "
+                   f"Content-Length says {declared.strip()}")  # fmt: skip
+    return promised
 
 
 def _transfer(
@@ -128,25 +165,19 @@ def _transfer(
     limits: Limits,
     progress: Progress | None,
 ) -> None:
+    """One request for bytes ``have``- into ``part``; _Lie when the answer is not them."""
     response = _open(http, url, have, limits.timeout_s)
-    resumed = response.status == 206 and _resumes_at(response, have)
-    if have and not resumed and response.status in (200, 206, 416):
-        what = response.headers.get("Content-Range", "no Content-Range")
-        log.warning(
-            "%s: the mirror did not resume at byte %d (HTTP %d, %s): discarding the "
-            "partial file, downloading it whole",
-            target.path, have, response.status, what,
-        )  # fmt: skip
-        response.release_conn()
-        part.unlink(missing_ok=True)
-        have = 0
-        response = _open(http, url, 0, limits.timeout_s)
     try:
-        if response.status != (206 if have else 200):
-            raise Transient(f"download of {url}: HTTP {response.status}")
-        if have:
+        if have and response.status in (200, 206, 416):
+            if response.status != 206:
+                raise _Lie(f"asked for bytes {have}-, the mirror answered HTTP {response.status}")
+            promised = _promised(response, have, target.length)
             log.info("resuming %s at %d of %d bytes", target.path, have, target.length)
-        have = _copy(response, target, part, have, limits, progress)
+        elif response.status != 200 or have:
+            raise Transient(f"download of {url}: HTTP {response.status}")
+        else:
+            promised = target.length
+        have = _copy(response, target, part, have, have + promised, limits, progress)
     finally:
         response.release_conn()
     if have < target.length:
@@ -161,9 +192,12 @@ def _copy(
     target: TargetFile,
     part: Path,
     have: int,
+    end: int,
     limits: Limits,
     progress: Progress | None,
 ) -> int:
+    """Copy the body into ``part`` from ``have``; _Lie past ``end`` (what the answer
+    promised, within the signed length)."""
     started, sent, last_log = time.monotonic(), 0, 0.0
     window_start, window_bytes = started, 0
     with open(part, "r+b" if have else "wb") as f:
@@ -172,11 +206,8 @@ def _copy(
         try:
             # read1: whatever arrived, so bytes before a break are kept for the resume
             while chunk := response.read1(CHUNK):
-                if have + len(chunk) > target.length:
-                    raise Transient(
-                        f"download of {target.path}: longer than the signed "
-                        f"{target.length} bytes"
-                    )
+                if have + len(chunk) > end:
+                    raise _Lie(f"the body runs past byte {end - 1}, the last one promised")
                 f.write(chunk)
                 have += len(chunk)
                 sent += len(chunk)

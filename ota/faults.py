@@ -2,8 +2,10 @@
 
 The agent calls :func:`point` at each phase boundary (``phase:<name>``, right after
 the new phase is saved), each time a step starts to run (``step:<name>``: also when a
-restarted agent resumes it) and inside the commit (``commit:decided``,
-``commit:config``, ``commit:cleaned``). When the environment variable
+restarted agent resumes it), inside the commit (``commit:decided``,
+``commit:config``, ``commit:cleaned``) and at each step of a software update
+(``software:install``, ``software:flip``, ``software:restart``, ``software:watch``,
+``software:committed``, ``software:rollback``; :mod:`ota.abinstall`). When the environment variable
 ``APPLIANCE_OTA_KILL_AT`` names the point, the process sends itself SIGKILL there:
 nothing after it runs (no ``finally``, no buffered write), exactly as a power cut
 or ``kill -9`` at that instruction. Unset (always, outside the tests) a point costs

@@ -70,6 +70,8 @@ def _from_delta(ctx: Context, job: Job) -> None:
             delta.apply(delta_file, base, ctx.bundle_path(job), expected, ctx.cfg.max_bundle_bytes)
         finally:
             ctx.remove_files(sha256)  # used once, whatever came of it
+    except download.Mismatch as exc:  # other bytes than were signed, even from byte 0
+        _without_delta(ctx, job, str(exc))
     except Transient as exc:  # the partial delta is kept for the next attempt...
         tries = int(job.download.get("delta_tries", 0)) + 1
         job.download["delta_tries"] = tries

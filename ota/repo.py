@@ -35,7 +35,7 @@ from tuf.api.metadata import (
 )
 from tuf.api.serialization.json import JSONSerializer
 
-from ota import ROLES, OtaError, bundle, clock, delta, keys, release
+from ota import ROLES, OtaError, bundle, clock, delta, keys, release, software
 from ota.rollout import Rollout
 
 _SERIALIZER = JSONSerializer(compact=False)
@@ -217,6 +217,8 @@ def publish(
     not diff).
     """
     expiry = expiry or Expiry()
+    if software.first(bundle_file).get("kind") == software.KIND:
+        return _publish_software(repo, keys_dir, bundle_file, rollout, expiry)
     manifest, config = bundle.read(bundle_file)
     release.check_bundle(manifest, config)  # what a device would refuse, refused here
     path = target_path(manifest.name, manifest.version)
@@ -250,6 +252,27 @@ def publish(
     return target
 
 
+def _publish_software(
+    repo: Path, keys_dir: Path, bundle_file: Path, rollout: Rollout, expiry: Expiry
+) -> TargetFile:
+    """A software bundle as a target of its own kind, ``appliance/appliance-<v>.software``,
+    with the same rollout settings a model bundle has."""
+    manifest = software.read(bundle_file, bundle.DEFAULT_MAX_BYTES)
+    path = f"{software.NAME}/{software.NAME}-{manifest.version}.software"
+    targets: Metadata[Targets] = _load(repo / "metadata", "targets")
+    digest = _sha256(bundle_file)
+    known = targets.signed.targets.get(path)
+    if known is not None and known.hashes.get("sha256") != digest:
+        raise OtaError(f"software {manifest.version} is already published with other bytes")
+    target = TargetFile.from_file(path, str(bundle_file), ["sha256"])
+    signed = {**manifest.summary(), "rollout": rollout.to_json()}
+    target.unrecognized_fields["custom"] = {"appliance": signed}
+    _store(repo, path, bundle_file, digest)
+    targets.signed.targets[path] = target
+    _sign_chain(repo, keys_dir, targets, expiry, bump=True)
+    return target
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -271,38 +294,6 @@ def remove(
     for row in deltas_of(removed).values():  # its deltas go with it
         targets.signed.targets.pop(row["path"], None)
     _sign_chain(repo, keys_dir, targets, expiry or Expiry(), bump=True)
-
-
-def set_rollout(
-    repo: Path,
-    keys_dir: Path,
-    model: str,
-    version: int = 0,
-    percent: float | None = None,
-    halted: bool | None = None,
-    expiry: Expiry | None = None,
-) -> Rollout:
-    """Change the rollout of ``model`` (its newest published version unless
-    ``version``) and re-sign; returns the new settings."""
-    targets: Metadata[Targets] = _load(repo / "metadata", "targets")
-    candidates = {
-        int(t.custom["appliance"]["version"]): t
-        for t in targets.signed.targets.values()
-        if t.custom.get("appliance", {}).get("name") == model
-    }
-    if not candidates:
-        raise OtaError(f"no bundle of model '{model}' is published in {repo}")
-    version = version or max(candidates)
-    if version not in candidates:
-        raise OtaError(f"model '{model}' version {version} is not published in {repo}")
-    target = candidates[version]
-    info = dict(target.custom["appliance"])
-    current = Rollout.from_json(info.get("rollout", {}))
-    new = current.changed(percent=percent, halted=halted)
-    info["rollout"] = new.to_json()
-    target.unrecognized_fields["custom"] = {"appliance": info}
-    _sign_chain(repo, keys_dir, targets, expiry or Expiry(), bump=True)
-    return new
 
 
 def rotate(repo: Path, keys_dir: Path, role: str, expiry: Expiry | None = None) -> int:

@@ -11,10 +11,13 @@ effort, and the next state change publishes the whole state again.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -35,12 +38,38 @@ def topic(prefix: str, device_id: str) -> str:
 RESULTS = ("updated", "rolled_back", "refused", "withdrawn", "error")
 
 
-def payload(device_id: str, state: AgentState, result: str = "") -> dict[str, Any]:
+def software_of(folder: Path) -> dict[str, Any]:
+    """The installed software for a report: ``version`` (the committed env's, else the
+    running agent's), the ``sbom_sha256`` of that env's SBOM, and the last software
+    job's outcome (``last``) or the job under way (``job``)."""
+    from appliance.version import __version__
+
+    try:
+        doc = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        doc = {}
+    doc = doc if isinstance(doc, dict) else {}
+    version = str(doc.get("committed") or __version__)
+    out: dict[str, Any] = {"version": version}
+    with contextlib.suppress(OSError):
+        sbom = (folder / "envs" / version / "sbom.cdx.json").read_bytes()
+        out["sbom_sha256"] = hashlib.sha256(sbom).hexdigest()
+    for key in ("last", "job"):
+        if isinstance(doc.get(key), dict):
+            out[key] = {k: v for k, v in doc[key].items() if k in ("version", "result",
+                        "phase", "error")}  # fmt: skip
+    return out
+
+
+def payload(
+    device_id: str, state: AgentState, result: str = "", software: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The report. ``model``/``version``: the job under way, else the last finished one;
     ``result``: "" while a job is under way, else that job's outcome (``event`` says
     "error" when this report is about a failed check, not a job); ``results``: the
     last outcome of each model; ``shadow`` the agreement shadow probation measured,
-    ``download`` whether it came as a delta and the bytes it saved; ``window_opens``
+    ``download`` whether it came as a delta and the bytes it saved; ``probe`` the
+    kind of probes self-test and probation sent (ota.probes); ``window_opens``
     when a job waits for a maintenance window."""
     job = state.job
     last: dict[str, dict[str, Any]] = {}
@@ -59,8 +88,9 @@ def payload(device_id: str, state: AgentState, result: str = "") -> dict[str, An
         "error": state.last_error,
         "time": time.time(),
         # how the job (or the last one) came and what its shadow probation saw
-        **{k: v for k in ("shadow", "download") if (v := _detail(job, latest, k))},
+        **{k: v for k in ("shadow", "download", "probe") if (v := _detail(job, latest, k))},
         **({"window_opens": job.window_opens} if job and job.window_opens else {}),
+        **({"software": software} if software else {}),
     }
 
 

@@ -45,6 +45,15 @@ class Rollout:
     percent: float = 100.0
     groups: tuple[str, ...] = ()  # (): every group
     halted: bool = False
+    # fleet controls: ``retry`` is raised by ``fleet rollout --retry-failed`` (a device
+    # that marked this version bad at a lower retry takes it again); ``pinned`` devices
+    # take this version whatever the percentage and no other version of the model;
+    # ``phases`` (percents) widen only by ``fleet rollout --approve``, each approval
+    # kept in ``approvals`` (who, to what percent)
+    retry: int = 0
+    pinned: tuple[str, ...] = ()
+    phases: tuple[float, ...] = ()
+    approvals: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.channel not in CHANNELS:
@@ -53,12 +62,26 @@ class Rollout:
             raise OtaError(f"percent {self.percent!r}: expected 0..100")
         for g in self.groups:
             check_name(g, "group")
+        for d in self.pinned:
+            check_name(d, "device_id")
+        if list(self.phases) != sorted(set(self.phases)) or not all(
+            0 <= p <= 100 for p in self.phases
+        ):
+            raise OtaError(f"phases {list(self.phases)}: expected increasing percents")
+        if self.retry < 0:
+            raise OtaError("retry: expected a count")
+
+    def next_phase(self) -> float | None:
+        """The percent the next approval widens to (None: no phase left)."""
+        return next((p for p in self.phases if p > self.percent), None)
 
     def includes(self, model: str, device_id: str, channel: str, groups: tuple[str, ...]) -> bool:
         """Whether this rollout offers the bundle to that device. A device on the beta
         channel also takes stable releases; a stable device never takes beta ones."""
         if self.halted:
             return False
+        if device_id in self.pinned:
+            return True
         if self.channel == "beta" and channel != "beta":
             return False
         if self.groups and not set(self.groups) & set(groups):
@@ -73,13 +96,17 @@ class Rollout:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "channel": self.channel,
             # TUF's canonical JSON has no floats: hundredths of a percent, as an integer
             "basis_points": round(self.percent * 100),
             "groups": list(self.groups),
             "halted": self.halted,
         }
+        extra = {"retry": self.retry, "pinned": list(self.pinned),
+                 "phases": [round(p * 100) for p in self.phases],
+                 "approvals": list(self.approvals)}  # fmt: skip
+        return {**doc, **{k: v for k, v in extra.items() if v}}
 
     @classmethod
     def from_json(cls, data: Any) -> Rollout:
@@ -94,4 +121,15 @@ class Rollout:
             raise OtaError("rollout settings: basis_points must be an integer")
         if not isinstance(groups, list) or not all(isinstance(g, str) for g in groups):
             raise OtaError("rollout settings: groups must be a list of names")
-        return cls(channel, points / 100, tuple(groups), halted)
+        retry, pinned = data.get("retry", 0), data.get("pinned", [])
+        phases, approvals = data.get("phases", []), data.get("approvals", [])
+        if not isinstance(retry, int) or isinstance(retry, bool):
+            raise OtaError("rollout settings: retry must be an integer")
+        for name, items, kind in (("pinned", pinned, str), ("phases", phases, int),
+                                  ("approvals", approvals, str)):  # fmt: skip
+            if not isinstance(items, list) or not all(
+                isinstance(x, kind) and not isinstance(x, bool) for x in items
+            ):
+                raise OtaError(f"rollout settings: {name} must be a list")
+        return cls(channel, points / 100, tuple(groups), halted, retry, tuple(pinned),
+                   tuple(p / 100 for p in phases), tuple(approvals))  # fmt: skip

@@ -75,6 +75,7 @@ class Job:
     bad: bool = True  # whether a rollback marks the version bad (a withdrawal does not)
     result: str = ""  # the result a rollback reports: rolled_back or withdrawn
     probation: dict[str, int] = field(default_factory=dict)  # what probation counted
+    probe: str = ""  # the probes self-test and probation sent (ota.probes)
     # the signed delta from ``previous`` (ota.fetching): target, length, sha256, base and
     # the full target's content hashes; emptied when the agent falls back to the full
     # bundle
@@ -88,7 +89,10 @@ class Job:
 class ModelState:
     current: int = 0  # the committed version
     previous: list[int] = field(default_factory=list)  # kept on disk for rollback
-    bad: list[int] = field(default_factory=list)  # never tried again
+    bad: list[int] = field(default_factory=list)  # never tried again, unless retried
+    # per version, the fleet's retry count (fleet rollout --retry-failed) it was last
+    # taken again at: a bad version is taken again once the signed retry is higher
+    retried: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -159,6 +163,8 @@ def _check(state: AgentState) -> None:
     for name, ms in state.models.items():
         if not (_int(ms.current) and _ints(ms.previous) and _ints(ms.bad)):
             raise ValueError(f"models.{name}: expected integer versions")
+        if not isinstance(ms.retried, dict) or not all(_int(v) for v in ms.retried.values()):
+            raise ValueError(f"models.{name}.retried: expected retry counts")
     numbers = (state.last_check, state.next_check, state.clock_floor)
     if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in numbers):
         raise ValueError("last_check, next_check and clock_floor must be numbers")
@@ -168,7 +174,8 @@ def _check(state: AgentState) -> None:
         raise ValueError("history must be a list, progress an object")
     job = state.job
     if job is not None:
-        texts = (job.model, job.target, job.sha256, job.reason, job.result, job.backend)
+        texts = (job.model, job.target, job.sha256, job.reason, job.result, job.backend,
+                 job.probe)  # fmt: skip
         counts = (job.version, job.length, job.unpacked, job.previous, job.load_attempts)
         if not all(isinstance(t, str) for t in texts) or not all(_int(n) for n in counts):
             raise ValueError("job: wrong field types")

@@ -8,7 +8,8 @@ probation steps.
   traffic stays where it was. A load interrupted ``max_load_attempts`` times
   (server crash, power cut) marks the version bad; a server that cannot be reached
   never does (the agent keeps the job and tries again later).
-- self_test: the bundle's vectors against the new version, by version.
+- self_test: the bundle's vectors against the new version, by version; a bundle
+  without vectors gets one probe generated from its config (:mod:`ota.probes`).
 - shadow: when the bundle's manifest carries a shadow policy and a version serves,
   a sample of live traffic mirrored to the candidate and its outputs judged against
   the serving version's (:mod:`ota.shadow`); the summary goes to the fleet.
@@ -16,7 +17,8 @@ probation steps.
   it tested, and the old version drains.
 - probation: the new version's statistics counted after its self-test (kept in the
   job: the promoted copy's counters hold the self-test's requests) and the agent's
-  own probes, judged by :mod:`ota.probation`.
+  own probes (the bundle's vectors, else generated ones: an idle device has nothing
+  else to count), judged by :mod:`ota.probation`; the job says which probes ran.
 
 Each step first checks that the server still holds what the previous steps left
 there. A server that restarted meanwhile (a power cut, or a crash) loaded the
@@ -31,7 +33,7 @@ import dataclasses
 import time
 from typing import Any
 
-from ota import OtaError, Rollback, bundle, install, probation, selftest, shadow
+from ota import OtaError, Rollback, bundle, install, probation, probes, selftest, shadow
 from ota.context import Context, log
 from ota.server_api import ServerGone, VersionStats
 from ota.state import Job
@@ -72,16 +74,32 @@ def _vectors(ctx: Context, job: Job) -> tuple[dict[str, Any], ...]:
     return bundle.first_manifest(ctx.bundle_path(job)).self_test
 
 
+def _probe_kind(ctx: Context, job: Job, vectors: tuple[dict[str, Any], ...]) -> str:
+    """``vectors``, ``generated`` (from the candidate's config), or ``none: <why>``."""
+    if vectors:
+        return "vectors"
+    _, why = probes.inputs_of(ctx.candidate_config(job))
+    return f"none: {why}" if why else "generated"
+
+
 def self_test_step(ctx: Context, job: Job) -> str:
     if _candidate_lost(ctx, job):
         return "load"
+    vectors = _vectors(ctx, job)
+    job.probe = _probe_kind(ctx, job, vectors)
     try:
-        count = selftest.run(ctx.api, job.model, job.version, _vectors(ctx, job))
+        if job.probe == "generated":
+            probes.check(ctx.api, job.model, job.version, ctx.candidate_config(job), 0,
+                         ctx.cfg.probe_timeout_s)  # fmt: skip
+            count = 1
+        else:
+            count = selftest.run(ctx.api, job.model, job.version, vectors)
     except ServerGone:
         raise
     except OtaError as exc:
         raise Rollback(f"self-test failed: {exc}") from None
-    log.info("ota: %s version %d passed %d self-test vector(s)", job.model, job.version, count)
+    log.info("ota: %s version %d passed %d self-test probe(s) (%s)", job.model, job.version,
+             count, job.probe)  # fmt: skip
     stats = _stats(ctx, job.model)
     before = stats.get(job.previous)
     job.old_latency_us = int(before.mean_ms() * 1000) if before else 0
@@ -147,16 +165,19 @@ def switch_step(ctx: Context, job: Job) -> str:
 
 
 def _probe(ctx: Context, job: Job, vectors: tuple[dict[str, Any], ...], n: int) -> bool:
-    """One probe (vector ``n`` modulo their count); False when it went unanswered in
-    time or answered wrong. ServerGone when the server itself is gone."""
+    """One probe (vector ``n`` modulo their count, or generated probe ``n``); False
+    when it went unanswered in time or answered wrong. ServerGone when the server
+    itself is gone."""
+    timeout_s = ctx.cfg.probe_timeout_s
     try:
-        selftest.check(
-            ctx.api, job.model, job.version, n, vectors[n % len(vectors)], ctx.cfg.probe_timeout_s
-        )
+        if vectors:
+            selftest.check(ctx.api, job.model, job.version, n, vectors[n % len(vectors)], timeout_s)
+        else:
+            probes.check(ctx.api, job.model, job.version, ctx.candidate_config(job), n, timeout_s)
     except ServerGone:
         if not ctx.api.live():
             raise
-        log.warning("ota: probation probe %d unanswered within %gs", n, ctx.cfg.probe_timeout_s)
+        log.warning("ota: probation probe %d unanswered within %gs", n, timeout_s)
         return False
     except OtaError as exc:
         log.warning("ota: probation probe %d failed: %s", n, exc)
@@ -169,12 +190,14 @@ def probation_step(ctx: Context, job: Job) -> str:
         return "load"
     cfg = ctx.cfg
     vectors = _vectors(ctx, job)
+    if not job.probe:  # a job from before probes were generated
+        job.probe = _probe_kind(ctx, job, vectors)
     counts = probation.Counts()
     # the switch promoted the tested copy: its counters hold the self-test's requests
     tested = VersionStats(*job.tested_counts) if len(job.tested_counts) == 4 else None
     deadline = time.monotonic() + cfg.probation_s
     while True:
-        if vectors:
+        if job.probe in ("vectors", "generated"):
             counts.probe_failures += not _probe(ctx, job, vectors, counts.probes)
             counts.probes += 1
         now = _stats(ctx, job.model).get(job.version)
@@ -188,10 +211,10 @@ def probation_step(ctx: Context, job: Job) -> str:
         final = time.monotonic() >= deadline
         verdict = probation.judge(counts, job.old_latency_us / 1000, cfg, final)
         if verdict:
-            raise Rollback(f"probation: {verdict}")
+            raise Rollback(f"probation ({job.probe} probes): {verdict}")
         if final:
-            log.info("ota: %s version %d passed probation: %s", job.model, job.version,
-                     counts.summary())  # fmt: skip
+            log.info("ota: %s version %d passed probation (%s probes): %s", job.model,
+                     job.version, job.probe, counts.summary())  # fmt: skip
             return "commit"
         ctx.alive_at = time.monotonic()
         time.sleep(min(cfg.probation_poll_s, max(0.0, deadline - time.monotonic())))

@@ -35,7 +35,7 @@ import paho.mqtt.client as mqtt
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from paho.mqtt.enums import CallbackAPIVersion
 
-from ota import OtaError, devicekey, repo
+from ota import OtaError, controls, devicekey, software
 from ota.rollout import check_name
 
 FAILED = {"rolled_back", "refused", "error"}
@@ -82,20 +82,29 @@ class Tally:
         self.reports[device] = report
         self.seen[device] = min(sent, now)  # a device clock ahead: when it arrived
 
-    def _outcomes(self, r: dict[str, Any]) -> dict[tuple[str, int], str]:
-        """(model, version) -> result this report states; "" for a job under way."""
-        out: dict[tuple[str, int], str] = {}
+    def _outcomes(self, r: dict[str, Any]) -> dict[tuple[str, str], str]:
+        """(model, version) -> result this report states; "" for a job under way. The
+        software's (``software.last``, ``software.job``) count under ``appliance``."""
+        out: dict[tuple[str, str], str] = {}
         for model, last in (r.get("results") or {}).items():
-            out[(model, int(last["version"]))] = str(last["result"])
-        key = (str(r.get("model", "")), int(r.get("version", 0) or 0))
+            out[(model, str(int(last["version"])))] = str(last["result"])
+        key = (str(r.get("model", "")), str(int(r.get("version", 0) or 0)))
         if key[0]:
             under_way = r.get("state") in UNDER_WAY and not r.get("result")
             if "results" not in r or under_way:  # an older agent's report, or a job
                 out[key] = "" if under_way else str(r.get("result") or "")
+        sw = r.get("software")
+        for part in ("last", "job"):  # the job under way comes second: it is newer
+            item = sw.get(part) if isinstance(sw, dict) else None
+            if not isinstance(item, dict):
+                continue
+            version = item.get("version")
+            if isinstance(version, str) and software.valid_version(version):
+                out[(software.NAME, version)] = "" if part == "job" else str(item.get("result"))
         return out
 
-    def counts(self, timeout_s: float, now: float) -> dict[tuple[str, int], Counter[str]]:
-        out: dict[tuple[str, int], Counter[str]] = {}
+    def counts(self, timeout_s: float, now: float) -> dict[tuple[str, str], Counter[str]]:
+        out: dict[tuple[str, str], Counter[str]] = {}
         for device, r in self.reports.items():
             for key, result in self._outcomes(r).items():
                 if result == "updated":
@@ -114,14 +123,14 @@ class Tally:
         return out
 
 
-    def shadow(self, model: str, version: int) -> str:
+    def shadow(self, model: str, version: int | str) -> str:
         """What the devices' shadow probations of ``model`` version ``version`` saw:
         per output the lowest top-1 agreement and the largest difference ("": none
         reported)."""
         devices, top1, diff = 0, dict[str, float](), dict[str, float]()
         for r in self.reports.values():
             summary = r.get("shadow")
-            if (r.get("model"), r.get("version")) != (model, version) or not isinstance(
+            if (r.get("model"), str(r.get("version"))) != (model, str(version)) or not isinstance(
                 summary, dict
             ):
                 continue
@@ -140,6 +149,10 @@ class Tally:
         parts = [f"{n} top-1 >= {v:.3f}" for n, v in sorted(top1.items())]
         parts += [f"{n} max diff {v:g}" for n, v in sorted(diff.items())]
         return f"; shadow on {devices} device(s): {', '.join(parts) or 'nothing compared'}"
+
+
+def _order(item: tuple[tuple[str, str], Any]) -> tuple[str, tuple[int, ...]]:
+    return item[0][0], software.version_key(item[0][1])
 
 
 def _number(v: Any) -> TypeGuard[float]:
@@ -198,7 +211,7 @@ def accept(tally: Tally, keys: Keys | None, topic: str, payload: bytes) -> None:
     tally.add(device, report, time.time())
 
 
-def _line(model: str, version: int, c: Counter[str], min_reports: int) -> str:
+def _line(model: str, version: int | str, c: Counter[str], min_reports: int) -> str:
     total = judged(c)
     line = (
         f"{model} v{version}: pending {c['pending']} updated {c['updated']} "
@@ -259,7 +272,7 @@ def main(args: argparse.Namespace, stop_after: int | None = None) -> int:
             skipped = (tally.malformed, tally.unauthenticated)
             if done or time.monotonic() - last_print > 2 or skipped != last_skipped:
                 last_print, last_skipped = time.monotonic(), skipped
-                for (model, version), c in sorted(counts.items()):
+                for (model, version), c in sorted(counts.items(), key=_order):
                     line = _line(model, version, c, args.min_reports)
                     print(line + tally.shadow(model, version), flush=True)
                 if any(skipped):
@@ -276,7 +289,8 @@ def main(args: argparse.Namespace, stop_after: int | None = None) -> int:
                 print(f"{model} v{version}: failure rate above {args.halt_at_failure_rate:g}; "
                       "halting the rollout", flush=True)  # fmt: skip
                 if args.repo is not None:
-                    repo.set_rollout(Path(args.repo), Path(args.keys), model, version, halted=True)
+                    where = (Path(args.repo), Path(args.keys))
+                    controls.set_rollout(*where, model, version, halted=True)
                     print(f"{model} v{version}: rollout halted (targets re-signed)", flush=True)
             if done or (halted and args.exit_on_halt):
                 return 0

@@ -40,7 +40,12 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
     """Static files with single-range ``Range: bytes=N-`` support. Faults a mirror
     has, set on the server: ``cut_after`` (cut one bundle transfer after N bytes),
     ``broken_range`` (answer a Range with 206 but the file from byte 0, as a broken
-    cache does), ``trickle`` (send bundles N bytes per 0.1 s)."""
+    cache does), ``trickle`` (send bundles N bytes per 0.1 s), ``lie`` (answer a
+    Range with a ``Content-Range`` that promises the rest of the file from N, and
+    send: "long", the whole file from byte 0, without a Content-Length; "long-declared",
+    the same with its Content-Length; "short", the rest from N + 1000, with its
+    Content-Length; "wrong", as many bytes as promised, but from byte 0), ``corrupt``
+    (every byte served from byte 0 of a file is flipped at one offset)."""
 
     server: StaticServer
 
@@ -54,16 +59,27 @@ class RangeHandler(http.server.SimpleHTTPRequestHandler):
             self.send_error(404)
             return
         data = path.read_bytes()
+        if self.server.corrupt and path.suffix == ".bundle":
+            data = data[:-10] + bytes(b ^ 0xFF for b in data[-10:])
         start = 0
         rng = self.headers.get("Range", "")
+        lie = self.server.lie
         if rng.startswith("bytes=") and rng[6:].rstrip("-").isdigit():
             start = 0 if self.server.broken_range else int(rng[6:].rstrip("-"))
             self.send_response(206)
             self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         else:
             self.send_response(200)
+            lie = ""
         body = data[start:]
-        self.send_header("Content-Length", str(len(body)))
+        if lie in ("long", "long-declared"):
+            body = data
+        elif lie == "short":
+            body = data[start + 1000 :]
+        elif lie == "wrong":
+            body = data[: len(data) - start]
+        if lie != "long":
+            self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         cut = self.server.cut_after
         if cut and path.suffix == ".bundle":
@@ -92,6 +108,8 @@ class StaticServer(http.server.ThreadingHTTPServer):
         self.cut_after = 0
         self.broken_range = False
         self.trickle = 0
+        self.lie = ""
+        self.corrupt = False
         super().__init__(("127.0.0.1", 0), self._handler)
         self.thread = threading.Thread(target=self.serve_forever, daemon=True)
         self.thread.start()

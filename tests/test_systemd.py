@@ -25,6 +25,7 @@ from devtools import modelgen
 
 ROOT = Path(__file__).resolve().parent.parent
 UNITS = ROOT / "systemd"
+CURRENT = "/var/lib/appliance/ota/software/current/bin/appliance"  # the A/B link (docs/ota.md)
 
 
 # ---- unit files -------------------------------------------------------------------
@@ -39,23 +40,35 @@ def _verify(unit: Path, text: str, tmp: Path) -> subprocess.CompletedProcess[str
     stand_in.write_text("#!/bin/sh\n")
     stand_in.chmod(0o755)
     copy = tmp / unit.name
-    copy.write_text(text.replace("/opt/appliance/venv/bin/appliance", str(stand_in)))
+    for program in ("/opt/appliance/venv/bin/appliance", CURRENT):
+        text = text.replace(program, str(stand_in))
+    copy.write_text(text)
     return subprocess.run(
         [analyze, "verify", "--man=no", str(copy)], capture_output=True, text=True, timeout=60
     )
 
 
-@pytest.mark.parametrize("name", ["appliance.service", "appliance-ota.service"])
+@pytest.mark.parametrize(
+    "name", ["appliance.service", "appliance-ota.service", "appliance-ota-rescue.service"]
+)
 def test_units_verify_cleanly(name: str, tmp_path: Path) -> None:
     unit = UNITS / name
     done = _verify(unit, unit.read_text(), tmp_path)
     assert done.returncode == 0 and done.stderr == "", done.stderr  # warnings count too
 
 
-@pytest.mark.parametrize("name", ["jetson-gpu.conf", "model-key.conf"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "appliance.service.d/jetson-gpu.conf",
+        "appliance.service.d/model-key.conf",
+        "appliance.service.d/ab.conf",
+        "appliance-ota.service.d/ab.conf",
+    ],
+)
 def test_each_drop_in_verifies_on_top_of_the_unit(name: str, tmp_path: Path) -> None:
-    unit = UNITS / "appliance.service"
-    drop_in = (UNITS / "appliance.service.d" / name).read_text()
+    unit = UNITS / name.split(".d/")[0]
+    drop_in = (UNITS / name).read_text()
     done = _verify(unit, unit.read_text() + "\n" + drop_in, tmp_path)
     assert done.returncode == 0 and done.stderr == "", done.stderr
 

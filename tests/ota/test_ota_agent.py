@@ -134,13 +134,8 @@ def test_refusals_change_nothing(fleet: Fleet, device: LocalDevice, tmp_path: Pa
         assert files_under(device.models) == before
         assert device.serving() == "1"
 
-    # corrupted bundle on the mirror: length/hash mismatch against the signed target
+    # (a corrupted bundle on the mirror: test_ota_mirrors.py, the mirror's fault)
     fleet.publish(2)
-    bundle_file = next((fleet.repo / "targets" / "simple").glob("*simple-2.bundle"))
-    good = bundle_file.read_bytes()
-    bundle_file.write_bytes(good[:-10] + b"0123456789")
-    refused("does not match the signed target")
-    bundle_file.write_bytes(good)
 
     # bad signature on the timestamp
     ts = fleet.repo / "metadata" / "timestamp.json"

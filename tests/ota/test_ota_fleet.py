@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ota import OtaError, bundle, check, probation, repo
+from ota import OtaError, bundle, check, controls, probation, repo
 from ota.agent import Agent
 from ota.config import OtaConfig
 from ota.rollout import Rollout, bucket
@@ -101,7 +101,7 @@ def test_key_rotation_is_followed_by_devices(fleet: Fleet, tmp_path: Path) -> No
 def test_halted_rollout_is_not_offered(fleet: Fleet, tmp_path: Path) -> None:
     fleet.publish(1)
     fleet.publish(2)
-    repo.set_rollout(fleet.repo, fleet.keys, "simple", halted=True)
+    controls.set_rollout(fleet.repo, fleet.keys, "simple", halted=True)
     (tmp_path / "models").mkdir()
     cfg = fleet.device(tmp_path / "state", tmp_path / "models", "http://127.0.0.1:9")
     offer = check.newest_offer(cfg, AgentState())
@@ -144,3 +144,30 @@ def test_probation_verdicts(tmp_path: Path) -> None:
     assert "only 4 request(s) answered" in probation.judge(Counts(4, 0), 0, need5, final=True)
     assert probation.judge(Counts(3, 2, client_errors=9), 0, need5, final=False).startswith("error")
     assert probation.judge(Counts(5, 0, client_errors=9), 0, need5, final=True) == ""
+
+
+def test_publish_warns_when_a_release_has_no_self_test_vectors(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from appliance.cli import main
+    from devtools import modelgen
+    from ota import probes
+
+    folder = modelgen.write_model(
+        fleet.src, "simple", modelgen.simple_add_sub(), modelgen.SIMPLE_CONFIG, 7
+    )
+    args = ["fleet", "publish", str(fleet.repo), "--keys", str(fleet.keys)]
+    bare, tested = fleet.root / "bare.bundle", fleet.bundle(6)
+    bundle.build(folder, 7, bare)
+    assert main([*args[:3], str(tested), *args[3:]]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main([*args[:3], str(bare), *args[3:]]) == 0
+    err = capsys.readouterr().err
+    assert "simple version 7 has no self-test vectors" in err and "generated" in err
+    # what such a device would send: the declared shapes, zeros then random values
+    config = {"max_batch_size": 8, "input": [{"name": "X", "data_type": "TYPE_FP32",
+              "dims": ["-1", "3"]}], "output": [{"name": "Y"}]}  # fmt: skip
+    zeros, noise = probes.body(config, 0), probes.body(config, 1)
+    assert zeros["inputs"][0]["shape"] == [1, 1, 3] and zeros["inputs"][0]["data"] == [0] * 3
+    assert noise["inputs"][0]["data"] != [0] * 3 and zeros["outputs"] == [{"name": "Y"}]
+    assert probes.inputs_of({**config, "sequence_batching": {}})[1].startswith("a sequence")

@@ -41,6 +41,39 @@ def test_a_range_answered_from_byte_zero_falls_back_to_a_full_download(
     assert bundle_requests(fleet)[-3:] == ["", f"bytes={half}-", ""]
 
 
+def test_a_lying_mirror_costs_one_restart_then_backs_off_and_recovers(
+    fleet: Fleet, device: LocalDevice
+) -> None:
+    """The field report: a download cut, then a cache whose 206 promises the rest but
+    sends the whole file. The agent restarts from byte 0 once and completes; a mirror
+    that serves wrong bytes even from byte 0 keeps the job, backs off, keeps nothing."""
+    fleet.publish(1)
+    agent = device()
+    assert agent.run_once()
+    path = fleet.publish(2, pad=64 << 10)
+    half = path.stat().st_size // 2
+    fleet.server.cut_after = half
+    assert not agent.run_once() and "interrupted" in agent.state.last_error
+    fleet.server.lie = "long"
+    assert agent.run_once(), agent.state.last_error
+    assert device.serving() == "2"
+    assert bundle_requests(fleet)[-3:] == ["", f"bytes={half}-", ""]
+    fleet.server.lie = ""
+    fleet.publish(3)
+    fleet.server.corrupt = True
+    for retries in (1, 2):  # every cycle the same: one download from 0, then a back-off
+        assert not agent.run_once()
+        assert "the mirror is at fault" in agent.state.last_error
+        assert agent.state.job is not None and agent.state.retries == retries
+        assert not any((agent.cfg.state_dir / "downloads").iterdir())
+        assert agent.state.models["simple"].bad == []
+    assert bundle_requests(fleet)[-2:] == ["", ""]
+    assert device.serving() == "2"
+    fleet.server.corrupt = False
+    assert agent.run_once(), agent.state.last_error
+    assert device.serving() == "3"
+
+
 def test_a_trickling_mirror_ends_the_attempt_and_the_download_resumes(
     fleet: Fleet, device: LocalDevice
 ) -> None:

@@ -81,12 +81,36 @@ def test_the_models_own_failures_roll_it_back(fleet: Fleet, device: LocalDevice)
     assert agent.state.models[MODEL].bad == [2] and device.serving(MODEL) == "1"
 
 
+def test_an_idle_device_passes_probation_with_probes_made_from_the_config(
+    fleet: Fleet, device: LocalDevice
+) -> None:
+    """A night-time maintenance window: no traffic, and a bundle without vectors. The
+    agent probes with zeros and random data of the config's shapes, and says so."""
+    fleet.publish_python(1)
+    assert device().run_once()
+    fleet.publish_python(2, self_test=[])  # no vectors, and nobody calls it
+    agent = device(probation_min_requests=5, probation_s=1.0, probation_poll_s=0.1)
+    assert agent.run_once(), agent.state.last_error
+    last = agent.state.history[-1]
+    assert last["result"] == "updated" and last["probe"] == "generated"
+    assert last["probation"]["probes"] >= 5 and last["probation"]["probe_failures"] == 0
+    assert last["probation"]["success"] >= 5
+    assert device.serving(MODEL) == "2"
+    # generated probes prove the model answers: one that stops answering is caught
+    fleet.publish_python(3, "hang", self_test=[])  # stops answering after one request
+    agent = device(probation_s=1.0, probe_timeout_s=0.5)
+    assert not agent.run_once()
+    assert "timed out" in agent.state.last_error, agent.state.last_error
+    assert agent.state.history[-1]["probe"] == "generated"
+    assert agent.state.models[MODEL].bad == [3] and device.serving(MODEL) == "2"
+
+
 def test_probation_needs_a_minimum_of_answered_requests(fleet: Fleet, device: LocalDevice) -> None:
     fleet.publish_python(1)
     assert device().run_once()
-    fleet.publish_python(2, self_test=[])  # no vectors: no probes, and nobody calls it
-    agent = device(probation_min_requests=3)
+    fleet.publish_python(2, self_test=[])  # probes at each of a few polls, nobody else
+    agent = device(probation_min_requests=50)
     assert not agent.run_once()
-    assert "only 0 request(s) answered" in agent.state.last_error
+    assert "request(s) answered during probation, at least 50" in agent.state.last_error
     assert device.serving(MODEL) == "1"
     assert agent.state.models[MODEL].bad == [2]

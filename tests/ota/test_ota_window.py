@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from appliance.config.fields import ConfigError
-from ota import OtaError, repo, window
+from ota import OtaError, controls, window
 from ota import config as ota_config
 from tests.ota_device import cli
 from tests.ota_helpers import Fleet, LocalDevice
@@ -119,7 +119,7 @@ def test_a_job_withdrawn_while_it_waits_is_dropped(fleet: Fleet, device: LocalDe
     fleet.publish(2)
     agent = device(maintenance_windows=(_span(6),))
     assert agent.run_once() and agent.state.phase == "waiting"
-    repo.set_rollout(fleet.repo, fleet.keys, "simple", 2, None, True)  # halted
+    controls.set_rollout(fleet.repo, fleet.keys, "simple", 2, None, True)  # halted
     agent = device(maintenance_windows=(_span(6),))
     agent.run_once()
     assert agent.state.job is None and agent.state.history[-1]["result"] == "withdrawn"

@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from ota import repo
+from ota import controls, repo
 from tests.ota_helpers import Fleet, LocalDevice
 
 
 def withdraw(fleet: Fleet, how: str, version: int) -> None:
     if how == "halt":
-        repo.set_rollout(fleet.repo, fleet.keys, "simple", version, halted=True)
+        controls.set_rollout(fleet.repo, fleet.keys, "simple", version, halted=True)
     else:
         repo.remove(fleet.repo, fleet.keys, "simple", version)
 
@@ -62,7 +62,7 @@ def test_halted_while_under_test_is_rolled_back_not_marked_bad(
     assert device.serving() == "1" and agent.state.models["simple"].current == 1
     assert not (device.models / "simple" / "2").exists()
     assert 2 not in agent.state.models["simple"].bad
-    repo.set_rollout(fleet.repo, fleet.keys, "simple", 2, halted=False)  # resumed
+    controls.set_rollout(fleet.repo, fleet.keys, "simple", 2, halted=False)  # resumed
     agent.hook = None
     assert agent.run_once(), agent.state.last_error
     assert device.serving() == "2"

@@ -1,0 +1,231 @@
+"""The appliance updates itself: software bundles built from this project's own wheel,
+published to a real TUF repository on a local HTTP server, installed A/B on a device
+laid out as the image lays it out (a venv per version under the state folder, one
+``current`` link, a supervisor that runs the server from ``current`` and honours the
+restart command), committed when the new server comes up READY with its models, and
+rolled back when it cannot start. kill -9 of the agent at every software phase, with
+and without the server killed too, converges on one version: the state's, the
+link's and the one that answers.
+
+One device and one repository for the module (a server start and a venv cost
+seconds): each case publishes the next version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from ota import abinstall, controls, devicekey, report, software
+from ota import config as ota_config
+from ota.agent import Agent
+from ota.config import OtaConfig
+from ota.state import StateFile
+from tests.ota_device import Device, appliance, cli
+from tests.ota_helpers import Fleet, start_fleet
+from tests.ota_software import Supervisor, release
+
+
+@dataclass
+class Site:
+    fleet: Fleet
+    device: Device
+    supervisor: Supervisor
+    work: Path
+    cfg: OtaConfig
+    patch: int = 1  # the last published release is 0.1.<patch>
+
+    @property
+    def layout(self) -> abinstall.Layout:
+        return abinstall.Layout(self.cfg)
+
+    @property
+    def committed(self) -> str:
+        return str(self.layout.load()["committed"])
+
+    def publish(self, broken: bool = False, **kw: str) -> str:
+        self.patch += 1
+        version = f"0.1.{self.patch}"
+        from ota import repo
+        from ota.rollout import Rollout
+
+        repo.publish(self.fleet.repo, self.fleet.keys, release(self.work, version, broken, **kw),
+                     Rollout())  # fmt: skip
+        return version
+
+    def agrees(self, version: str) -> None:
+        """The state, the link and the server agree on ``version``; no job left."""
+        doc = self.layout.load()
+        assert doc["job"] is None, doc
+        assert (doc["committed"], self.layout.linked()) == (version, version)
+        assert self.supervisor.version() == version
+        assert self.device.version() == "1"  # and the model still serves
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    tmp = tmp_path_factory.mktemp("software")
+    fleet = start_fleet(tmp / "fleet")
+    device = Device(
+        tmp, fleet.server.url, fleet.repo / "metadata" / "1.root.json",
+        restart_command=Supervisor.command(tmp), system_site_packages=True,
+        software_ready_timeout_s=60,
+    )  # fmt: skip
+    cfg = ota_config.load(device.config)
+    supervisor = Supervisor(cfg.state_dir / "software", device.config, device.url)
+    assert supervisor.folder == tmp
+    work = tmp / "work"
+    work.mkdir()
+    try:
+        # the image: version 0.1.1 installed the way the agent installs, and linked
+        first = release(work, "0.1.1")
+        lay = abinstall.Layout(cfg)
+        abinstall.install_env(lay, first, software.read(first, 1 << 30))
+        lay.flip("0.1.1")
+        lay.save({"committed": "0.1.1", "job": None, "bad": []})
+        supervisor.start()
+        assert supervisor.version() == "0.1.1"
+        fleet.publish(1)
+        assert Agent(cfg).run_once()  # a model, as every device has
+        yield Site(fleet, device, supervisor, work, cfg)
+    finally:
+        supervisor.stop()
+        fleet.server.stop()
+
+
+def test_a_good_release_is_committed_and_serves_the_same_models(site: Site) -> None:
+    old = site.committed
+    new = site.publish()
+    agent = Agent(site.cfg)
+    stop = threading.Event()
+    service = threading.Thread(target=agent.run_forever, args=(stop,), daemon=True)
+    service.start()
+    service.join(180)  # the service makes way for the new agent by itself
+    stop.set()
+    assert not service.is_alive() and agent.software_updated, agent.state.last_error
+    site.agrees(new)
+    envs = sorted(p.name for p in site.layout.envs.iterdir())
+    assert envs == [old, new]  # the one to roll back to is kept
+    sbom = json.loads((site.layout.envs / new / software.SBOM).read_bytes())
+    assert sbom["bomFormat"] == "CycloneDX"
+    assert sbom["metadata"]["component"]["version"] == new
+    assert [c["name"] for c in sbom["components"]] == ["appliance"]
+
+
+def test_a_release_whose_server_cannot_start_is_rolled_back(site: Site) -> None:
+    old = site.committed
+    bad = site.publish(broken=True)
+    agent = Agent(site.cfg)
+    assert not agent.run_once()
+    site.agrees(old)
+    doc = site.layout.load()
+    assert bad in doc["bad"] and doc["last"]["result"] == "rolled_back"
+    assert "the restart command failed" in doc["last"]["error"]  # not the watch's timeout
+    assert not (site.layout.envs / bad).exists()
+    assert agent.run_once()  # not tried again
+    site.agrees(old)
+
+
+def test_other_platforms_pythons_and_downgrades_are_refused(site: Site) -> None:
+    installed = site.committed
+    other = site.publish(python="3.9")
+    assert Agent(site.cfg).run_once()  # offered, but not to this Python: nothing happens
+    site.agrees(installed)
+    assert other not in site.layout.load()["bad"]
+    info = {"version": "9.0", "python": software.python_tag(), "platforms": ["x86_64"]}
+    assert software.check_device(info, installed) == ""
+    older = software.check_device({**info, "version": "0.1.0"}, installed)
+    assert older == f"software 0.1.0 would not upgrade {installed}"
+    elsewhere = software.check_device({**info, "platforms": ["riscv64"]}, installed)
+    assert elsewhere.startswith("software 9.0 is for ['riscv64'], not ")
+    assert "is for Python 3.9" in software.check_device({**info, "python": "3.9"}, installed)
+
+
+def test_a_release_the_fleet_halts_during_the_install_is_withdrawn(site: Site) -> None:
+    old = site.committed
+    new = site.publish()
+    agent = Agent(site.cfg)
+
+    def halt(phase: str) -> None:
+        if phase == "software:install":  # saved, before the venv is made
+            controls.set_rollout(site.fleet.repo, site.fleet.keys, "appliance", new, halted=True)
+
+    agent.hook = halt
+    assert agent.run_once(), agent.state.last_error
+    site.agrees(old)  # nothing flipped
+    doc = site.layout.load()
+    assert doc["last"]["result"] == "withdrawn" and new not in doc["bad"]
+    assert not (site.layout.envs / new).exists()
+
+
+POINTS = [
+    ("software:install", False),
+    ("software:flip", False),
+    ("software:restart", False),
+    ("software:watch", False),
+    ("software:watch", True),
+    ("software:committed", False),
+    ("software:rollback", False),
+]
+
+
+@pytest.mark.parametrize(("point", "power_cut"), POINTS,
+                         ids=[p + "+power" * c for p, c in POINTS])  # fmt: skip
+def test_killed_at_any_software_phase_converges(site: Site, point: str, power_cut: bool) -> None:
+    old = site.committed
+    broken = point == "software:rollback"
+    new = site.publish(broken=broken)
+    args = ("ota", "agent", "--once", "--config", str(site.device.config))
+    killed = appliance(*args, check=False, env={"APPLIANCE_OTA_KILL_AT": point}, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    if power_cut:
+        site.supervisor.power_cut()
+    again = appliance(*args, check=False, timeout=300)
+    assert again.returncode in (0, 1), again.stderr[-2000:]
+    site.agrees(old if broken else new)
+
+
+def test_a_software_release_imported_from_a_file_takes_the_same_path(site: Site) -> None:
+    new = site.publish()
+    exported = site.work / "software.export"
+    cli("fleet", "export", str(site.fleet.repo), "-o", str(exported),
+        "--target", f"appliance/appliance-{new}.software")  # fmt: skip
+    done = appliance("ota", "import", str(exported), "--config", str(site.device.config),
+                     check=False, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1])["software"]["result"] == "updated"
+    site.agrees(new)
+
+
+def test_the_signed_report_names_the_software_its_sbom_and_the_models(site: Site) -> None:
+    key = devicekey.load(site.cfg.state_dir)
+    assert key is not None
+    state = StateFile(site.cfg.state_dir).load()
+    assert state is not None
+    sw = report.software_of(site.layout.root)
+    signed = devicekey.sign(report.payload("cam-gate-3", state, "", sw), key)
+    assert devicekey.verify(signed, key.public_key())
+    sbom = (site.layout.envs / site.committed / software.SBOM).read_bytes()
+    assert signed["software"]["version"] == site.committed
+    assert signed["software"]["sbom_sha256"] == hashlib.sha256(sbom).hexdigest()
+    assert signed["current"] == {"simple": 1}
+    assert not devicekey.verify({**signed, "software": {**sw, "version": "9.9"}}, key.public_key())
+    status = json.loads(cli("ota", "status", "--config", str(site.device.config)))
+    assert status["software"] == sw  # what ota status shows on the device
+
+
+def test_the_unit_rule_rolls_back_a_release_whose_agent_cannot_start(site: Site) -> None:
+    """What OnFailure= runs (appliance-ota-rescue.service): back to the version the
+    failing one replaced, which is marked bad."""
+    doc = site.layout.load()
+    failing, back = doc["committed"], doc["previous"]
+    done = appliance("ota", "rescue", "--config", str(site.device.config))
+    assert f"software {failing} rolled back to {back}" in done.stdout
+    site.agrees(back)
+    assert failing in site.layout.load()["bad"]

@@ -1,0 +1,198 @@
+"""Software-update test parts: real wheels of this project at other version numbers,
+and a supervisor that runs the server from the device's ``current`` link and
+honours the agent's restart command, as systemd does on a device.
+
+A release is this project's own source copied, its version set, built into a wheel
+by pip (offline, ``--no-build-isolation``) and packed by ``bundle build-software``
+with a folder of dependency wheels (empty: the device's venvs see the system's
+packages, ``system_site_packages``, so the test installs only the appliance
+itself, offline). A broken release cannot start its server (``Server()`` exits).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import urllib3
+
+from ota import software
+from tests.mosquitto import wait_until
+from tests.ota_device import ROOT
+
+BROKEN = """
+
+def _cannot_start(self, *args, **kwargs):
+    raise SystemExit("this release cannot start")
+
+
+Server.__init__ = _cannot_start  # type: ignore[method-assign]
+"""
+
+
+def require_cyclonedx() -> None:
+    """The SBOM's generator (the test extra installs it); skipped without, outside CI."""
+    if importlib.util.find_spec("cyclonedx_py") is None:
+        if os.environ.get("CI"):
+            raise AssertionError("cyclonedx-bom is not installed (pip install '.[test]')")
+        pytest.skip("cyclonedx-bom is not installed (pip install 'appliance[sbom]')")
+
+
+def wheel(work: Path, version: str, broken: bool = False) -> Path:
+    """A wheel of this project as ``version``."""
+    src = work / f"src-{version}"
+    shutil.rmtree(src, ignore_errors=True)
+    src.mkdir(parents=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.onnx", "*.egg-info")
+    for package in ("appliance", "backends", "ota"):
+        shutil.copytree(ROOT / package, src / package, ignore=ignore)
+    for name in ("README.md", "LICENSE"):
+        shutil.copyfile(ROOT / name, src / name)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    pyproject = pyproject.replace('version = "0.1.0"', f'version = "{version}"', 1)
+    (src / "pyproject.toml").write_text(pyproject)
+    (src / "appliance" / "version.py").write_text(f'__version__ = "{version}"\n')
+    if broken:
+        with open(src / "appliance" / "server.py", "a") as f:
+            f.write(BROKEN)
+    out = work / "wheels" / version
+    built = subprocess.run(  # the build backend (setuptools >= 77) from pip's cache or index
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(src)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    shutil.rmtree(src)
+    if built.returncode != 0:
+        if os.environ.get("CI"):
+            raise AssertionError(built.stderr)
+        pytest.skip(f"cannot build a wheel of this project here: {built.stderr.strip()[-300:]}")
+    return next(out.glob("appliance-*.whl"))
+
+
+def release(work: Path, version: str, broken: bool = False, python: str = "") -> Path:
+    """A software bundle of ``version`` (what ``bundle build-software --wheel W
+    --wheels DIR`` writes)."""
+    require_cyclonedx()
+    deps = work / "deps"
+    deps.mkdir(exist_ok=True)
+    out = work / f"appliance-{version}.software"
+    software.build(
+        out, ROOT / "constraints.txt", wheel=wheel(work, version, broken), deps=deps,
+        python=python, extras=(),
+    )  # fmt: skip
+    return out
+
+
+RESTART = """
+import pathlib, sys, time
+
+# what `systemctl restart` does for a Type=notify unit: ask, then wait for the
+# outcome (READY, or the service failed), bounded
+folder = pathlib.Path(sys.argv[1])
+(folder / "restart-result").unlink(missing_ok=True)
+(folder / "restart-request").touch()
+end = time.monotonic() + 90
+while time.monotonic() < end:
+    result = folder / "restart-result"
+    if result.exists():
+        sys.exit(0 if result.read_text() == "ready" else 1)
+    time.sleep(0.05)
+sys.exit(1)
+"""
+
+
+class Supervisor:
+    """Runs ``<software>/current/bin/python -m appliance serve`` and restarts it when
+    the restart command (:meth:`command`) asks, answering READY or failed as
+    ``systemctl restart`` does."""
+
+    def __init__(self, software_dir: Path, config: Path, url: str) -> None:
+        self.dir, self.config, self.url = software_dir, config, url
+        self.folder = software_dir.parent.parent
+        self.request = self.folder / "restart-request"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    @staticmethod
+    def command(folder: Path) -> str:
+        """The ``restart_command`` for a device in ``folder``."""
+        script = folder / "restart.py"
+        script.write_text(RESTART)
+        return f"{sys.executable} {script} {folder}"
+
+    def start(self) -> None:
+        self._spawn()
+        self._thread.start()
+
+    def _spawn(self) -> None:
+        drop = ("PYTHONPATH", "APPLIANCE_OTA_KILL_AT")
+        env = {k: v for k, v in os.environ.items() if k not in drop}
+        python = self.dir / "current" / "bin" / "python"
+        self.process = subprocess.Popen(
+            [str(python), "-m", "appliance", "serve", "--config", str(self.config)],
+            env=env, cwd=self.dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def _end(self, power_cut: bool = False) -> None:
+        if self.process is not None and self.process.poll() is None:
+            (self.process.kill if power_cut else self.process.terminate)()
+            self.process.wait(30)
+
+    def _ready(self) -> bool:
+        try:
+            r = urllib3.request("GET", f"{self.url}/v2/health/ready", retries=False, timeout=1)
+            return r.status == 200
+        except urllib3.exceptions.HTTPError:
+            return False
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.05):  # bounded by stop()
+            if self.request.exists():
+                self.request.unlink()
+                self._end()
+                self.restarts += 1
+                self._spawn()
+                outcome, end = "failed", time.monotonic() + 60
+                while time.monotonic() < end and not self._stop.is_set():
+                    if self.process is not None and self.process.poll() is not None:
+                        break
+                    if self._ready():
+                        outcome = "ready"
+                        break
+                    time.sleep(0.1)
+                (self.folder / "restart-result").write_text(outcome)
+
+    def power_cut(self) -> None:
+        """The server killed and started again from ``current`` (a reboot)."""
+        self._end(power_cut=True)
+        self._spawn()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._end()
+
+    def version(self, timeout_s: float = 60) -> str:
+        """The version the server answers as, once it is READY."""
+        found: list[str] = []
+
+        def ready() -> bool:
+            try:
+                r = urllib3.request("GET", f"{self.url}/v2/health/ready", retries=False)
+                if r.status != 200:
+                    return False
+                found.append(str(urllib3.request("GET", f"{self.url}/v2").json()["version"]))
+                return True
+            except (urllib3.exceptions.HTTPError, ValueError):
+                return False
+
+        wait_until(ready, timeout_s, "the supervised server to be ready")
+        return found[-1]
