@@ -175,7 +175,11 @@ def answer(
     batch, unless the caller went away."""
     if not future.done():
         future.set_result(
-            BatchResult({k: part[k] for k in outputs}, queue_ns, input_ns, infer_ns, output_ns)
+            # an output the model did not return is left out of the answer (Triton's:
+            # a Python model may answer a request without some of its outputs)
+            BatchResult(
+                {k: part[k] for k in outputs if k in part}, queue_ns, input_ns, infer_ns, output_ns
+            )
         )
 
 
@@ -195,12 +199,6 @@ def run_batch(
     t1 = time.perf_counter_ns()
     result = backend.infer(batch, outputs)
     t2 = time.perf_counter_ns()
-    missing = [name for name in outputs if name not in result]
-    if missing:  # caught here, on the worker, it fails the batch instead of stranding futures
-        raise internal(
-            f"the backend did not return the requested output(s) {', '.join(map(repr, missing))}",
-            FailureReason.BACKEND,
-        )
     if len(items) == 1:
         parts = [result]
     else:

@@ -222,6 +222,8 @@ class DataPlane:
     def _classify(request: InferenceRequest, response: InferenceResponse, config: Any) -> None:
         labels = {t.name: t.labels for t in config.outputs}
         for name, k in request.classification.items():
+            if name not in response.outputs:
+                continue  # the model left it out
             response.outputs[name] = classify(
                 response.outputs[name], k, config.batch_size > 0, labels.get(name, ())
             )

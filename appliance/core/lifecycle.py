@@ -91,8 +91,7 @@ class ModelLifeCycle:
         if poll:  # before loading: a change made while loading is seen by the first poll
             baseline = await asyncio.to_thread(repository.snapshot, self.repository)
         # ensembles last: their validation needs the step models loaded
-        names.sort(key=self._loads_late)
-        for name in names:
+        for name in self._load_order(names):
             await self.load(name)
         self._started = True
         heap.settle()  # what start-up loaded is long-lived: out of the collector's walks
@@ -102,12 +101,30 @@ class ModelLifeCycle:
                 self._poll_forever(), name="repository-poll"
             )
 
-    def _loads_late(self, name: str) -> bool:
-        try:
-            model_dir = names.model_dir(self.repository, name, self.server.allow_symlinked_models)
-            return loader.loads_after_others(load_model_config(model_dir))
-        except ApplianceError:
-            return False  # reported when it loads
+    def _load_order(self, models: list[str]) -> list[str]:
+        """``models`` with every ensemble after the models its steps name, ensembles of
+        ensembles included (a cycle or an unreadable config is reported when it loads)."""
+        ranks: dict[str, int] = {}
+
+        def rank(name: str, seen: frozenset[str]) -> int:
+            if name in ranks:
+                return ranks[name]
+            if name in seen:
+                return 0
+            try:
+                model_dir = names.model_dir(
+                    self.repository, name, self.server.allow_symlinked_models
+                )
+                config = load_model_config(model_dir)
+            except ApplianceError:
+                return 0
+            ranks[name] = 0
+            if loader.loads_after_others(config):
+                steps = {s.model_name for s in config.ensemble_steps}
+                ranks[name] = 1 + max((rank(s, seen | {name}) for s in steps), default=0)
+            return ranks[name]
+
+        return sorted(models, key=lambda name: rank(name, frozenset()))
 
     async def load(
         self,
@@ -356,7 +373,7 @@ class ModelLifeCycle:
                 await self.unload(name)
                 self._models.pop(name, None)
             self._poller.forget(name)
-        for name in sorted(to_load, key=self._loads_late):  # ensembles after their steps
+        for name in self._load_order(sorted(to_load)):  # ensembles after their steps
             log.info("model '%s' changed in the repository: loading it", name)
             self._poller.applied(name, current[name])
             try:

@@ -454,15 +454,14 @@ def test_a_backend_error_fails_only_its_batch() -> None:
     run(main())
 
 
-def test_a_backend_that_omits_a_requested_output_fails_the_request_instead_of_hanging() -> None:
+def test_a_backend_that_omits_a_requested_output_answers_without_it_instead_of_hanging() -> None:
+    # Triton's: a model (a Python model's response) may leave an output out
     backend = Doubler(omit_outputs=True)
 
     async def main() -> None:
         batcher, group, _ = await make_batcher(backend, MERGE)
-        with pytest.raises(ApplianceError) as info:
-            await asyncio.wait_for(submit(batcher, x(1)), LIMIT_S)
-        assert info.value.code is Code.INTERNAL
-        assert "'y'" in info.value.message
+        answered = await asyncio.wait_for(submit(batcher, x(1)), LIMIT_S)
+        assert "y" not in answered.outputs
         await shutdown(batcher, group)
 
     run(main())
