@@ -3,12 +3,17 @@ names the Triton test it follows, and asserts what real Triton 2.51 answers."""
 
 from __future__ import annotations
 
+import http.client
+import socket
+import json
 from pathlib import Path
 
 import numpy as np
 import onnx
 import tritonclient.grpc as grpcclient
 from onnx import TensorProto, helper
+
+from devtools import modelgen
 
 
 def _unknown_rank_identity(name: str) -> bytes:
@@ -44,3 +49,142 @@ def test_scalar_io_models_with_config_dims_of_ones_serve(run_appliance, tmp_path
         got = client.infer(name, [tensor]).as_numpy("OUTPUT")
         np.testing.assert_allclose(got, value)
     assert onnx  # the generator's package
+
+
+def _post(
+    url: str, path: str, body: bytes, headers: dict[str, str]
+) -> tuple[int, dict[str, str], bytes]:
+    host, port = url.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        conn.request("POST", path, body=body, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+RAW = {"Inference-Header-Content-Length": "0"}
+
+
+def _raw_models(repo: Path) -> Path:
+    """L0_http's models for raw binary requests (Triton's ``onnx_zero_*``)."""
+    modelgen.write_model(
+        repo,
+        "onnx_zero_1_float32",
+        modelgen.identity("FP32", [-1]),
+        ZERO_1.format(t="TYPE_FP32", dims="[-1]"),
+    )
+    modelgen.write_model(
+        repo,
+        "onnx_zero_1_float16",
+        modelgen.identity("FP16", [-1, -1]),
+        ZERO_1.format(t="TYPE_FP16", dims="[-1, -1]"),
+    )
+    modelgen.write_model(
+        repo,
+        "onnx_zero_1_object_1_element",
+        modelgen.identity("BYTES", [1]),
+        ZERO_1.format(t="TYPE_STRING", dims="[1]"),
+    )
+    modelgen.write_model(
+        repo,
+        "onnx_zero_1_object",
+        modelgen.identity("BYTES", [-1]),
+        ZERO_1.format(t="TYPE_STRING", dims="[-1]"),
+    )
+    modelgen.write_model(
+        repo, "onnx_zero_3_float32", modelgen.simple_add_sub(), modelgen.SIMPLE_CONFIG
+    )
+    return repo
+
+
+ZERO_1 = """\
+backend: onnxruntime
+max_batch_size: 8
+input: [{{name: INPUT0, data_type: {t}, dims: {dims}}}]
+output: [{{name: OUTPUT0, data_type: {t}, dims: {dims}}}]
+"""
+
+
+def test_raw_binary_requests_answer_as_triton(run_appliance, tmp_path: Path) -> None:
+    # L0_http test_raw_binary, test_raw_binary_longer, test_byte and the refusals
+    srv = run_appliance(_raw_models(tmp_path))
+    for count in (8, 32, 0):
+        data = np.arange(count, dtype=np.float32).tobytes()
+        status, headers, body = _post(srv.url, "/v2/models/onnx_zero_1_float32/infer", data, RAW)
+        assert status == 200, body
+        header = int(headers["Inference-Header-Content-Length"])
+        assert body[header:] == data
+        (output,) = json.loads(body[:header])["outputs"]
+        assert output["shape"] == [1, count]
+    status, headers, body = _post(
+        srv.url, "/v2/models/onnx_zero_1_object_1_element/infer", b"427", RAW
+    )
+    assert status == 200, body
+    assert body[int(headers["Inference-Header-Content-Length"]) + 4 :] == b"427"
+    for model, data, text in (
+        (
+            "onnx_zero_1_object",
+            b"427",
+            "For BYTE datatype raw input 'INPUT0', the model must have input shape [1]",
+        ),
+        (
+            "onnx_zero_1_float16",
+            np.ones([2, 2], np.float16).tobytes(),
+            "The shape of the raw input 'INPUT0' can not be deduced because there are more "
+            "than one variable-sized dimension",
+        ),
+        (
+            "onnx_zero_3_float32",
+            np.arange(24, dtype=np.float32).tobytes(),
+            "Raw request must only have 1 input (found 1) to be deduced but got 2 inputs in "
+            "'onnx_zero_3_float32' model configuration",
+        ),
+    ):
+        status, _, body = _post(srv.url, f"/v2/models/{model}/infer", data, RAW)
+        assert status == 400
+        assert text in body.decode()
+
+
+def _exchange(url: str, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 request written as given, its answer read to the end."""
+    host, port = url.split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(request)
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        return resp.status, dict(resp.getheaders()), resp.read()
+
+
+def test_a_chunked_request_body_is_served(run_appliance, tmp_path: Path) -> None:
+    # L0_http test_content_encoding_chunked_manually: a raw binary body in chunks
+    srv = run_appliance(_raw_models(tmp_path))
+    data = np.arange(8, dtype=np.float32).tobytes()
+    head = (
+        b"POST /v2/models/onnx_zero_1_float32/infer HTTP/1.1\r\nHost: x\r\n"
+        b"Inference-Header-Content-Length: 0\r\nTransfer-Encoding: chunked\r\n"
+        b"Connection: close\r\n\r\n"
+    )
+    chunks = b"%X\r\n%s\r\n%X\r\n%s\r\n0\r\n\r\n" % (10, data[:10], 22, data[10:])
+    status, headers, body = _exchange(srv.url, head + chunks)
+    assert status == 200, body
+    assert body[int(headers["Inference-Header-Content-Length"]) :] == data
+
+
+def test_chunked_bodies_meet_the_token_and_the_size_limit(run_appliance, tmp_path: Path) -> None:
+    srv = run_appliance(_raw_models(tmp_path), inference_token="s3cret", max_request_size="64KiB")
+    path = b"POST /v2/models/onnx_zero_1_float32/infer HTTP/1.1\r\nHost: x\r\n"
+    chunked = b"Inference-Header-Content-Length: 0\r\nTransfer-Encoding: chunked\r\n"
+    big = b"%X\r\n%s\r\n" % (65536, bytes(65536))
+    # no token: refused before the body is read
+    status, _, _ = _exchange(srv.url, path + chunked + b"\r\n" + big + b"0\r\n\r\n")
+    assert status == 401
+    auth = b"Authorization: Bearer s3cret\r\n"
+    # over max_request_size: 413, however the body is cut
+    status, _, body = _exchange(srv.url, path + auth + chunked + b"\r\n" + big * 2 + b"0\r\n\r\n")
+    assert status == 413, body
+    data = np.arange(4, dtype=np.float32).tobytes()
+    ok = path + auth + chunked + b"Connection: close\r\n\r\n" + b"10\r\n%s\r\n0\r\n\r\n" % data
+    status, _, body = _exchange(srv.url, ok)
+    assert status == 200, body

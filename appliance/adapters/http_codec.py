@@ -1,7 +1,10 @@
 """KServe v2 HTTP/REST body codec, with Triton's binary tensor extension.
 
 A request body is a JSON header optionally followed by raw tensor bytes; the
-``Inference-Header-Content-Length`` header says where the JSON ends. Each input
+``Inference-Header-Content-Length`` header says where the JSON ends. A length of 0 is
+Triton's raw binary request: the whole body is the model's only input, its name,
+datatype and shape taken from the config when it is declared
+(:func:`appliance.adapters.request_form.declare`), its outputs binary. Each input
 with ``parameters.binary_data_size`` takes the next that many bytes, in order.
 The body is read into the one request form (:mod:`appliance.adapters.request_form`,
 which gRPC's codec fills too) and decoded from it; binary inputs become zero-copy
@@ -119,6 +122,9 @@ def parse_request(
     inference, and written by :func:`encode_response`.
     """
     view = memoryview(body)
+    if header_length == 0:  # Triton's raw binary request: the body is the only input
+        raw_input = TensorForm(request_form.RAW_INPUT, "", None, request_form.RAW, view)
+        return RequestForm(model, version, [raw_input], OutputFormat(binary_default=True))
     json_part = view if header_length is None else view[:header_length]
     binary = view[len(json_part) :]
     # big bodies: tensor data parsed straight into arrays when pysimdjson is installed

@@ -42,6 +42,9 @@ CONTENTS = "contents"  # gRPC typed contents, decoded by the form's ``contents``
 SHM = "shm"  # a SharedMemoryRef into a registered region
 OBJECT = "object"  # one BYTES element given whole (an MQTT file's bytes)
 FILE = "file"  # a file on the device, by name (MQTT): read into RAW/OBJECT before build()
+# the name of the one input of Triton's raw binary request (HTTP with an
+# Inference-Header-Content-Length of 0): declare() names it from the model's config
+RAW_INPUT = "raw_input"
 
 
 @dataclass(slots=True)
@@ -98,6 +101,8 @@ def declare(
     input to ``ticket`` (None: the sizes and forms only, as in the codec tests)."""
     seen: set[str] = set()
     objects = 0
+    if form.inputs and form.inputs[0].name == RAW_INPUT and not form.inputs[0].datatype:
+        _raw_input(form.inputs[0], ticket)
     for t in form.inputs:
         where = f"input '{t.name}'"
         if t.name in seen:
@@ -171,3 +176,43 @@ def _one_element(data: bytes, t: TensorForm) -> np.ndarray:
     arr[0] = data
     shaped: np.ndarray = arr.reshape(t.shape)
     return shaped
+
+
+def _raw_input(t: TensorForm, ticket: Ticket | None) -> None:
+    """Name and shape the input of a raw binary request from the model's config, as
+    Triton deduces them (its texts): the model's one input, a batch of 1 where the
+    model batches, one variable dim sized by the body; BYTES: one element, the body."""
+    if ticket is None:
+        raise invalid("a raw binary request needs the model's config to name its input")
+    config = ticket.rules.config
+    if len(config.inputs) != 1:
+        raise invalid(
+            "Raw request must only have 1 input (found 1) to be deduced but got "
+            f"{len(config.inputs)} inputs in '{config.name}' model configuration"
+        )
+    spec = config.inputs[0]
+    shape = [1] if config.batch_size > 0 else []
+    dynamic, count = -1, 1
+    for dim in spec.dims:
+        if dim == -1:
+            if dynamic != -1:
+                raise invalid(
+                    f"The shape of the raw input '{spec.name}' can not be deduced because "
+                    "there are more than one variable-sized dimension"
+                )
+            dynamic = len(shape)
+        else:
+            count *= dim
+        shape.append(dim)
+    t.name, t.datatype = spec.name, spec.datatype
+    if spec.datatype == "BYTES":
+        if dynamic != -1 or count != 1:
+            raise invalid(
+                f"For BYTE datatype raw input '{spec.name}', the model must have input shape [1]"
+            )
+        t.kind, t.data = OBJECT, bytes(t.data)
+    elif dynamic != -1:
+        shape[dynamic] = (
+            len(t.data) // max(count, 1) // datatypes.to_numpy_dtype(spec.datatype).itemsize
+        )
+    t.shape = shape
