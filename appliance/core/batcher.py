@@ -152,8 +152,13 @@ class DynamicBatcher:
             self._queued_rows += rows
             self._stats.pending = len(self._queue)
             # an instance waiting out the delay is woken only when this arrival can
-            # change its decision (batching.wake_rows), not for every request
-            if was_empty or self._queued_rows >= self._wake_rows:
+            # change its decision (batching.wake_rows, or another shape than the
+            # batch's, which ends it), not for every request
+            if (
+                was_empty
+                or self._queued_rows >= self._wake_rows
+                or signature != self._queue[0].signature
+            ):
                 self._ready.notify()
         try:
             return await item.future

@@ -59,17 +59,19 @@ class Decision:
 def decide(queue: Iterable[Queued], now: float, policy: BatchPolicy) -> Decision:
     """Pick the next batch from ``queue`` (oldest first) at monotonic time ``now``.
 
-    Triton's dynamic-batcher rules. The oldest request always leads; later requests
-    join if their non-batch shapes match (same ``signature``) and their rows fit
-    under max_batch_size; requests with other shapes are skipped, keep their place
-    and are never merged. Then, in order:
+    Triton's dynamic-batcher rules (``DynamicBatchScheduler::GetDynamicBatch``). The
+    oldest request leads, and the requests behind it join in queue order while their
+    rows fit under max_batch_size and their non-batch shapes (and the optional inputs
+    they give: the ``signature``) match the batch's. The first request that does not
+    fit, or has another shape, ends the batch: it cannot grow, so it is not held for
+    the delay (Triton sends "the pending batch as it is"). Then, in order:
 
     1. If the batch reached a preferred size (or can't reach the largest preferred
        size without passing it) and the oldest request's delay has not expired,
        send the largest such batch now.
-    2. Send everything picked if the batch is full or can't grow (the next matching
-       request doesn't fit), reached the largest preferred size, the delay expired,
-       or there is no delay.
+    2. Send everything picked if the batch is full or can't grow (the next request
+       doesn't fit or has another shape), reached the largest preferred size, the
+       delay expired, or there is no delay.
     3. Otherwise wait for the rest of the oldest request's max_queue_delay.
     """
     it = iter(queue)
@@ -86,12 +88,10 @@ def decide(queue: Iterable[Queued], now: float, policy: BatchPolicy) -> Decision
     for index, item in enumerate(it, start=1):
         if rows >= limit:
             break
-        if item.signature != head.signature:
-            continue
         if rows + item.rows > largest_preferred and not best:
             best = len(picked)  # growing further passes every preferred size
-        if rows + item.rows > limit:
-            blocked = True  # FIFO among compatible requests: later ones don't jump ahead
+        if rows + item.rows > limit or item.signature != head.signature:
+            blocked = True  # FIFO: later requests don't jump ahead of this one
             break
         picked.append(index)
         rows += item.rows
