@@ -10,9 +10,11 @@ import socket
 from pathlib import Path
 
 import numpy as np
+import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from onnx import TensorProto, helper
+from tritonclient.utils import InferenceServerException
 
 from devtools import modelgen
 
@@ -219,3 +221,79 @@ def test_a_batch_that_cannot_grow_runs_without_waiting_out_the_delay(
     cols = calls[call]
     assert call.result() == [[float(cols)] * cols]
     pool.shutdown(wait=False)  # the server's stop at teardown fails the one waiting
+
+
+ONE_OUT_PY = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = pb_utils.Tensor("OUTPUT0", np.array([1], dtype=np.float32))
+        return [pb_utils.InferenceResponse([out]) for _ in requests]
+"""
+
+
+def _inputs_model(repo: Path, name: str, optional: tuple[bool, ...]) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "1" / "model.py").write_text(ONE_OUT_PY)
+    inputs = ",\n".join(
+        f'  {{ name: "INPUT{i}" data_type: TYPE_FP32 dims: [ -1 ] optional: {str(o).lower()} }}'
+        for i, o in enumerate(optional)
+    )
+    (repo / name / "config.pbtxt").write_text(
+        f'backend: "python"\ninput [\n{inputs}\n]\n'
+        'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
+        "instance_group [{ kind: KIND_CPU }]\n"
+    )
+
+
+def test_input_counts_answer_as_triton(run_appliance, tmp_path: Path) -> None:
+    # L0_input_validation InputValTest, over gRPC as Triton's test sends them
+    _inputs_model(tmp_path, "input_all_optional", (True, True, True))
+    _inputs_model(tmp_path, "input_all_required", (False, False, False))
+    _inputs_model(tmp_path, "input_optional", (False, False, False, True))
+    srv = run_appliance(tmp_path)
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    result = client.infer("input_all_optional", [])
+    assert result.get_response().outputs[0].name == "OUTPUT0"
+    http = httpclient.InferenceServerClient(srv.url)
+    assert http.infer("input_all_optional", []).as_numpy("OUTPUT0").tolist() == [1.0]
+
+    one = grpcclient.InferInput("INPUT0", [1], "FP32")
+    one.set_data_from_numpy(np.arange(1, dtype=np.float32))
+    for model, inputs, text in (
+        (
+            "input_all_required",
+            [],
+            "expected 3 inputs but got 0 inputs for model 'input_all_required'. Got input(s) "
+            "[], but missing required input(s) ['INPUT0','INPUT1','INPUT2']. Please provide "
+            "all required input(s).",
+        ),
+        (
+            "input_optional",
+            [],
+            "expected number of inputs between 3 and 4 but got 0 inputs for model "
+            "'input_optional'. Got input(s) [], but missing required input(s) "
+            "['INPUT0','INPUT1','INPUT2']. Please provide all required input(s).",
+        ),
+        (
+            "input_all_required",
+            [one],
+            "expected 3 inputs but got 1 inputs for model 'input_all_required'. Got input(s) "
+            "['INPUT0'], but missing required input(s) ['INPUT1','INPUT2']. Please provide "
+            "all required input(s).",
+        ),
+        (
+            "input_optional",
+            [one],
+            "expected number of inputs between 3 and 4 but got 1 inputs for model "
+            "'input_optional'. Got input(s) ['INPUT0'], but missing required input(s) "
+            "['INPUT1','INPUT2']. Please provide all required input(s).",
+        ),
+    ):
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer(model, inputs)
+        assert text in str(refused.value)
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"

@@ -127,9 +127,7 @@ def parse_request(msg: Any, raw: Sequence[Any] | None = None) -> RequestForm:
     malformed part is an INVALID_ARG naming the tensor. ``raw``: the message's
     ``raw_input_contents`` as views of the wire bytes (:func:`raw_contents`), when
     the caller has them (reading the message's own entries copies each)."""
-    if not msg.inputs:
-        raise invalid("the request must have at least one input")
-    if raw is None:
+    if raw is None:  # no inputs at all: a model whose inputs are all optional
         raw = msg.raw_input_contents
     takes_raw = 0
     for tensor in msg.inputs:

@@ -137,8 +137,8 @@ def parse_request(
     if not isinstance(doc, dict):
         raise invalid("the request body must be a JSON object")
     raw_inputs = doc.get("inputs")
-    if not isinstance(raw_inputs, list) or not raw_inputs:
-        raise invalid("the request must have a non-empty 'inputs' list")
+    if not isinstance(raw_inputs, list):  # empty: a model whose inputs are all optional
+        raise invalid("the request must have an 'inputs' list")
     inputs: list[TensorForm] = []
     offset = 0
     for i, raw in enumerate(raw_inputs):

@@ -133,7 +133,7 @@ def build(form: RequestForm, shared_memory: SharedMemoryRegistry | None) -> Infe
     for t in form.inputs:
         kind, data = t.kind, t.data
         if kind == RAW:
-            arr = datatypes.from_raw(data, t.datatype, t.shape, t.name)
+            arr = datatypes.from_raw(data, t.datatype, t.shape, t.name, form.model)
         elif kind == JSON:
             if isinstance(data, json_tensors.LazyData):  # simdjson: no object a number
                 arr = data.to_tensor(t.datatype, t.shape, t.name)
@@ -143,7 +143,7 @@ def build(form: RequestForm, shared_memory: SharedMemoryRegistry | None) -> Infe
             assert shared_memory is not None  # declare() refused it otherwise
             where = f"input '{t.name}'"
             view = shared_memory.view(data.region, data.offset, data.byte_size, where)
-            arr = datatypes.from_raw(view, t.datatype, t.shape, t.name)
+            arr = datatypes.from_raw(view, t.datatype, t.shape, t.name, form.model)
         elif kind == CONTENTS:
             assert form.contents is not None
             arr = form.contents(data, t.datatype, t.shape, t.name)

@@ -323,7 +323,7 @@ def test_inference_errors_keep_the_server_serving(stub: Any) -> None:
     cases.append((three_raw, ("3 raw_input_contents but 2 input(s)",)))
     short = _raw_request(*two)
     short.raw_input_contents.extend([a_raw, a_raw[:-4]])
-    cases.append((short, ("input 'INPUT1': got 60 bytes", "needs 64")))
+    cases.append((short, ("input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 64, got 60",)))
     # typed contents in a request that uses raw_input_contents: Triton's words (issue 21)
     triton_words = "contents field must not be specified when using raw_input_contents for "
     mixed = _raw_request(*two)

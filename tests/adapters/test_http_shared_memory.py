@@ -190,7 +190,7 @@ def test_errors_each_followed_by_a_good_request(run_appliance, make_region) -> N
         ),
         "input byte size wrong for the shape": (
             lambda: infer_error(client, shm_inputs("in", size0=TENSOR - 4)),
-            "input 'INPUT0': got 60 bytes of data but INT32 shape [1, 16] needs 64",
+            "input byte size mismatch for input 'INPUT0' for model 'simple'. Expected 64, got 60",
         ),
         "unknown output region": (
             lambda: infer_error(client, shm_inputs("in"), outputs=out0("nope", TENSOR)),
