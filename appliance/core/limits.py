@@ -91,7 +91,7 @@ class RequestRules:
         model doesn't batch), the shape signature batches group by)."""
         config, specs, inputs = self.config, self._specs, request.inputs
         if len(inputs) > len(specs) or any(n not in inputs for n in self._required):
-            raise self._count(inputs)
+            raise self._count(list(inputs))
         for name in inputs:
             if name not in specs:
                 raise self._unknown(name)
