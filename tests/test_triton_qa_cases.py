@@ -6,13 +6,16 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import os
 import socket
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
@@ -297,3 +300,91 @@ def test_input_counts_answer_as_triton(run_appliance, tmp_path: Path) -> None:
             client.infer(model, inputs)
         assert text in str(refused.value)
         assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+GATE_PY = """\
+import os
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.folder = os.environ["QA_GATE_DIR"]
+
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            if x.any():  # the test's request, not the warm-up's zeros: wait at the gate
+                open(os.path.join(self.folder, "started"), "w").close()
+                for _ in range(6000):  # until the test opens it (at most ten minutes)
+                    if os.path.exists(os.path.join(self.folder, "open")):
+                        break
+                    time.sleep(0.1)
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x * 2)]))
+        return out
+"""
+
+
+def _wait_for(path: Path) -> None:
+    for _ in range(6000):  # bounded: ten minutes
+        if path.exists():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{path} never appeared")
+
+
+def test_unregistering_a_region_in_use_lets_its_inference_finish(
+    run_appliance, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # L0_shared_memory TestSharedMemoryUnregister (HTTP and gRPC)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    monkeypatch.setenv("QA_GATE_DIR", str(gate))
+    repo = tmp_path / "repo"
+    (repo / "gate" / "1").mkdir(parents=True)
+    (repo / "gate" / "1" / "model.py").write_text(GATE_PY)
+    (repo / "gate" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\n'
+        'input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] } ]\n'
+        'output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] } ]\n'
+    )
+    srv = run_appliance(repo, shared_memory="system")
+    admin = httpclient.InferenceServerClient(srv.url)
+    key_in, key_out = f"/qa_in_{os.getpid()}", f"/qa_out_{os.getpid()}"
+    handles = [
+        shm.create_shared_memory_region(n, k, 64) for n, k in (("i", key_in), ("o", key_out))
+    ]
+    try:
+        shm.set_shared_memory_region(handles[0], [np.arange(1, 17, dtype=np.int32)])
+        for client_kind in ("http", "grpc"):
+            (gate / "open").unlink(missing_ok=True)
+            (gate / "started").unlink(missing_ok=True)
+            admin.register_system_shared_memory("in", key_in, 64)
+            admin.register_system_shared_memory("out", key_out, 64)
+            module = httpclient if client_kind == "http" else grpcclient
+            url = srv.url if client_kind == "http" else srv.grpc_url
+            client = module.InferenceServerClient(url)
+            tensor = module.InferInput("INPUT0", [16], "INT32")
+            tensor.set_shared_memory("in", 64)
+            output = module.InferRequestedOutput("OUTPUT0")
+            output.set_shared_memory("out", 64)
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                call = pool.submit(client.infer, "gate", [tensor], outputs=[output])
+                _wait_for(gate / "started")
+                admin.unregister_system_shared_memory()  # no error, as in Triton
+                # still listed: the inference in flight uses them
+                assert sorted(r["name"] for r in admin.get_system_shared_memory_status()) == [
+                    "in",
+                    "out",
+                ]
+                (gate / "open").touch()
+                call.result()
+            got = shm.get_contents_as_numpy(handles[1], np.int32, [16])
+            assert got.tolist() == (2 * np.arange(1, 17)).tolist()
+            assert admin.get_system_shared_memory_status() == []  # gone with the request
+    finally:
+        for handle in handles:
+            shm.destroy_shared_memory_region(handle)

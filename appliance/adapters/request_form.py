@@ -112,18 +112,31 @@ def declare(
         t.shape = datatypes.check_shape(t.shape, where)
         if ticket is not None:
             ticket.declare(t.name, t.datatype, t.shape)
-        if t.kind == SHM and shared_memory is None:
-            raise invalid(f"{where}: shared-memory inputs are not enabled on this server")
+        if t.kind == SHM:
+            if shared_memory is None:
+                raise invalid(f"{where}: shared-memory inputs are not enabled on this server")
+            _hold(shared_memory, t.data.region, ticket, where)
         if t.datatype == "BYTES" and t.kind in (RAW, SHM):
             objects += datatypes.element_count(t.shape)
     for name, ref in form.fmt.shared_memory.items():
         where = f"output '{name}'"
         if shared_memory is None:
             raise invalid(f"{where}: shared-memory outputs are not enabled on this server")
+        _hold(shared_memory, ref.region, ticket, where)
         shared_memory.check(ref.region, ref.offset, ref.byte_size, where)  # before the model runs
     form.object_elements = objects
     if ticket is not None:
         ticket.declared = True
+
+
+def _hold(
+    shared_memory: SharedMemoryRegistry, name: str, ticket: Ticket | None, where: str
+) -> None:
+    """Keep region ``name`` registered until the request is answered (Triton's: an
+    unregister meanwhile waits for it)."""
+    if ticket is not None:
+        region = shared_memory.hold(name, where)
+        ticket.on_release(lambda: shared_memory.release(region))
 
 
 def build(form: RequestForm, shared_memory: SharedMemoryRegistry | None) -> InferenceRequest:

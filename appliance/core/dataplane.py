@@ -290,16 +290,19 @@ class DataPlane:
         return [r for r in rows if r.get("state") == "READY"] if ready_only else rows
 
     def _check_control(self, what: str) -> None:
+        """UNAVAILABLE with Triton's text (its words for both modes) unless models are
+        loaded on request (``explicit``), our reason after it."""
         mode = self.lifecycle.server.model_control_mode
+        triton = "explicit model load / unload is not allowed if polling is enabled"
         if mode == "none":
-            raise invalid(
-                f"cannot {what} models: model control is off (model_control_mode: none); "
-                "models load once at start"
+            raise unavailable(
+                f"{triton} (cannot {what} models: model control is off "
+                "(model_control_mode: none); models load once at start)"
             )
         if mode == "poll":
-            raise invalid(
-                f"cannot {what} models on request: the repository is polled "
-                "(model_control_mode: poll); change the files in the repository instead"
+            raise unavailable(
+                f"{triton} (cannot {what} models on request: the repository is polled "
+                "(model_control_mode: poll); change the files in the repository instead)"
             )
 
     async def load_model(self, name: str, parameters: dict[str, Any] | None = None) -> None:

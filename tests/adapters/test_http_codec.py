@@ -337,7 +337,10 @@ def test_binary_size_disagreeing_with_shape() -> None:
         },
         b"\0" * 4,
     )
-    assert "input byte size mismatch for input 'x' for model 'm'. Expected 8, got 4" in decode_error(body, length)
+    assert (
+        "input byte size mismatch for input 'x' for model 'm'. Expected 8, got 4"
+        in decode_error(body, length)
+    )
 
 
 @pytest.mark.parametrize("where", ["input", "output"])

@@ -122,8 +122,13 @@ def test_poll_mode_follows_the_repository(run_appliance, tmp_path: Path) -> None
     folder = modelgen.write_model(tmp_path, "simple", modelgen.simple_add_sub())
     srv = run_appliance(tmp_path, model_control_mode="poll", repository_poll_secs=0.05)
     client = httpclient.InferenceServerClient(srv.url)
-    with pytest.raises(InferenceServerException, match="the repository is polled"):
+    with pytest.raises(InferenceServerException, match="the repository is polled") as refused:
         client.load_model("simple")
+    # Triton's status and text first (python_http_aio_test, python_grpc_aio_test)
+    assert refused.value.status() == "503"
+    assert str(refused.value.message()).startswith(
+        "explicit model load / unload is not allowed if polling is enabled"
+    )
 
     (folder / "2").mkdir()  # a version folder still empty: being written, not acted on
     time.sleep(0.5)  # ten polls
