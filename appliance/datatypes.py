@@ -257,13 +257,19 @@ def from_json_data(data: Any, datatype: str, shape: Sequence[int], name: str) ->
     return arr.reshape(shape)
 
 
-def to_json_data(arr: np.ndarray) -> Any:
-    """A flat, JSON-serializable form of a tensor (numpy for orjson, str for BYTES)."""
+def to_json_data(arr: np.ndarray, name: str = "") -> Any:
+    """A flat, JSON-serializable form of a tensor (numpy for orjson, str for BYTES).
+    A BYTES element that is not UTF-8 has no JSON form: INVALID_ARG naming output
+    ``name`` (Triton answers an error too; nothing is replaced in silence)."""
     if arr.dtype.kind in _STRING_KINDS:
-        return [
-            x.decode("utf-8", errors="replace") if isinstance(x, bytes) else str(x)
-            for x in arr.ravel()
-        ]
+        try:
+            return [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in arr.ravel()]
+        except UnicodeDecodeError as exc:
+            raise invalid(
+                f"output '{name}': a BYTES element is not UTF-8 ({exc.reason} at byte "
+                f"{exc.start}) and cannot be written as JSON; ask for the output as binary "
+                "data (parameters.binary_data: true)"
+            ) from None
     if not arr.dtype.isnative:  # orjson would read the bytes in native order
         arr = arr.astype(arr.dtype.newbyteorder("="))
     if arr.dtype == np.float16:  # orjson serializes float32, not float16

@@ -19,6 +19,8 @@ import tritonclient.utils.shared_memory as shm
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
+from appliance.config.fields import ConfigError
+from appliance.config.server_config import load_server_config
 from devtools import modelgen
 
 
@@ -388,3 +390,86 @@ def test_unregistering_a_region_in_use_lets_its_inference_finish(
     finally:
         for handle in handles:
             shm.destroy_shared_memory_region(handle)
+
+
+STRING_IDENTITY_PY = """\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)]))
+        return out
+"""
+
+
+def test_bytes_that_are_not_utf8_round_trip_in_binary_and_refuse_json(
+    run_appliance, tmp_path: Path
+) -> None:
+    # L0_string_io test_unicode_bytes: binary outputs and gRPC carry any bytes; a JSON
+    # output cannot, and is an error instead of a silent replacement
+    (tmp_path / "string_identity" / "1").mkdir(parents=True)
+    (tmp_path / "string_identity" / "1" / "model.py").write_text(STRING_IDENTITY_PY)
+    (tmp_path / "string_identity" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\n'
+        'input [ { name: "INPUT0" data_type: TYPE_STRING dims: [ -1 ] } ]\n'
+        'output [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ -1 ] } ]\n'
+    )
+    srv = run_appliance(tmp_path)
+    data = np.array([b"\xfa\x03\x94ok", "€".encode(), b"plain"], dtype=object)
+    grpc = grpcclient.InferenceServerClient(srv.grpc_url)
+    tensor = grpcclient.InferInput("INPUT0", [3], "BYTES")
+    tensor.set_data_from_numpy(data)
+    assert grpc.infer("string_identity", [tensor]).as_numpy("OUTPUT0").tolist() == data.tolist()
+    http = httpclient.InferenceServerClient(srv.url)
+    tensor = httpclient.InferInput("INPUT0", [3], "BYTES")
+    tensor.set_data_from_numpy(data, binary_data=True)
+    binary = httpclient.InferRequestedOutput("OUTPUT0", binary_data=True)
+    got = http.infer("string_identity", [tensor], outputs=[binary]).as_numpy("OUTPUT0")
+    assert got.tolist() == data.tolist()
+    as_json = httpclient.InferRequestedOutput("OUTPUT0", binary_data=False)
+    with pytest.raises(InferenceServerException) as refused:
+        http.infer("string_identity", [tensor], outputs=[as_json])
+    assert refused.value.status() == "400"
+    assert "output 'OUTPUT0': a BYTES element is not UTF-8" in str(refused.value)
+    # UTF-8 elements travel as JSON strings
+    tensor = httpclient.InferInput("INPUT0", [2], "BYTES")
+    tensor.set_data_from_numpy(data[1:], binary_data=True)
+    got = http.infer("string_identity", [tensor], outputs=[as_json]).as_numpy("OUTPUT0")
+    assert [x if isinstance(x, bytes) else x.encode() for x in got.tolist()] == data[1:].tolist()
+    # two requests for one output: Triton's text
+    with pytest.raises(InferenceServerException) as twice:
+        http.infer("string_identity", [tensor], outputs=[binary, binary])
+    assert "output 'OUTPUT0' already exists in request" in str(twice.value)
+    with pytest.raises(InferenceServerException) as twice:
+        grpc.infer(
+            "string_identity",
+            [grpcclient.InferInput("INPUT0", [1], "BYTES").set_data_from_numpy(data[2:])],
+            outputs=[grpcclient.InferRequestedOutput("OUTPUT0")] * 2,
+        )
+    assert "output 'OUTPUT0' already exists in request" in str(twice.value)
+
+
+def test_trace_settings_given_at_start_are_reported_back(run_appliance, tmp_path: Path) -> None:
+    # L0_trace: the server starts with --trace-config level=TIMESTAMPS rate=1
+    srv = run_appliance(
+        trace_file=str(tmp_path / "trace.json"),
+        trace_settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1"},
+    )
+    http = httpclient.InferenceServerClient(srv.url)
+    settings = http.get_trace_settings()
+    assert settings["trace_level"] == ["TIMESTAMPS"] and settings["trace_rate"] == "1"
+    grpc = grpcclient.InferenceServerClient(srv.grpc_url)
+    reply = grpc.get_trace_settings(as_json=True)["settings"]
+    assert reply["trace_level"]["value"] == ["TIMESTAMPS"]
+    assert reply["trace_rate"]["value"] == ["1"]
+
+
+def test_trace_settings_in_the_server_config_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"trace_settings: unknown setting 'trace_speed'"):
+        load_server_config(None, {"trace_settings": {"trace_speed": "1"}})
+    with pytest.raises(ConfigError, match=r"trace_settings.trace_rate: expected a string"):
+        load_server_config(None, {"trace_settings": {"trace_rate": {"a": 1}}})

@@ -177,8 +177,10 @@ def parse_request(msg: Any, raw: Sequence[Any] | None = None) -> RequestForm:
     for tensor in msg.outputs:
         name = tensor.name
         where = f"output '{name}'"
-        if not name or name in outputs:
-            raise invalid(f"requested outputs need distinct names, got {name!r} twice or empty")
+        if name in outputs:  # Triton's words
+            raise invalid(f"output '{name}' already exists in request")
+        if not name:
+            raise invalid("a requested output needs a name")
         if tensor.parameters:
             count = param(tensor.parameters, "classification", "int64_param", where) or 0
             if count < 0:

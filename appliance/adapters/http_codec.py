@@ -195,6 +195,8 @@ def parse_request(
             raise invalid(f"outputs[{i}] must be an object with a 'name' string")
         name = raw["name"]
         where = f"output '{name}'"
+        if name in fmt.binary:  # Triton's words
+            raise invalid(f"{where} already exists in request")
         params = _params(raw, where)
         fmt.binary[name] = _flag(params, "binary_data", where)
         count = params.get("classification", 0)
@@ -276,7 +278,7 @@ def encode_parts(
             }
             chunks.append(raw)
         else:
-            entry["data"] = datatypes.to_json_data(arr)
+            entry["data"] = datatypes.to_json_data(arr, name)
         outputs.append(entry)
     doc: dict[str, Any] = {
         "model_name": response.model_name,

@@ -80,6 +80,9 @@ class ServerConfig:
     server_name: str = "appliance"
     # Triton's trace extension: where traces go (the folder must exist); None: no tracing
     trace_file: Path | None = None
+    # the trace settings in force at start (Triton's --trace-config): setting -> value,
+    # as the trace API takes them (checked by appliance/core/trace.py when the server starts)
+    trace_settings: tuple[tuple[str, Any], ...] = ()
 
 
 # fields of ServerConfig that are derived, never read from a file
@@ -154,6 +157,7 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         mqtt=parse_mqtt(f, path, broker),
         server_name=_server_name(f),
         trace_file=_trace_file(f, path),
+        trace_settings=_trace_settings(f),
         **_control(f, path),
         **_limits(f),
     )
@@ -171,6 +175,30 @@ def _trace_file(f: Fields, base: Path | None) -> Path | None:
     if not path.parent.is_dir() or path.is_dir():
         raise f.fail("trace_file", f"expected a file in an existing folder, got {str(path)!r}")
     return path
+
+
+_TRACE_SETTINGS = ("trace_level", "trace_rate", "trace_count", "log_frequency", "trace_mode")
+
+
+def _trace_settings(f: Fields) -> tuple[tuple[str, Any], ...]:
+    value = f.data.get("trace_settings")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise f.fail("trace_settings", f"expected a mapping of trace settings, got {value!r}")
+    for key, item in value.items():
+        if key not in _TRACE_SETTINGS:
+            raise f.fail(
+                "trace_settings",
+                f"unknown setting {key!r}; expected one of {list(_TRACE_SETTINGS)}",
+            )
+        scalar = (str, int)
+        if isinstance(item, bool) or not (
+            isinstance(item, scalar)
+            or (isinstance(item, list) and all(isinstance(x, scalar) for x in item))
+        ):
+            raise f.fail(f"trace_settings.{key}", f"expected a string or a list, got {item!r}")
+    return tuple((str(k), v) for k, v in value.items())
 
 
 def _server_name(f: Fields) -> str:

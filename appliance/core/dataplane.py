@@ -90,7 +90,7 @@ class DataPlane:
         self.lifecycle = lifecycle
         self.shared_memory = shared_memory
         self.cuda_shared_memory = CudaSharedMemory()
-        self.tracer = Tracer(lifecycle.server.trace_file)
+        self.tracer = Tracer(lifecycle.server.trace_file, dict(lifecycle.server.trace_settings))
         self.log_settings = LogSettings(lifecycle.server.log_level)
         self.live = True
         self.accepting = True  # False once shutdown began: readiness goes false first

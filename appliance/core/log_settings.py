@@ -48,9 +48,13 @@ class LogSettings:
             elif key == "log_format":
                 if value != "default":
                     raise invalid(f"log_format {value!r} is not supported; expected 'default'")
-            elif key == "log_file":
-                if value != self._settings["log_file"]:
-                    raise invalid("log_file cannot be changed through the network protocol")
+            elif key == "log_file":  # any value, as Triton: a path is the server's choice
+                if value is None:
+                    continue
+                raise invalid(
+                    "log file location can not be updated through network protocol "
+                    "(set it in the server config)"
+                )
             else:
                 raise invalid(f"unknown log setting '{key}'; expected one of {sorted(new)}")
             new[key] = value
