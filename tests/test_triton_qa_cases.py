@@ -473,3 +473,34 @@ def test_trace_settings_in_the_server_config_are_checked() -> None:
         load_server_config(None, {"trace_settings": {"trace_speed": "1"}})
     with pytest.raises(ConfigError, match=r"trace_settings.trace_rate: expected a string"):
         load_server_config(None, {"trace_settings": {"trace_rate": {"a": 1}}})
+
+
+KIND_PY = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.kind = args["model_instance_kind"]
+
+    def execute(self, requests):
+        out = pb_utils.Tensor("KIND", np.array([self.kind.encode()], dtype=object))
+        return [pb_utils.InferenceResponse([out]) for _ in requests]
+"""
+
+
+def test_instance_groups_of_kind_model_load(run_appliance, tmp_path: Path) -> None:
+    # Triton's mock_llm: the model places itself (instance_group kind KIND_MODEL)
+    (tmp_path / "placed" / "1").mkdir(parents=True)
+    (tmp_path / "placed" / "1" / "model.py").write_text(KIND_PY)
+    (tmp_path / "placed" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 0\n'
+        'input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] optional: true } ]\n'
+        'output [ { name: "KIND" data_type: TYPE_STRING dims: [ 1 ] } ]\n'
+        "instance_group [ { kind: KIND_MODEL } ]\n"
+    )
+    srv = run_appliance(tmp_path)
+    http = httpclient.InferenceServerClient(srv.url)
+    assert http.infer("placed", []).as_numpy("KIND").tolist() == [b"MODEL"]
+    assert http.get_model_config("placed")["instance_group"][0]["kind"] == "KIND_MODEL"

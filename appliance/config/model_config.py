@@ -301,8 +301,10 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
             if key in g.data:
                 log.warning("%s: %s: '%s' is not supported and is ignored", source, g.path, key)
         kind = g.text("kind", "KIND_CPU")
-        if kind not in ("KIND_CPU", "KIND_GPU", "KIND_AUTO"):
-            raise g.fail("kind", f"expected KIND_CPU, KIND_GPU or KIND_AUTO, got {kind!r}")
+        if kind not in ("KIND_CPU", "KIND_GPU", "KIND_AUTO", "KIND_MODEL"):
+            raise g.fail(
+                "kind", f"expected KIND_CPU, KIND_GPU, KIND_AUTO or KIND_MODEL, got {kind!r}"
+            )
         groups.append(InstanceGroup(g.integer("count", 1, minimum=1), kind))
     db = f.sub("dynamic_batching")
     vp = f.sub("version_policy")
