@@ -185,7 +185,8 @@ def test_int64_as_string_is_accepted() -> None:
         ({"backend": 3}, "backend: expected a string, got 3"),
         (
             {"instance_group": [{"kind": "KIND_TPU"}]},
-            "instance_group[0].kind: expected KIND_CPU, KIND_GPU, KIND_AUTO or KIND_MODEL, got 'KIND_TPU'",
+            "instance_group[0].kind: expected KIND_CPU, KIND_GPU, KIND_AUTO or KIND_MODEL, "
+            "got 'KIND_TPU'",
         ),
         (
             {"instance_group": [{"count": 1}, {"count": 0}]},
