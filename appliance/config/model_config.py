@@ -101,6 +101,8 @@ class ModelConfig:
     ensemble_steps: tuple[EnsembleStep, ...] = ()  # platform "ensemble" only
     sequence_batching: SequenceBatching | None = None  # stateful models
     decoupled: bool = False  # model_transaction_policy.decoupled: 0..N responses a request
+    # response_cache.enable: answers kept by a key over the inputs (core/response_cache)
+    response_cache: bool = False
     source: str = "<auto-complete>"
 
     @property
@@ -115,7 +117,6 @@ class ModelConfig:
 # Triton fields accepted but not acted on yet: warned about, never silently dropped.
 _UNSUPPORTED = {
     "optimization",
-    "response_cache",
     "batch_input",
     "batch_output",
     "model_operations",
@@ -141,6 +142,7 @@ _MODEL_FIELDS = {
     "ensemble_scheduling",
     "sequence_batching",
     "model_transaction_policy",
+    "response_cache",
 } | _UNSUPPORTED
 
 
@@ -203,6 +205,14 @@ def _transaction_policy(f: Fields) -> bool:
         return False
     policy.check_keys({"decoupled"})
     return policy.flag("decoupled", False)
+
+
+def _response_cache(f: Fields) -> bool:
+    cache = f.sub("response_cache")
+    if cache is None:
+        return False
+    cache.check_keys({"enable"})
+    return cache.flag("enable", False)
 
 
 def _dynamic_batching(f: Fields) -> DynamicBatching:
@@ -378,6 +388,7 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
         ensemble_steps=steps,
         sequence_batching=sequence,
         decoupled=_transaction_policy(f),
+        response_cache=_response_cache(f),
         source=source,
     )
 

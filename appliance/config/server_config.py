@@ -83,6 +83,9 @@ class ServerConfig:
     # the trace settings in force at start (Triton's --trace-config): setting -> value,
     # as the trace API takes them (checked by appliance/core/trace.py when the server starts)
     trace_settings: tuple[tuple[str, Any], ...] = ()
+    # Triton's response cache (--cache-config local,size=N): bytes of answers kept for
+    # models whose config enables it, charged to the memory budget; 0: no cache
+    response_cache_size: int = 0
 
 
 # fields of ServerConfig that are derived, never read from a file
@@ -158,6 +161,7 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         server_name=_server_name(f),
         trace_file=_trace_file(f, path),
         trace_settings=_trace_settings(f),
+        response_cache_size=_optional_size(data, source, "response_cache_size") or 0,
         **_control(f, path),
         **_limits(f),
     )

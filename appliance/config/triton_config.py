@@ -130,6 +130,8 @@ def to_triton_json(config: ModelConfig) -> dict[str, Any]:
     }
     if config.decoupled:
         out["model_transaction_policy"] = {"decoupled": True}
+    if config.response_cache:
+        out["response_cache"] = {"enable": True}
     if config.ensemble_steps:
         out["ensemble_scheduling"] = {
             "step": [

@@ -41,7 +41,9 @@ from appliance.config.model_config import ModelConfig
 from appliance.config.reader import load_model_config
 from appliance.config.server_config import ServerConfig
 from appliance.core import loader, repository
-from appliance.core.memory import BudgetRefused, MemoryBudget
+from appliance.core.memory import BudgetRefused, MemoryBudget, Usage
+from appliance.core.model import ModelVersion
+from appliance.core.response_cache import ResponseCache
 from appliance.core.servable import Servable, State
 from appliance.core.stats import LatencyWindow
 from appliance.core.versions import ModelEntry, VersionRecord
@@ -63,6 +65,14 @@ class ModelLifeCycle:
         self.repository = repository_dir
         self.server = server
         self.budget = MemoryBudget(server.memory_limit)
+        # Triton's response cache, for models whose config enables it; its size is
+        # charged to the memory budget for as long as the server runs
+        self.cache: ResponseCache | None = None
+        if server.response_cache_size:
+            self.cache = ResponseCache(server.response_cache_size)
+            self.budget.charge(
+                self.cache, "<response cache>", Usage(cpu=server.response_cache_size)
+            )
         self._models: dict[str, ModelEntry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._retired: set[asyncio.Task[None]] = set()
@@ -100,6 +110,19 @@ class ModelLifeCycle:
             self._poll_task = asyncio.get_running_loop().create_task(
                 self._poll_forever(), name="repository-poll"
             )
+
+    def _use_cache(self, servable: Servable) -> None:
+        """Give a model version whose config enables the response cache the server's."""
+        if not servable.config.response_cache or not isinstance(servable, ModelVersion):
+            return
+        if self.cache is None:
+            log.warning(
+                "model '%s': response_cache is enabled but the server has no cache "
+                "(response_cache_size); its answers are not cached",
+                servable.config.name,
+            )
+            return
+        servable.cache = self.cache
 
     def _load_order(self, models: list[str]) -> list[str]:
         """``models`` with every ensemble after the models its steps name, ensembles of
@@ -262,6 +285,7 @@ class ModelLifeCycle:
                 )
                 if self.server.metrics_summary_latencies:
                     new[version].stats.latencies = LatencyWindow()
+                self._use_cache(new[version])
             except Exception as exc:  # one bad version must not stop the others
                 swap = isinstance(exc, BudgetRefused) and bool(required)
                 message = str(exc) + (SWAP_HINT if swap else "")
