@@ -86,7 +86,7 @@ def test_mode_none_loads_everything_and_refuses_changes(run_appliance, tmp_path:
     for call in (client.load_model, client.unload_model):
         with pytest.raises(InferenceServerException, match=r"model_control_mode: none") as info:
             call("simple")
-        assert info.value.status() == "400"
+        assert info.value.status() == "503"  # Triton: UNAVAILABLE
     assert _serves(client) == "1"
 
 
