@@ -38,7 +38,6 @@ from typing import Any
 from appliance import heap, names
 from appliance.config.fields import ConfigError
 from appliance.config.model_config import ModelConfig
-from appliance.config.reader import load_model_config
 from appliance.config.server_config import ServerConfig
 from appliance.core import loader, repository
 from appliance.core.memory import BudgetRefused, MemoryBudget, Usage
@@ -125,29 +124,7 @@ class ModelLifeCycle:
         servable.cache = self.cache
 
     def _load_order(self, models: list[str]) -> list[str]:
-        """``models`` with every ensemble after the models its steps name, ensembles of
-        ensembles included (a cycle or an unreadable config is reported when it loads)."""
-        ranks: dict[str, int] = {}
-
-        def rank(name: str, seen: frozenset[str]) -> int:
-            if name in ranks:
-                return ranks[name]
-            if name in seen:
-                return 0
-            try:
-                model_dir = names.model_dir(
-                    self.repository, name, self.server.allow_symlinked_models
-                )
-                config = load_model_config(model_dir)
-            except ApplianceError:
-                return 0
-            ranks[name] = 0
-            if loader.loads_after_others(config):
-                steps = {s.model_name for s in config.ensemble_steps}
-                ranks[name] = 1 + max((rank(s, seen | {name}) for s in steps), default=0)
-            return ranks[name]
-
-        return sorted(models, key=lambda name: rank(name, frozenset()))
+        return repository.load_order(self.repository, models, self.server.allow_symlinked_models)
 
     async def load(
         self,
