@@ -32,6 +32,15 @@ class InferenceRequest:
     sequence_id: int | str = 0
     sequence_start: bool = False
     sequence_end: bool = False
+    # Triton's priority parameter: 1 is served first; 0 = the model's default level
+    priority: int = 0
+
+
+def check_priority(value: object) -> int:
+    """A ``priority`` parameter as sent: an unsigned 64-bit integer."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _UINT64_MAX:
+        return value
+    raise invalid(f"request parameter 'priority' must be an unsigned integer, got {value!r}")
 
 
 def check_sequence_id(value: object) -> int | str:

@@ -504,3 +504,82 @@ def test_instance_groups_of_kind_model_load(run_appliance, tmp_path: Path) -> No
     http = httpclient.InferenceServerClient(srv.url)
     assert http.infer("placed", []).as_numpy("KIND").tolist() == [b"MODEL"]
     assert http.get_model_config("placed")["instance_group"][0]["kind"] == "KIND_MODEL"
+
+
+ORDER_PY = """\
+import os
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.folder = os.environ["QA_GATE_DIR"]
+
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            if x.any():
+                with open(os.path.join(self.folder, "order"), "a") as f:
+                    f.write(f"{int(x.ravel()[0])}\\n")
+            if int(x.ravel()[0]) == 100:  # the first request waits at the gate
+                open(os.path.join(self.folder, "started"), "w").close()
+                for _ in range(6000):
+                    if os.path.exists(os.path.join(self.folder, "open")):
+                        break
+                    time.sleep(0.1)
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)]))
+        return out
+"""
+
+
+def test_priority_levels_reorder_the_queue_over_http_and_grpc(
+    run_appliance, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    monkeypatch.setenv("QA_GATE_DIR", str(gate))
+    repo = tmp_path / "repo"
+    (repo / "ordered" / "1").mkdir(parents=True)
+    (repo / "ordered" / "1" / "model.py").write_text(ORDER_PY)
+    (repo / "ordered" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 1\n'
+        'input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        'output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        "dynamic_batching { priority_levels: 2 default_priority_level: 2 }\n"
+    )
+    srv = run_appliance(repo)
+    http = httpclient.InferenceServerClient(srv.url)
+    assert http.get_model_config("ordered")["dynamic_batching"]["priority_levels"] == 2
+
+    def ask(value: int, priority: int, kind: str = "http") -> None:
+        module = httpclient if kind == "http" else grpcclient
+        client = module.InferenceServerClient(srv.url if kind == "http" else srv.grpc_url)
+        tensor = module.InferInput("INPUT0", [1, 1], "INT32")
+        tensor.set_data_from_numpy(np.array([[value]], np.int32))
+        client.infer("ordered", [tensor], priority=priority)
+
+    def queued() -> int:  # requests waiting in the model's queue (read, not written)
+        return int(srv.server.lifecycle.get("ordered").stats.pending)
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        calls = [pool.submit(ask, 100, 0)]
+        _wait_for(gate / "started")
+        for value, priority, kind in (
+            (1, 2, "http"),
+            (2, 0, "grpc"),
+            (3, 1, "grpc"),
+            (4, 1, "http"),
+        ):
+            calls.append(pool.submit(ask, value, priority, kind))
+            for _ in range(6000):  # until it is queued (bounded: ten minutes)
+                if queued() == len(calls) - 1:
+                    break
+                time.sleep(0.1)
+        (gate / "open").touch()
+        for call in calls:
+            call.result()
+    # the urgent (1) first, in arrival order; then the default level (0 and 2)
+    assert (gate / "order").read_text().split() == ["100", "3", "4", "1", "2"]

@@ -25,7 +25,12 @@ from appliance.adapters.request_form import OutputFormat, RequestForm, TensorFor
 from appliance.core.admission import Ticket
 from appliance.core.shared_memory import SharedMemoryRef, SharedMemoryRegistry
 from appliance.errors import invalid
-from appliance.request import InferenceRequest, InferenceResponse, check_sequence_id
+from appliance.request import (
+    InferenceRequest,
+    InferenceResponse,
+    check_priority,
+    check_sequence_id,
+)
 
 # KServe datatype -> the InferTensorContents field that carries it and that field's
 # numpy type (narrower integer types travel widened, as in Triton's proto)
@@ -216,6 +221,11 @@ def _request_parameters(params: Any, form: RequestForm) -> None:
     form.sequence_id = check_sequence_id(sequence)
     form.sequence_start = bool(param(params, "sequence_start", "bool_param", "request"))
     form.sequence_end = bool(param(params, "sequence_end", "bool_param", "request"))
+    if "priority" in params:  # tritonclient sends uint64, others int64
+        kind = params["priority"].WhichOneof("parameter_choice")
+        if kind not in ("int64_param", "uint64_param"):
+            raise invalid("request parameter 'priority' must be an unsigned integer")
+        form.priority = check_priority(getattr(params["priority"], kind))
 
 
 def encode_response(

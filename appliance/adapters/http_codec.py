@@ -30,7 +30,12 @@ from appliance.adapters.request_form import OutputFormat, RequestForm, TensorFor
 from appliance.core.admission import Ticket
 from appliance.core.shared_memory import SharedMemoryRef, SharedMemoryRegistry
 from appliance.errors import internal, invalid
-from appliance.request import InferenceRequest, InferenceResponse, check_sequence_id
+from appliance.request import (
+    InferenceRequest,
+    InferenceResponse,
+    check_priority,
+    check_sequence_id,
+)
 
 __all__ = [
     "HEADER_LENGTH",
@@ -230,6 +235,7 @@ def parse_request(
         sequence_id=check_sequence_id(req_params.get("sequence_id", 0)),
         sequence_start=_flag(req_params, "sequence_start", "request"),
         sequence_end=_flag(req_params, "sequence_end", "request"),
+        priority=check_priority(req_params.get("priority", 0)),
     )
 
 

@@ -87,6 +87,7 @@ class RequestForm:
     sequence_id: int | str = 0
     sequence_start: bool = False
     sequence_end: bool = False
+    priority: int = 0
     # typed contents -> array (gRPC's InferTensorContents reader)
     contents: Callable[[Any, str, list[int], str], np.ndarray] | None = None
     # BYTES elements build() turns into Python objects, one each (not JSON ones: the
@@ -176,6 +177,7 @@ def build(form: RequestForm, shared_memory: SharedMemoryRegistry | None) -> Infe
         sequence_id=form.sequence_id,
         sequence_start=form.sequence_start,
         sequence_end=form.sequence_end,
+        priority=form.priority,
     )
 
 

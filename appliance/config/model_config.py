@@ -56,6 +56,10 @@ class DynamicBatching:
     max_queue_size: int = 0  # 0 = the server's default bound (queues are never unbounded)
     default_timeout_us: int = 0  # 0 = no queue timeout
     allow_timeout_override: bool = True
+    # Triton's priorities: levels 1 (first served) .. priority_levels; a request without
+    # one (or with one out of range) gets default_priority_level; 0 levels: one queue
+    priority_levels: int = 0
+    default_priority_level: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,8 +231,7 @@ def _dynamic_batching(f: Fields) -> DynamicBatching:
             "priority_queue_policy",
         }
     )
-    ignored = ("preserve_ordering", "priority_levels", "default_priority_level")
-    for key in (*ignored, "priority_queue_policy"):
+    for key in ("preserve_ordering", "priority_queue_policy"):
         if key in f.data:
             log.warning("%s: %s: '%s' is not supported and is ignored", f.source, f.path, key)
     policy = f.sub("default_queue_policy")
@@ -247,12 +250,21 @@ def _dynamic_batching(f: Fields) -> DynamicBatching:
         override = policy.flag("allow_timeout_override", True)
         if policy.text("timeout_action", "REJECT") != "REJECT":
             raise policy.fail("timeout_action", "only REJECT is supported")
+    levels = f.integer("priority_levels", 0, minimum=0)
+    default_level = f.integer("default_priority_level", 0, minimum=0)
+    if levels and not 1 <= default_level <= levels:
+        raise f.fail(
+            "default_priority_level",
+            f"expected a level in 1..{levels} (priority_levels), got {default_level}",
+        )
     return DynamicBatching(
         preferred_batch_size=f.ints("preferred_batch_size", 1),
         max_queue_delay_us=f.integer("max_queue_delay_microseconds", 0),
         max_queue_size=size,
         default_timeout_us=timeout,
         allow_timeout_override=override,
+        priority_levels=levels,
+        default_priority_level=default_level if levels else 0,
     )
 
 

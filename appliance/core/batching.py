@@ -44,6 +44,15 @@ class BatchPolicy:
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_delay_s: float = 0.0
     dynamic: bool = False
+    # Triton's priority levels (1 first); 0: one queue in arrival order
+    priority_levels: int = 0
+    default_priority_level: int = 0
+
+    def level(self, priority: int) -> int:
+        """The queue level of a request's ``priority`` (0 or out of range: the default)."""
+        if not self.priority_levels:
+            return 0
+        return priority if 1 <= priority <= self.priority_levels else self.default_priority_level
 
 
 @dataclass(frozen=True, slots=True)

@@ -587,3 +587,33 @@ def test_a_batcher_never_stopped_does_not_hold_the_interpreter_at_exit() -> None
     )
     assert done.returncode == 0, done.stderr
     assert "answered [[1.0, 1.0]]" in done.stdout
+
+
+def test_priority_levels_serve_the_urgent_first_and_keep_arrival_order_within_a_level() -> None:
+    # an alarm camera (level 1) ahead of a counting one (level 2, the default)
+    backend = Doubler(hold=True)
+    policy = BatchPolicy(
+        max_batch_size=8, dynamic=False, priority_levels=2, default_priority_level=2
+    )
+    assert [policy.level(p) for p in (0, 1, 2, 3)] == [2, 1, 2, 2]  # 0, out of range: default
+
+    async def main() -> None:
+        batcher, group, _ = await make_batcher(backend, policy)
+        loop = asyncio.get_running_loop()
+
+        def ask(value: float, level: int) -> asyncio.Task[BatchResult]:
+            arr = x(value)
+            return loop.create_task(
+                batcher.submit({"x": arr}, ("y",), 1, arr.shape[1:], None, level)
+            )
+
+        held = ask(0, 2)
+        await until(backend.started.is_set)
+        queued = [ask(1, 2), ask(2, 2), ask(3, 1), ask(4, 2), ask(5, 1)]
+        await until(lambda: batcher.pending == 5)
+        backend.release.set()
+        await asyncio.gather(held, *queued)
+        assert [int(c[0, 0]) for c in backend.calls] == [0, 3, 5, 1, 2, 4]
+        await shutdown(batcher, group)
+
+    run(main())
