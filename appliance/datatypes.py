@@ -143,35 +143,40 @@ def check_shape(shape: Any, where: str) -> list[int]:
     return shape
 
 
-def from_raw(buf: bytes | memoryview, datatype: str, shape: Sequence[int], name: str) -> np.ndarray:
+def from_raw(
+    buf: bytes | memoryview, datatype: str, shape: Sequence[int], name: str, model: str = ""
+) -> np.ndarray:
     """View raw little-endian tensor bytes as an array of ``shape`` (no copy for fixed types).
 
-    The returned array may be read-only and share memory with ``buf``.
+    The returned array may be read-only and share memory with ``buf``. ``model``: the
+    model named in the error texts (Triton's), when known.
     """
     if datatype == "BYTES":
-        return deserialize_bytes(buf, shape, name)
+        return deserialize_bytes(buf, shape, name, model)
     dtype = to_numpy_dtype(datatype)
     expected = element_count(shape) * dtype.itemsize
     if len(buf) != expected:
         raise invalid(
-            f"input '{name}': got {len(buf)} bytes of data but {datatype} shape "
-            f"{list(shape)} needs {expected}"
+            f"input byte size mismatch for input '{name}' for model '{model}'. Expected "
+            f"{expected}, got {len(buf)} ({datatype} shape {list(shape)} needs {expected} bytes)"
         )
     return np.frombuffer(buf, dtype=dtype.newbyteorder("<")).reshape(shape)
 
 
-def deserialize_bytes(buf: bytes | memoryview, shape: Sequence[int], name: str) -> np.ndarray:
-    """Parse Triton's length-prefixed BYTES encoding into an object array of bytes."""
+def deserialize_bytes(
+    buf: bytes | memoryview, shape: Sequence[int], name: str, model: str = ""
+) -> np.ndarray:
+    """Parse Triton's length-prefixed BYTES encoding into an object array of bytes; a
+    count of elements other than the shape's is refused with Triton's texts."""
     count = element_count(shape)
     view = memoryview(buf)
     items: list[bytes] = []
     offset, end = 0, len(view)
+    where = f"for inference input '{name}' for model '{model}'"
     for _ in range(count):
         if offset + 4 > end:
-            raise invalid(
-                f"input '{name}': BYTES data is truncated: expected {count} elements, "
-                f"found {len(items)}"
-            )
+            detail = f"{end - offset} bytes left" if offset < end else "the data ends"
+            raise invalid(f"expected {count} string elements {where}, got {len(items)} ({detail})")
         (length,) = struct.unpack_from("<I", view, offset)
         offset += 4
         if offset + length > end:
@@ -183,7 +188,8 @@ def deserialize_bytes(buf: bytes | memoryview, shape: Sequence[int], name: str) 
         offset += length
     if offset != end:
         raise invalid(
-            f"input '{name}': {end - offset} unexpected bytes after {count} BYTES elements"
+            f"unexpected number of string elements {count + 1} {where}, expecting {count} "
+            f"({end - offset} bytes follow the last element)"
         )
     arr = np.empty(count, dtype=object)
     arr[:] = items
@@ -251,13 +257,19 @@ def from_json_data(data: Any, datatype: str, shape: Sequence[int], name: str) ->
     return arr.reshape(shape)
 
 
-def to_json_data(arr: np.ndarray) -> Any:
-    """A flat, JSON-serializable form of a tensor (numpy for orjson, str for BYTES)."""
+def to_json_data(arr: np.ndarray, name: str = "") -> Any:
+    """A flat, JSON-serializable form of a tensor (numpy for orjson, str for BYTES).
+    A BYTES element that is not UTF-8 has no JSON form: INVALID_ARG naming output
+    ``name`` (Triton answers an error too; nothing is replaced in silence)."""
     if arr.dtype.kind in _STRING_KINDS:
-        return [
-            x.decode("utf-8", errors="replace") if isinstance(x, bytes) else str(x)
-            for x in arr.ravel()
-        ]
+        try:
+            return [x.decode("utf-8") if isinstance(x, bytes) else str(x) for x in arr.ravel()]
+        except UnicodeDecodeError as exc:
+            raise invalid(
+                f"output '{name}': a BYTES element is not UTF-8 ({exc.reason} at byte "
+                f"{exc.start}) and cannot be written as JSON; ask for the output as binary "
+                "data (parameters.binary_data: true)"
+            ) from None
     if not arr.dtype.isnative:  # orjson would read the bytes in native order
         arr = arr.astype(arr.dtype.newbyteorder("="))
     if arr.dtype == np.float16:  # orjson serializes float32, not float16

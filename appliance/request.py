@@ -36,6 +36,15 @@ class InferenceRequest:
     # extension passes them on): name -> string, number or boolean. A decoupled model
     # reads them (:attr:`appliance.decoupled.RequestInputs.parameters`)
     parameters: dict[str, str | int | float | bool] = field(default_factory=dict)
+    # Triton's priority parameter: 1 is served first; 0 = the model's default level
+    priority: int = 0
+
+
+def check_priority(value: object) -> int:
+    """A ``priority`` parameter as sent: an unsigned 64-bit integer."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _UINT64_MAX:
+        return value
+    raise invalid(f"request parameter 'priority' must be an unsigned integer, got {value!r}")
 
 
 def check_sequence_id(value: object) -> int | str:

@@ -168,6 +168,8 @@ def check_inputs(model: str, specs: Sequence[TensorSpec], inputs: dict[str, np.n
         got = datatypes.from_numpy_dtype(arr.dtype)
         if got != spec.datatype:
             raise invalid(f"{where}: expected datatype {spec.datatype}, got {got}")
+        if not spec.shape and arr.size == 1:
+            continue  # [] is a scalar or a tensor of unknown rank (see config/completion)
         if len(arr.shape) != len(spec.shape) or any(
             want not in (-1, have) for want, have in zip(spec.shape, arr.shape, strict=True)
         ):

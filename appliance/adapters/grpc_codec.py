@@ -25,7 +25,12 @@ from appliance.adapters.request_form import OutputFormat, RequestForm, TensorFor
 from appliance.core.admission import Ticket
 from appliance.core.shared_memory import SharedMemoryRef, SharedMemoryRegistry
 from appliance.errors import invalid
-from appliance.request import InferenceRequest, InferenceResponse, check_sequence_id
+from appliance.request import (
+    InferenceRequest,
+    InferenceResponse,
+    check_priority,
+    check_sequence_id,
+)
 
 # KServe datatype -> the InferTensorContents field that carries it and that field's
 # numpy type (narrower integer types travel widened, as in Triton's proto)
@@ -127,9 +132,7 @@ def parse_request(msg: Any, raw: Sequence[Any] | None = None) -> RequestForm:
     malformed part is an INVALID_ARG naming the tensor. ``raw``: the message's
     ``raw_input_contents`` as views of the wire bytes (:func:`raw_contents`), when
     the caller has them (reading the message's own entries copies each)."""
-    if not msg.inputs:
-        raise invalid("the request must have at least one input")
-    if raw is None:
+    if raw is None:  # no inputs at all: a model whose inputs are all optional
         raw = msg.raw_input_contents
     takes_raw = 0
     for tensor in msg.inputs:
@@ -179,8 +182,10 @@ def parse_request(msg: Any, raw: Sequence[Any] | None = None) -> RequestForm:
     for tensor in msg.outputs:
         name = tensor.name
         where = f"output '{name}'"
-        if not name or name in outputs:
-            raise invalid(f"requested outputs need distinct names, got {name!r} twice or empty")
+        if name in outputs:  # Triton's words
+            raise invalid(f"output '{name}' already exists in request")
+        if not name:
+            raise invalid("a requested output needs a name")
         if tensor.parameters:
             count = param(tensor.parameters, "classification", "int64_param", where) or 0
             if count < 0:
@@ -217,6 +222,11 @@ def _request_parameters(params: Any, form: RequestForm) -> None:
     form.sequence_start = bool(param(params, "sequence_start", "bool_param", "request"))
     form.sequence_end = bool(param(params, "sequence_end", "bool_param", "request"))
     form.parameters = request_form.own_parameters(params)
+    if "priority" in params:  # tritonclient sends uint64, others int64
+        kind = params["priority"].WhichOneof("parameter_choice")
+        if kind not in ("int64_param", "uint64_param"):
+            raise invalid("request parameter 'priority' must be an unsigned integer")
+        form.priority = check_priority(getattr(params["priority"], kind))
 
 
 def encode_response(

@@ -1,7 +1,10 @@
 """KServe v2 HTTP/REST body codec, with Triton's binary tensor extension.
 
 A request body is a JSON header optionally followed by raw tensor bytes; the
-``Inference-Header-Content-Length`` header says where the JSON ends. Each input
+``Inference-Header-Content-Length`` header says where the JSON ends. A length of 0 is
+Triton's raw binary request: the whole body is the model's only input, its name,
+datatype and shape taken from the config when it is declared
+(:func:`appliance.adapters.request_form.declare`), its outputs binary. Each input
 with ``parameters.binary_data_size`` takes the next that many bytes, in order.
 The body is read into the one request form (:mod:`appliance.adapters.request_form`,
 which gRPC's codec fills too) and decoded from it; binary inputs become zero-copy
@@ -27,7 +30,12 @@ from appliance.adapters.request_form import OutputFormat, RequestForm, TensorFor
 from appliance.core.admission import Ticket
 from appliance.core.shared_memory import SharedMemoryRef, SharedMemoryRegistry
 from appliance.errors import internal, invalid
-from appliance.request import InferenceRequest, InferenceResponse, check_sequence_id
+from appliance.request import (
+    InferenceRequest,
+    InferenceResponse,
+    check_priority,
+    check_sequence_id,
+)
 
 __all__ = [
     "HEADER_LENGTH",
@@ -119,6 +127,9 @@ def parse_request(
     inference, and written by :func:`encode_response`.
     """
     view = memoryview(body)
+    if header_length == 0:  # Triton's raw binary request: the body is the only input
+        raw_input = TensorForm(request_form.RAW_INPUT, "", None, request_form.RAW, view)
+        return RequestForm(model, version, [raw_input], OutputFormat(binary_default=True))
     json_part = view if header_length is None else view[:header_length]
     binary = view[len(json_part) :]
     # big bodies: tensor data parsed straight into arrays when pysimdjson is installed
@@ -131,8 +142,8 @@ def parse_request(
     if not isinstance(doc, dict):
         raise invalid("the request body must be a JSON object")
     raw_inputs = doc.get("inputs")
-    if not isinstance(raw_inputs, list) or not raw_inputs:
-        raise invalid("the request must have a non-empty 'inputs' list")
+    if not isinstance(raw_inputs, list):  # empty: a model whose inputs are all optional
+        raise invalid("the request must have an 'inputs' list")
     inputs: list[TensorForm] = []
     offset = 0
     for i, raw in enumerate(raw_inputs):
@@ -189,6 +200,8 @@ def parse_request(
             raise invalid(f"outputs[{i}] must be an object with a 'name' string")
         name = raw["name"]
         where = f"output '{name}'"
+        if name in fmt.binary:  # Triton's words
+            raise invalid(f"{where} already exists in request")
         params = _params(raw, where)
         fmt.binary[name] = _flag(params, "binary_data", where)
         count = params.get("classification", 0)
@@ -227,6 +240,7 @@ def parse_request(
             for k, v in req_params.items()
             if k not in request_form.SERVER_PARAMETERS and isinstance(v, (str, int, float, bool))
         },
+        priority=check_priority(req_params.get("priority", 0)),
     )
 
 
@@ -275,7 +289,7 @@ def encode_parts(
             }
             chunks.append(raw)
         else:
-            entry["data"] = datatypes.to_json_data(arr)
+            entry["data"] = datatypes.to_json_data(arr, name)
         outputs.append(entry)
     doc: dict[str, Any] = {
         "model_name": response.model_name,

@@ -75,6 +75,26 @@ _COUNTERS: list[tuple[str, str, Callable[[ModelStats], int]]] = [
         "Cumulative inference compute output duration in microseconds",
         lambda s: s.compute_output.ns // 1000,
     ),
+    (
+        "nv_cache_num_hits_per_model",
+        "Number of cache hits per model",
+        lambda s: s.cache_hit.count,
+    ),
+    (
+        "nv_cache_num_misses_per_model",
+        "Number of cache misses per model",
+        lambda s: s.cache_miss.count,
+    ),
+    (
+        "nv_cache_hit_duration_per_model",
+        "Total cache hit duration per model, in microseconds",
+        lambda s: s.cache_hit.ns // 1000,
+    ),
+    (
+        "nv_cache_miss_duration_per_model",
+        "Total cache miss (insertion) duration per model, in microseconds",
+        lambda s: s.cache_miss.ns // 1000,
+    ),
 ]
 
 # Triton's latency summaries (`--metrics-config summary_latencies=true`): name, help,

@@ -70,6 +70,9 @@ def own_parameters(params: Any) -> dict[str, str | int | float | bool]:
         if key not in SERVER_PARAMETERS and kind in _SCALARS:
             out[key] = getattr(value, kind)
     return out
+# the name of the one input of Triton's raw binary request (HTTP with an
+# Inference-Header-Content-Length of 0): declare() names it from the model's config
+RAW_INPUT = "raw_input"
 
 
 @dataclass(slots=True)
@@ -114,6 +117,7 @@ class RequestForm:
     sequence_end: bool = False
     # the request's own parameters that are not the server's: to a decoupled model
     parameters: dict[str, str | int | float | bool] = field(default_factory=dict)
+    priority: int = 0
     # typed contents -> array (gRPC's InferTensorContents reader)
     contents: Callable[[Any, str, list[int], str], np.ndarray] | None = None
     # BYTES elements build() turns into Python objects, one each (not JSON ones: the
@@ -129,6 +133,8 @@ def declare(
     input to ``ticket`` (None: the sizes and forms only, as in the codec tests)."""
     seen: set[str] = set()
     objects = files = 0
+    if form.inputs and form.inputs[0].name == RAW_INPUT and not form.inputs[0].datatype:
+        _raw_input(form.inputs[0], ticket)
     for t in form.inputs:
         where = f"input '{t.name}'"
         if t.name in seen:
@@ -138,8 +144,10 @@ def declare(
         t.shape = datatypes.check_shape(t.shape, where)
         if ticket is not None:
             ticket.declare(t.name, t.datatype, t.shape)
-        if t.kind == SHM and shared_memory is None:
-            raise invalid(f"{where}: shared-memory inputs are not enabled on this server")
+        if t.kind == SHM:
+            if shared_memory is None:
+                raise invalid(f"{where}: shared-memory inputs are not enabled on this server")
+            _hold(shared_memory, t.data.region, ticket, where)
         if t.datatype == "BYTES" and t.kind in (RAW, SHM):
             objects += datatypes.element_count(t.shape)
         elif t.kind == FILE:
@@ -148,10 +156,21 @@ def declare(
         where = f"output '{name}'"
         if shared_memory is None:
             raise invalid(f"{where}: shared-memory outputs are not enabled on this server")
+        _hold(shared_memory, ref.region, ticket, where)
         shared_memory.check(ref.region, ref.offset, ref.byte_size, where)  # before the model runs
     form.object_elements, form.files = objects, files
     if ticket is not None:
         ticket.declared = True
+
+
+def _hold(
+    shared_memory: SharedMemoryRegistry, name: str, ticket: Ticket | None, where: str
+) -> None:
+    """Keep region ``name`` registered until the request is answered (Triton's: an
+    unregister meanwhile waits for it)."""
+    if ticket is not None:
+        region = shared_memory.hold(name, where)
+        ticket.on_release(lambda: shared_memory.release(region))
 
 
 def build(form: RequestForm, shared_memory: SharedMemoryRegistry | None) -> InferenceRequest:
@@ -161,7 +180,7 @@ def build(form: RequestForm, shared_memory: SharedMemoryRegistry | None) -> Infe
     for t in form.inputs:
         kind, data = t.kind, t.data
         if kind == RAW:
-            arr = datatypes.from_raw(data, t.datatype, t.shape, t.name)
+            arr = datatypes.from_raw(data, t.datatype, t.shape, t.name, form.model)
         elif kind == JSON:
             if isinstance(data, json_tensors.LazyData):  # simdjson: no object a number
                 arr = data.to_tensor(t.datatype, t.shape, t.name)
@@ -171,7 +190,7 @@ def build(form: RequestForm, shared_memory: SharedMemoryRegistry | None) -> Infe
             assert shared_memory is not None  # declare() refused it otherwise
             where = f"input '{t.name}'"
             view = shared_memory.view(data.region, data.offset, data.byte_size, where)
-            arr = datatypes.from_raw(view, t.datatype, t.shape, t.name)
+            arr = datatypes.from_raw(view, t.datatype, t.shape, t.name, form.model)
         elif kind == CONTENTS:
             assert form.contents is not None
             arr = form.contents(data, t.datatype, t.shape, t.name)
@@ -194,6 +213,7 @@ def build(form: RequestForm, shared_memory: SharedMemoryRegistry | None) -> Infe
         sequence_start=form.sequence_start,
         sequence_end=form.sequence_end,
         parameters=form.parameters,
+        priority=form.priority,
     )
 
 
@@ -207,3 +227,43 @@ def _one_element(data: bytes, t: TensorForm) -> np.ndarray:
     arr[0] = data
     shaped: np.ndarray = arr.reshape(t.shape)
     return shaped
+
+
+def _raw_input(t: TensorForm, ticket: Ticket | None) -> None:
+    """Name and shape the input of a raw binary request from the model's config, as
+    Triton deduces them (its texts): the model's one input, a batch of 1 where the
+    model batches, one variable dim sized by the body; BYTES: one element, the body."""
+    if ticket is None:
+        raise invalid("a raw binary request needs the model's config to name its input")
+    config = ticket.rules.config
+    if len(config.inputs) != 1:
+        raise invalid(
+            "Raw request must only have 1 input (found 1) to be deduced but got "
+            f"{len(config.inputs)} inputs in '{config.name}' model configuration"
+        )
+    spec = config.inputs[0]
+    shape = [1] if config.batch_size > 0 else []
+    dynamic, count = -1, 1
+    for dim in spec.dims:
+        if dim == -1:
+            if dynamic != -1:
+                raise invalid(
+                    f"The shape of the raw input '{spec.name}' can not be deduced because "
+                    "there are more than one variable-sized dimension"
+                )
+            dynamic = len(shape)
+        else:
+            count *= dim
+        shape.append(dim)
+    t.name, t.datatype = spec.name, spec.datatype
+    if spec.datatype == "BYTES":
+        if dynamic != -1 or count != 1:
+            raise invalid(
+                f"For BYTE datatype raw input '{spec.name}', the model must have input shape [1]"
+            )
+        t.kind, t.data = OBJECT, bytes(t.data)
+    elif dynamic != -1:
+        shape[dynamic] = (
+            len(t.data) // max(count, 1) // datatypes.to_numpy_dtype(spec.datatype).itemsize
+        )
+    t.shape = shape

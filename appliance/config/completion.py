@@ -32,6 +32,11 @@ def _check_against(
             f"{list(spec.shape)}",
         )
     dims = cfg.model_dims
+    if not spec.shape and all(d == 1 for d in dims):
+        # ONNX Runtime says shape [] for a scalar and for a tensor of unknown rank alike;
+        # Triton serves such a model with config dims [1] (or [1, 1]): the tensor goes
+        # to the engine as the client sent it
+        return
     if len(model_dims) != len(dims) or any(
         m != -1 and c != -1 and m != c for m, c in zip(model_dims, dims, strict=True)
     ):

@@ -56,6 +56,10 @@ class DynamicBatching:
     max_queue_size: int = 0  # 0 = the server's default bound (queues are never unbounded)
     default_timeout_us: int = 0  # 0 = no queue timeout
     allow_timeout_override: bool = True
+    # Triton's priorities: levels 1 (first served) .. priority_levels; a request without
+    # one (or with one out of range) gets default_priority_level; 0 levels: one queue
+    priority_levels: int = 0
+    default_priority_level: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +105,8 @@ class ModelConfig:
     ensemble_steps: tuple[EnsembleStep, ...] = ()  # platform "ensemble" only
     sequence_batching: SequenceBatching | None = None  # stateful models
     decoupled: bool = False  # model_transaction_policy.decoupled: 0..N responses a request
+    # response_cache.enable: answers kept by a key over the inputs (core/response_cache)
+    response_cache: bool = False
     source: str = "<auto-complete>"
 
     @property
@@ -115,7 +121,6 @@ class ModelConfig:
 # Triton fields accepted but not acted on yet: warned about, never silently dropped.
 _UNSUPPORTED = {
     "optimization",
-    "response_cache",
     "batch_input",
     "batch_output",
     "model_operations",
@@ -141,6 +146,7 @@ _MODEL_FIELDS = {
     "ensemble_scheduling",
     "sequence_batching",
     "model_transaction_policy",
+    "response_cache",
 } | _UNSUPPORTED
 
 
@@ -205,6 +211,14 @@ def _transaction_policy(f: Fields) -> bool:
     return policy.flag("decoupled", False)
 
 
+def _response_cache(f: Fields) -> bool:
+    cache = f.sub("response_cache")
+    if cache is None:
+        return False
+    cache.check_keys({"enable"})
+    return cache.flag("enable", False)
+
+
 def _dynamic_batching(f: Fields) -> DynamicBatching:
     f.check_keys(
         {
@@ -217,8 +231,7 @@ def _dynamic_batching(f: Fields) -> DynamicBatching:
             "priority_queue_policy",
         }
     )
-    ignored = ("preserve_ordering", "priority_levels", "default_priority_level")
-    for key in (*ignored, "priority_queue_policy"):
+    for key in ("preserve_ordering", "priority_queue_policy"):
         if key in f.data:
             log.warning("%s: %s: '%s' is not supported and is ignored", f.source, f.path, key)
     policy = f.sub("default_queue_policy")
@@ -237,12 +250,21 @@ def _dynamic_batching(f: Fields) -> DynamicBatching:
         override = policy.flag("allow_timeout_override", True)
         if policy.text("timeout_action", "REJECT") != "REJECT":
             raise policy.fail("timeout_action", "only REJECT is supported")
+    levels = f.integer("priority_levels", 0, minimum=0)
+    default_level = f.integer("default_priority_level", 0, minimum=0)
+    if levels and not 1 <= default_level <= levels:
+        raise f.fail(
+            "default_priority_level",
+            f"expected a level in 1..{levels} (priority_levels), got {default_level}",
+        )
     return DynamicBatching(
         preferred_batch_size=f.ints("preferred_batch_size", 1),
         max_queue_delay_us=f.integer("max_queue_delay_microseconds", 0),
         max_queue_size=size,
         default_timeout_us=timeout,
         allow_timeout_override=override,
+        priority_levels=levels,
+        default_priority_level=default_level if levels else 0,
     )
 
 
@@ -301,8 +323,10 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
             if key in g.data:
                 log.warning("%s: %s: '%s' is not supported and is ignored", source, g.path, key)
         kind = g.text("kind", "KIND_CPU")
-        if kind not in ("KIND_CPU", "KIND_GPU", "KIND_AUTO"):
-            raise g.fail("kind", f"expected KIND_CPU, KIND_GPU or KIND_AUTO, got {kind!r}")
+        if kind not in ("KIND_CPU", "KIND_GPU", "KIND_AUTO", "KIND_MODEL"):
+            raise g.fail(
+                "kind", f"expected KIND_CPU, KIND_GPU, KIND_AUTO or KIND_MODEL, got {kind!r}"
+            )
         groups.append(InstanceGroup(g.integer("count", 1, minimum=1), kind))
     db = f.sub("dynamic_batching")
     vp = f.sub("version_policy")
@@ -376,6 +400,7 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
         ensemble_steps=steps,
         sequence_batching=sequence,
         decoupled=_transaction_policy(f),
+        response_cache=_response_cache(f),
         source=source,
     )
 

@@ -84,6 +84,12 @@ class ServerConfig:
     server_name: str = "appliance"
     # Triton's trace extension: where traces go (the folder must exist); None: no tracing
     trace_file: Path | None = None
+    # the trace settings in force at start (Triton's --trace-config): setting -> value,
+    # as the trace API takes them (checked by appliance/core/trace.py when the server starts)
+    trace_settings: tuple[tuple[str, Any], ...] = ()
+    # Triton's response cache (--cache-config local,size=N): bytes of answers kept for
+    # models whose config enables it, charged to the memory budget; 0: no cache
+    response_cache_size: int = 0
 
 
 # fields of ServerConfig that are derived, never read from a file
@@ -162,6 +168,8 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         streams=parse_streams(f, path, vision, mqtt),
         server_name=_server_name(f),
         trace_file=_trace_file(f, path),
+        trace_settings=_trace_settings(f),
+        response_cache_size=_optional_size(data, source, "response_cache_size") or 0,
         **_control(f, path),
         **_limits(f),
     )
@@ -179,6 +187,30 @@ def _trace_file(f: Fields, base: Path | None) -> Path | None:
     if not path.parent.is_dir() or path.is_dir():
         raise f.fail("trace_file", f"expected a file in an existing folder, got {str(path)!r}")
     return path
+
+
+_TRACE_SETTINGS = ("trace_level", "trace_rate", "trace_count", "log_frequency", "trace_mode")
+
+
+def _trace_settings(f: Fields) -> tuple[tuple[str, Any], ...]:
+    value = f.data.get("trace_settings")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise f.fail("trace_settings", f"expected a mapping of trace settings, got {value!r}")
+    for key, item in value.items():
+        if key not in _TRACE_SETTINGS:
+            raise f.fail(
+                "trace_settings",
+                f"unknown setting {key!r}; expected one of {list(_TRACE_SETTINGS)}",
+            )
+        scalar = (str, int)
+        if isinstance(item, bool) or not (
+            isinstance(item, scalar)
+            or (isinstance(item, list) and all(isinstance(x, scalar) for x in item))
+        ):
+            raise f.fail(f"trace_settings.{key}", f"expected a string or a list, got {item!r}")
+    return tuple((str(k), v) for k, v in value.items())
 
 
 def _server_name(f: Fields) -> str:

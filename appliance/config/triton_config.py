@@ -130,6 +130,8 @@ def to_triton_json(config: ModelConfig) -> dict[str, Any]:
     }
     if config.decoupled:
         out["model_transaction_policy"] = {"decoupled": True}
+    if config.response_cache:
+        out["response_cache"] = {"enable": True}
     if config.ensemble_steps:
         out["ensemble_scheduling"] = {
             "step": [
@@ -158,6 +160,9 @@ def to_triton_json(config: ModelConfig) -> dict[str, Any]:
                 "max_queue_size": db.max_queue_size,
             },
         }
+        if db.priority_levels:
+            out["dynamic_batching"]["priority_levels"] = db.priority_levels
+            out["dynamic_batching"]["default_priority_level"] = db.default_priority_level
     return out
 
 

@@ -21,7 +21,7 @@ decoded on a worker thread).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from appliance.core.limits import RequestRules, count_elements
 from appliance.core.queue_bytes import Hold
@@ -33,6 +33,7 @@ class Ticket:
     """What one admitted request carries from its adapter to its answer."""
 
     __slots__ = (
+        "_after",
         "_loop",
         "declared",
         "elements",
@@ -56,6 +57,7 @@ class Ticket:
         self.object_elements = 0
         self.declared = False  # every input of the request went through declare()
         self._loop = asyncio.get_running_loop()
+        self._after: list[Callable[[], None]] = []
 
     def declare(self, name: str, datatype: str, shape: Sequence[int]) -> None:
         """Check one input's declaration (the server's element limit, then the model's
@@ -76,8 +78,15 @@ class Ticket:
         swap in between brings other rules, checked in full)."""
         return self.declared and servable is self.servable
 
+    def on_release(self, done: Callable[[], None]) -> None:
+        """Call ``done`` when the request is answered (a shared-memory region it holds)."""
+        self._after.append(done)
+
     def release(self) -> None:
         self.hold.release()
+        after, self._after = self._after, []
+        for done in after:
+            done()
 
     def _refused(self, exc: ApplianceError) -> None:
         stats = self.servable.stats

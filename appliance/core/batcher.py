@@ -66,6 +66,7 @@ class _Pending:
     future: asyncio.Future[BatchResult] = field(repr=False)
     enqueued_ns: int = 0
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    level: int = 0  # priority level: the queue is ordered by it, then by arrival
 
 
 # what a batch came to: (parts, input_ns, infer_ns, output_ns), or the error it raised
@@ -120,8 +121,10 @@ class DynamicBatcher:
         rows: int,
         signature: Hashable,
         timeout_s: float | None,
+        level: int = 0,
     ) -> BatchResult:
-        """Queue one request and wait for its share of a batch.
+        """Queue one request and wait for its share of a batch, behind every queued
+        request of its priority ``level`` or a more urgent one (a lower number).
 
         Raises UNAVAILABLE (reason REJECTED) when the queue is full, the request
         timed out in the queue, or the model is stopping; cancelling the await
@@ -143,17 +146,28 @@ class DynamicBatcher:
             time.monotonic(),
             self._loop.create_future(),
             time.perf_counter_ns(),
+            level=level,
         )
         if timeout_s:
             item.timer = self._loop.call_later(timeout_s, self._expire, item, timeout_s)
         with self._ready:
             was_empty = not self._queue
-            self._queue.append(item)
+            ahead = bool(level and self._queue and self._queue[-1].level > level)
+            if ahead:  # ahead of less urgent requests: a new head may change the decision
+                _insert_by_level(self._queue, item)
+            else:
+                self._queue.append(item)
             self._queued_rows += rows
             self._stats.pending = len(self._queue)
             # an instance waiting out the delay is woken only when this arrival can
-            # change its decision (batching.wake_rows), not for every request
-            if was_empty or self._queued_rows >= self._wake_rows:
+            # change its decision (batching.wake_rows, or another shape than the
+            # batch's, which ends it), not for every request
+            if (
+                was_empty
+                or ahead
+                or self._queued_rows >= self._wake_rows
+                or signature != self._queue[0].signature
+            ):
                 self._ready.notify()
         try:
             return await item.future
@@ -171,7 +185,8 @@ class DynamicBatcher:
     ) -> Awaitable[BatchResult]:
         """The :class:`appliance.core.scheduler.Scheduler` entry: :meth:`submit` of
         ``request``'s inputs (no extra coroutine frame on the hot path)."""
-        return self.submit(request.inputs, outputs, rows, signature, timeout_s)
+        level = self.policy.level(request.priority)
+        return self.submit(request.inputs, outputs, rows, signature, timeout_s, level)
 
     def _withdraw(self, item: _Pending) -> bool:
         """Take ``item`` out of the queue if no instance took it yet."""
@@ -357,3 +372,11 @@ class DynamicBatcher:
         # one turn of the loop: the callers' wake-ups, scheduled as their futures
         # failed, run before stop() returns (so its caller sees them answered)
         await asyncio.sleep(0)
+
+
+def _insert_by_level(queue: deque[_Pending], item: _Pending) -> None:
+    """Put ``item`` behind the last queued request of its level or a more urgent one."""
+    at = len(queue)
+    while at and queue[at - 1].level > item.level:
+        at -= 1
+    queue.insert(at, item)

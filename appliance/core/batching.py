@@ -44,6 +44,15 @@ class BatchPolicy:
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_delay_s: float = 0.0
     dynamic: bool = False
+    # Triton's priority levels (1 first); 0: one queue in arrival order
+    priority_levels: int = 0
+    default_priority_level: int = 0
+
+    def level(self, priority: int) -> int:
+        """The queue level of a request's ``priority`` (0 or out of range: the default)."""
+        if not self.priority_levels:
+            return 0
+        return priority if 1 <= priority <= self.priority_levels else self.default_priority_level
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,17 +68,19 @@ class Decision:
 def decide(queue: Iterable[Queued], now: float, policy: BatchPolicy) -> Decision:
     """Pick the next batch from ``queue`` (oldest first) at monotonic time ``now``.
 
-    Triton's dynamic-batcher rules. The oldest request always leads; later requests
-    join if their non-batch shapes match (same ``signature``) and their rows fit
-    under max_batch_size; requests with other shapes are skipped, keep their place
-    and are never merged. Then, in order:
+    Triton's dynamic-batcher rules (``DynamicBatchScheduler::GetDynamicBatch``). The
+    oldest request leads, and the requests behind it join in queue order while their
+    rows fit under max_batch_size and their non-batch shapes (and the optional inputs
+    they give: the ``signature``) match the batch's. The first request that does not
+    fit, or has another shape, ends the batch: it cannot grow, so it is not held for
+    the delay (Triton sends "the pending batch as it is"). Then, in order:
 
     1. If the batch reached a preferred size (or can't reach the largest preferred
        size without passing it) and the oldest request's delay has not expired,
        send the largest such batch now.
-    2. Send everything picked if the batch is full or can't grow (the next matching
-       request doesn't fit), reached the largest preferred size, the delay expired,
-       or there is no delay.
+    2. Send everything picked if the batch is full or can't grow (the next request
+       doesn't fit or has another shape), reached the largest preferred size, the
+       delay expired, or there is no delay.
     3. Otherwise wait for the rest of the oldest request's max_queue_delay.
     """
     it = iter(queue)
@@ -86,12 +97,10 @@ def decide(queue: Iterable[Queued], now: float, policy: BatchPolicy) -> Decision
     for index, item in enumerate(it, start=1):
         if rows >= limit:
             break
-        if item.signature != head.signature:
-            continue
         if rows + item.rows > largest_preferred and not best:
             best = len(picked)  # growing further passes every preferred size
-        if rows + item.rows > limit:
-            blocked = True  # FIFO among compatible requests: later ones don't jump ahead
+        if rows + item.rows > limit or item.signature != head.signature:
+            blocked = True  # FIFO: later requests don't jump ahead of this one
             break
         picked.append(index)
         rows += item.rows
@@ -175,7 +184,11 @@ def answer(
     batch, unless the caller went away."""
     if not future.done():
         future.set_result(
-            BatchResult({k: part[k] for k in outputs}, queue_ns, input_ns, infer_ns, output_ns)
+            # an output the model did not return is left out of the answer (Triton's:
+            # a Python model may answer a request without some of its outputs)
+            BatchResult(
+                {k: part[k] for k in outputs if k in part}, queue_ns, input_ns, infer_ns, output_ns
+            )
         )
 
 
@@ -195,12 +208,6 @@ def run_batch(
     t1 = time.perf_counter_ns()
     result = backend.infer(batch, outputs)
     t2 = time.perf_counter_ns()
-    missing = [name for name in outputs if name not in result]
-    if missing:  # caught here, on the worker, it fails the batch instead of stranding futures
-        raise internal(
-            f"the backend did not return the requested output(s) {', '.join(map(repr, missing))}",
-            FailureReason.BACKEND,
-        )
     if len(items) == 1:
         parts = [result]
     else:

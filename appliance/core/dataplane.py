@@ -90,7 +90,7 @@ class DataPlane:
         self.lifecycle = lifecycle
         self.shared_memory = shared_memory
         self.cuda_shared_memory = CudaSharedMemory()
-        self.tracer = Tracer(lifecycle.server.trace_file)
+        self.tracer = Tracer(lifecycle.server.trace_file, dict(lifecycle.server.trace_settings))
         self.log_settings = LogSettings(lifecycle.server.log_level)
         self.live = True
         self.accepting = True  # False once shutdown began: readiness goes false first
@@ -236,6 +236,8 @@ class DataPlane:
     def _classify(request: InferenceRequest, response: InferenceResponse, config: Any) -> None:
         labels = {t.name: t.labels for t in config.outputs}
         for name, k in request.classification.items():
+            if name not in response.outputs:
+                continue  # the model left it out
             response.outputs[name] = classify(
                 response.outputs[name], k, config.batch_size > 0, labels.get(name, ())
             )
@@ -325,16 +327,19 @@ class DataPlane:
         return [r for r in rows if r.get("state") == "READY"] if ready_only else rows
 
     def _check_control(self, what: str) -> None:
+        """UNAVAILABLE with Triton's text (its words for both modes) unless models are
+        loaded on request (``explicit``), our reason after it."""
         mode = self.lifecycle.server.model_control_mode
+        triton = "explicit model load / unload is not allowed if polling is enabled"
         if mode == "none":
-            raise invalid(
-                f"cannot {what} models: model control is off (model_control_mode: none); "
-                "models load once at start"
+            raise unavailable(
+                f"{triton} (cannot {what} models: model control is off "
+                "(model_control_mode: none); models load once at start)"
             )
         if mode == "poll":
-            raise invalid(
-                f"cannot {what} models on request: the repository is polled "
-                "(model_control_mode: poll); change the files in the repository instead"
+            raise unavailable(
+                f"{triton} (cannot {what} models on request: the repository is polled "
+                "(model_control_mode: poll); change the files in the repository instead)"
             )
 
     async def load_model(self, name: str, parameters: dict[str, Any] | None = None) -> None:

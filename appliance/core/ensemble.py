@@ -20,6 +20,7 @@ running are cancelled out of their batchers' queues and their results dropped.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from appliance.config.ensemble_config import EnsembleStep
 from appliance.config.model_config import ModelConfig
 from appliance.config.server_config import ServerConfig
 from appliance.core import memory
-from appliance.core.ensemble_plan import Plan, Resolver, plan, step_version
+from appliance.core.ensemble_plan import Plan, Resolver, carried_shape, plan, step_version
 from appliance.core.limits import RequestRules
 from appliance.core.servable import State, failures_counted, tensor_metadata
 from appliance.core.stats import ModelStats
@@ -58,15 +59,23 @@ class EnsembleVersion:
         resolve: Resolver,
         steps_plan: Plan | None = None,
     ):
-        self.config = config
         self._plan = steps_plan or plan(config, resolve)
+        labels = self._plan.labels
+        self.config = dataclasses.replace(
+            config,
+            outputs=tuple(
+                dataclasses.replace(t, labels=labels[t.name]) if t.name in labels else t
+                for t in config.outputs
+            ),
+        )
         self.rules = RequestRules(config)
         self.version = version
         self.state = State.READY
         self.memory = memory.NOTHING
         self.stats = ModelStats(config.name, str(version))
         self._resolve = resolve
-        self._in_flight: set[asyncio.Task[dict[str, np.ndarray]]] = set()
+        self._outputs = {t.name: t for t in self.config.outputs}
+        self._in_flight: set[asyncio.Task[tuple[dict[str, np.ndarray], dict[str, int]]]] = set()
 
     @classmethod
     def load_ensemble(
@@ -92,14 +101,22 @@ class EnsembleVersion:
             task = asyncio.ensure_future(self._run(dict(request.inputs), request))
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
-            tensors = await task
+            tensors, batches = await task
+            # an output no step made (its step left out for an optional input that was
+            # not given) is left out of the answer, as Triton's
+            tensors = {n: self._carried(n, tensors[n], batches[n]) for n in outputs if n in tensors}
         total = time.perf_counter_ns() - start
         self.stats.record_success(total, 0, 0, total, 0)
         rows = max((int(a.shape[0]) for a in request.inputs.values() if a.ndim), default=1)
         self.stats.record_execution(rows if self.config.batch_size > 0 else 1, 0, total, 0)
-        return InferenceResponse(
-            self.config.name, str(self.version), {n: tensors[n] for n in outputs}, request.id
-        )
+        return InferenceResponse(self.config.name, str(self.version), tensors, request.id)
+
+    def _carried(self, name: str, array: np.ndarray, batch: int) -> np.ndarray:
+        """An ensemble output in the shape the ensemble's config gives it (the batch dim
+        of 1 added or dropped as Triton does, :func:`carried_shape`)."""
+        spec = self._outputs[name]
+        shape = carried_shape(spec.dims, self.config.batch_size > 0, batch, array.shape)
+        return array if shape == array.shape else array.reshape(shape)
 
     async def unload(self, timeout_s: float) -> None:
         """Stop taking requests and let those in flight finish (up to ``timeout_s``)."""
@@ -112,42 +129,77 @@ class EnsembleVersion:
 
     async def _run(
         self, tensors: dict[str, np.ndarray], outer: InferenceRequest
-    ) -> dict[str, np.ndarray]:
+    ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        """Every tensor the steps made, and the batch size of the request that made
+        each (0: it did not batch), which :func:`carried_shape` needs."""
         steps = self.config.ensemble_steps
         left = set(range(len(steps)))
-        running: dict[asyncio.Future[dict[str, np.ndarray]], int] = {}
+        batch = 0
+        if self.config.batch_size > 0:
+            batch = next((int(a.shape[0]) for a in tensors.values() if a.ndim), 0)
+        batches = dict.fromkeys(tensors, batch)
+        # optional ensemble inputs the request left out, and step outputs a model left
+        # out: the steps reading them run without them (Triton's; their models' inputs
+        # must be optional, or that step refuses its request)
+        absent = {t.name for t in self.config.inputs if t.optional} - set(tensors)
+        running: dict[asyncio.Future[tuple[dict[str, np.ndarray], int]], int] = {}
         try:
             while left or running:
                 ready = [
-                    i for i in sorted(left) if set(steps[i].input_map.values()) <= set(tensors)
+                    i
+                    for i in sorted(left)
+                    if set(steps[i].input_map.values()) <= tensors.keys() | absent
                 ]
+                if not ready and not running:
+                    break  # nothing left can run (a guard: every tensor is made or absent)
                 for i in ready:
                     left.discard(i)
-                    inputs = {m: tensors[t] for m, t in steps[i].input_map.items()}
+                    inputs = {m: tensors[t] for m, t in steps[i].input_map.items() if t in tensors}
                     if i in self._plan.fan_out:
                         call = self._fan_out(i, inputs, outer)
                     else:
-                        call = self._step(i, inputs, outer)
+                        sizes = {
+                            m: batches[t] for m, t in steps[i].input_map.items() if t in tensors
+                        }
+                        call = self._step(i, inputs, outer, sizes)
                     running[asyncio.ensure_future(call)] = i
                 done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     i = running.pop(task)
-                    outputs = task.result()  # the step's error fails the request
+                    outputs, made_by = task.result()  # the step's error fails the request
                     for model_out, tensor in steps[i].output_map.items():
-                        tensors[tensor] = outputs[model_out]
+                        if model_out in outputs:
+                            tensors[tensor] = outputs[model_out]
+                            batches[tensor] = made_by
+                        else:  # the model left it out: the steps reading it run without
+                            absent.add(tensor)
         finally:
             # a step failed (or the caller went away): the others' results are not
             # needed; cancelling takes them out of their batchers' queues, and waiting
             # keeps a reference until they are done
             await _cancel(running)
-        return tensors
+        return tensors, batches
 
     async def _step(
-        self, i: int, inputs: dict[str, np.ndarray], outer: InferenceRequest
-    ) -> dict[str, np.ndarray]:
-        """One request to step ``i``'s model; its outputs by the model's names."""
+        self,
+        i: int,
+        inputs: dict[str, np.ndarray],
+        outer: InferenceRequest,
+        batches: dict[str, int] | None = None,
+    ) -> tuple[dict[str, np.ndarray], int]:
+        """One request to step ``i``'s model: its outputs by the model's names, and the
+        request's batch size (0 where the model does not batch). ``batches``: each
+        input's batch size as made (None: the inputs are the model's rows already)."""
         step = self.config.ensemble_steps[i]
         model = self._resolve(step.model_name, step_version(step))
+        batching = model.config.batch_size > 0
+        if batches is not None:
+            specs = {t.name: t for t in model.config.inputs}
+            for name, array in inputs.items():
+                shape = carried_shape(specs[name].dims, batching, batches[name], array.shape)
+                if shape != array.shape:
+                    inputs[name] = array.reshape(shape)
+        made_by = next((int(a.shape[0]) for a in inputs.values() if a.ndim), 0)
         request = InferenceRequest(
             step.model_name,
             inputs,
@@ -157,11 +209,11 @@ class EnsembleVersion:
             sequence_start=outer.sequence_start,
             sequence_end=outer.sequence_end,
         )
-        return (await model.infer(request)).outputs
+        return (await model.infer(request)).outputs, made_by if batching else 0
 
     async def _fan_out(
         self, i: int, inputs: dict[str, np.ndarray], outer: InferenceRequest
-    ) -> dict[str, np.ndarray]:
+    ) -> tuple[dict[str, np.ndarray], int]:
         """Step ``i`` over the rows of its inputs: chunks of at most the model's
         ``max_batch_size`` rows, each its own request, outputs joined in row order."""
         step = self.config.ensemble_steps[i]
@@ -178,7 +230,7 @@ class EnsembleVersion:
             )
         model = self._resolve(step.model_name, step_version(step))
         if rows == 0:
-            return _no_rows(model.config, step)
+            return _no_rows(model.config, step), 0
         chunk = max(1, model.config.batch_size)
         calls = [
             asyncio.ensure_future(
@@ -187,11 +239,11 @@ class EnsembleVersion:
             for start in range(0, rows, chunk)
         ]
         try:
-            parts = await asyncio.gather(*calls)
+            parts = [outputs for outputs, _ in await asyncio.gather(*calls)]
         finally:
             await _cancel(dict.fromkeys(calls, i))
         if len(parts) == 1:
-            return parts[0]
+            return parts[0], 0
         joined = {}
         for name in step.output_map:
             pieces = [p[name] for p in parts]
@@ -201,7 +253,7 @@ class EnsembleVersion:
                     f"({sorted({p.shape[1:] for p in pieces})}); it cannot be joined"
                 )
             joined[name] = np.concatenate(pieces)
-        return joined
+        return joined, 0  # rows, as the plan says: no batch dim of a request
 
 
 def _no_rows(config: ModelConfig, step: EnsembleStep) -> dict[str, np.ndarray]:

@@ -1,6 +1,17 @@
 """An ensemble's steps checked at load into a plan: the order they can run in and
 which steps fan out.
 
+The batch dimension is carried as Triton carries it: each tensor remembers whether
+it came from something that batches (the ensemble's own inputs when the ensemble
+batches, a batching step's outputs), and at load a tensor fits a step's input when
+the dims agree, or the full dims agree (the batch dim as ``-1`` on the side that
+batches: ``[-1, 16]`` from a model that does not batch fits ``[16]`` of one that
+does). At run time :func:`carried_shape` (Triton's ``ReshapeTensorDims``) adds a
+batch dim of 1 where a tensor from a non-batching source meets a batching step whose
+dims it already matches, and drops a batch dim of 1 going the other way; an ensemble
+output without labels of its own answers classification with the labels of the step
+output it comes from.
+
 Validation runs against the step models' configs as loaded then: unknown models,
 tensors no step or input provides, model tensors a map names that do not exist,
 datatype and dims mismatches, outputs produced twice, and cycles are config errors
@@ -43,6 +54,8 @@ class Plan:
 
     fan_out: frozenset[int]
     max_fan_out: int
+    # ensemble output -> the labels of the step output it comes from (Triton's)
+    labels: dict[str, tuple[str, ...]]
 
 
 def step_version(step: EnsembleStep) -> str:
@@ -51,6 +64,25 @@ def step_version(step: EnsembleStep) -> str:
 
 def _dims_agree(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return len(a) == len(b) and all(x == -1 or y == -1 or x == y for x, y in zip(a, b, strict=True))
+
+
+def _full(dims: tuple[int, ...], batching: bool) -> tuple[int, ...]:
+    return (-1, *dims) if batching else dims
+
+
+def carried_shape(
+    dims: tuple[int, ...], batching: bool, tensor_batch: int, shape: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The shape a tensor takes into a step (or out of the ensemble) whose config says
+    ``dims`` and batches or not (Triton's ``ReshapeTensorDims``). ``tensor_batch``: the
+    batch size of the request that made the tensor, 0 where that did not batch."""
+    if batching == (tensor_batch != 0):
+        return shape
+    if batching:  # from a source that does not batch: already a batch, unless it fits dims
+        return (1, *shape) if _dims_agree(dims, shape) else shape
+    if tensor_batch == 1 and not _dims_agree(dims, shape):
+        return shape[1:]
+    return shape
 
 
 def _step_configs(config: ModelConfig, resolve: Resolver) -> list[ModelConfig]:
@@ -70,12 +102,13 @@ def _step_configs(config: ModelConfig, resolve: Resolver) -> list[ModelConfig]:
                 f"model '{step.model_name}' is decoupled (0..N responses a request); "
                 "an ensemble step must answer each request once",
             )
-        if config.batch_size > 0 and step_config.batch_size == 0:
+        if 0 < step_config.batch_size < config.batch_size:
             raise ConfigError(
                 src,
                 where,
-                f"model '{step.model_name}' does not batch (max_batch_size 0) but the "
-                "ensemble does; the batch dimension could not pass through it",
+                f"ensemble {config.name} allows maximum batch size {config.batch_size}, "
+                f"but it contains model {step.model_name} which only allows maximum batch "
+                f"size to be {step_config.batch_size}",
             )
         ins = {t.name: t for t in step_config.inputs}
         outs = {t.name: t for t in step_config.outputs}
@@ -127,7 +160,10 @@ def plan(config: ModelConfig, resolve: Resolver) -> Plan:
                     f"ensemble_scheduling.step[{i}].input_map.{model_in}",
                     f"tensor '{tensor}' is neither an ensemble input nor a step output",
                 )
-    known: dict[str, TensorConfig] = {t.name: t for t in config.inputs}
+    batching = config.batch_size > 0
+    # tensor -> its config and whether it comes from something that batches
+    known: dict[str, tuple[TensorConfig, bool]] = {t.name: (t, batching) for t in config.inputs}
+    labels: dict[str, tuple[str, ...]] = {}
     fan_out: set[int] = set()
     for wave in order(config):  # producers before readers: their dims are known
         for i in wave:
@@ -138,12 +174,17 @@ def plan(config: ModelConfig, resolve: Resolver) -> Plan:
             for model_out, tensor in steps[i].output_map.items():
                 spec = outs[model_out]
                 dims = spec.dims if lead is None else (lead, *spec.dims)
-                known[tensor] = TensorConfig(tensor, spec.datatype, dims)
+                batched = lead is None and configs[i].batch_size > 0
+                known[tensor] = (TensorConfig(tensor, spec.datatype, dims), batched)
+                labels[tensor] = spec.labels
     for out in config.outputs:
-        have = known.get(out.name)
+        have, batched = known.get(out.name, (None, False))
         if have is None or out.name not in producer:
             raise ConfigError(src, f"output '{out.name}'", "no step produces this tensor")
-        if have.datatype != out.datatype or not _dims_agree(have.dims, out.dims):
+        if have.datatype != out.datatype or not (
+            _dims_agree(have.dims, out.dims)
+            or _dims_agree(_full(have.dims, batched), _full(out.dims, batching))
+        ):
             raise ConfigError(
                 src,
                 f"output '{out.name}'",
@@ -156,11 +197,15 @@ def plan(config: ModelConfig, resolve: Resolver) -> Plan:
         )
     except ApplianceError as exc:
         raise ConfigError(src, "parameters.max_fan_out", exc.message) from None
-    return Plan(frozenset(fan_out), limit)
+    inherited = {t.name: labels[t.name] for t in config.outputs if not t.labels and labels[t.name]}
+    return Plan(frozenset(fan_out), limit, inherited)
 
 
 def _reads(
-    config: ModelConfig, i: int, step_config: ModelConfig, known: dict[str, TensorConfig]
+    config: ModelConfig,
+    i: int,
+    step_config: ModelConfig,
+    known: dict[str, tuple[TensorConfig, bool]],
 ) -> int | None:
     """Check what step ``i`` reads against its model's inputs; return the leading dim
     its inputs' rows fan out over (-1: any count), or None when it does not fan out."""
@@ -168,8 +213,9 @@ def _reads(
     ins = {t.name: t for t in step_config.inputs}
     fanned: dict[str, int] = {}
     plain: list[str] = []
+    batches = step_config.batch_size > 0
     for model_in, tensor in step.input_map.items():
-        have, want = known[tensor], ins[model_in]
+        (have, batched), want = known[tensor], ins[model_in]
         where = f"ensemble_scheduling.step[{i}].input_map.{model_in}"
         mismatch = (
             f"tensor '{tensor}' is {have.datatype} {list(have.dims)} but model "
@@ -181,6 +227,10 @@ def _reads(
             plain.append(model_in)
             continue
         rows = len(have.dims) == len(want.dims) + 1 and _dims_agree(have.dims[1:], want.dims)
+        fans = rows and batches and not batched and config.batch_size == 0
+        if not fans and _dims_agree(_full(have.dims, batched), _full(want.dims, batches)):
+            plain.append(model_in)  # the batch dim carried (Triton's full dims)
+            continue
         if not rows:
             raise ConfigError(config.source, where, mismatch)
         if step_config.batch_size == 0:
@@ -197,6 +247,8 @@ def _reads(
                 f"{mismatch}; fanning rows out to a step needs an ensemble that does not "
                 "batch (max_batch_size: 0)",
             )
+        if batched:  # a batching step's output: its rows sit behind the batch dim
+            raise ConfigError(config.source, where, mismatch)
         fanned[model_in] = have.dims[0]
     if not fanned:
         return None

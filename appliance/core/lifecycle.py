@@ -38,10 +38,11 @@ from typing import Any
 from appliance import heap, names
 from appliance.config.fields import ConfigError
 from appliance.config.model_config import ModelConfig
-from appliance.config.reader import load_model_config
 from appliance.config.server_config import ServerConfig
 from appliance.core import loader, repository
-from appliance.core.memory import BudgetRefused, MemoryBudget
+from appliance.core.memory import BudgetRefused, MemoryBudget, Usage
+from appliance.core.model import ModelVersion
+from appliance.core.response_cache import ResponseCache
 from appliance.core.servable import Servable, State
 from appliance.core.stats import LatencyWindow
 from appliance.core.versions import ModelEntry, VersionRecord
@@ -63,6 +64,14 @@ class ModelLifeCycle:
         self.repository = repository_dir
         self.server = server
         self.budget = MemoryBudget(server.memory_limit)
+        # Triton's response cache, for models whose config enables it; its size is
+        # charged to the memory budget for as long as the server runs
+        self.cache: ResponseCache | None = None
+        if server.response_cache_size:
+            self.cache = ResponseCache(server.response_cache_size)
+            self.budget.charge(
+                self.cache, "<response cache>", Usage(cpu=server.response_cache_size)
+            )
         self._models: dict[str, ModelEntry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._retired: set[asyncio.Task[None]] = set()
@@ -91,8 +100,7 @@ class ModelLifeCycle:
         if poll:  # before loading: a change made while loading is seen by the first poll
             baseline = await asyncio.to_thread(repository.snapshot, self.repository)
         # ensembles last: their validation needs the step models loaded
-        names.sort(key=self._loads_late)
-        for name in names:
+        for name in self._load_order(names):
             await self.load(name)
         self._started = True
         heap.settle()  # what start-up loaded is long-lived: out of the collector's walks
@@ -102,12 +110,21 @@ class ModelLifeCycle:
                 self._poll_forever(), name="repository-poll"
             )
 
-    def _loads_late(self, name: str) -> bool:
-        try:
-            model_dir = names.model_dir(self.repository, name, self.server.allow_symlinked_models)
-            return loader.loads_after_others(load_model_config(model_dir))
-        except ApplianceError:
-            return False  # reported when it loads
+    def _use_cache(self, servable: Servable) -> None:
+        """Give a model version whose config enables the response cache the server's."""
+        if not servable.config.response_cache or not isinstance(servable, ModelVersion):
+            return
+        if self.cache is None:
+            log.warning(
+                "model '%s': response_cache is enabled but the server has no cache "
+                "(response_cache_size); its answers are not cached",
+                servable.config.name,
+            )
+            return
+        servable.cache = self.cache
+
+    def _load_order(self, models: list[str]) -> list[str]:
+        return repository.load_order(self.repository, models, self.server.allow_symlinked_models)
 
     async def load(
         self,
@@ -249,6 +266,7 @@ class ModelLifeCycle:
                 )
                 if self.server.metrics_summary_latencies:
                     new[version].stats.latencies = LatencyWindow()
+                self._use_cache(new[version])
             except Exception as exc:  # one bad version must not stop the others
                 swap = isinstance(exc, BudgetRefused) and bool(required)
                 message = str(exc) + (SWAP_HINT if swap else "")
@@ -360,7 +378,7 @@ class ModelLifeCycle:
                 await self.unload(name)
                 self._models.pop(name, None)
             self._poller.forget(name)
-        for name in sorted(to_load, key=self._loads_late):  # ensembles after their steps
+        for name in self._load_order(sorted(to_load)):  # ensembles after their steps
             log.info("model '%s' changed in the repository: loading it", name)
             self._poller.applied(name, current[name])
             try:

@@ -67,11 +67,12 @@ class RequestRules:
     (the in-process API, an ensemble step) is checked in full on its arrays.
     """
 
-    __slots__ = ("_outputs", "_specs", "batched", "config")
+    __slots__ = ("_outputs", "_required", "_specs", "batched", "config")
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
         self._specs = {t.name: t for t in config.inputs}
+        self._required = tuple(t.name for t in config.inputs if not t.optional)
         self._outputs = tuple(t.name for t in config.outputs)
         self.batched = config.batch_size > 0
 
@@ -89,6 +90,8 @@ class RequestRules:
         """Validate ``request``: (the outputs to return, its batch rows (1 when the
         model doesn't batch), the shape signature batches group by)."""
         config, specs, inputs = self.config, self._specs, request.inputs
+        if len(inputs) > len(specs) or any(n not in inputs for n in self._required):
+            raise self._count(list(inputs))
         for name in inputs:
             if name not in specs:
                 raise self._unknown(name)
@@ -97,11 +100,7 @@ class RequestRules:
         for name, spec in specs.items():
             arr = inputs.get(name)
             if arr is None:
-                if not spec.optional:
-                    raise invalid(
-                        f"model '{config.name}' expects input '{name}', which the request lacks"
-                    )
-                continue
+                continue  # optional: the count above found every required one
             if declared:  # decoded to a declaration these rules passed
                 rows.add(int(arr.shape[0]) if batched else 0)
             else:
@@ -127,8 +126,24 @@ class RequestRules:
 
     def _unknown(self, name: str) -> ApplianceError:
         return invalid(
-            f"model '{self.config.name}' has no input '{name}'; "
-            f"its inputs are {sorted(self._specs)}"
+            f"unexpected inference input '{name}' for model '{self.config.name}': the model "
+            f"has no input '{name}'; its inputs are {sorted(self._specs)}"
+        )
+
+    def _count(self, inputs: Sequence[str]) -> ApplianceError:
+        """Triton's text for a request with too many inputs or without a required one."""
+        total, required = len(self._specs), len(self._required)
+        expected = (
+            f"expected {total} inputs"
+            if total == required
+            else f"expected number of inputs between {required} and {total}"
+        )
+        given = ",".join(f"'{n}'" for n in inputs)
+        missing = ",".join(f"'{n}'" for n in self._required if n not in inputs)
+        return invalid(
+            f"{expected} but got {len(inputs)} inputs for model '{self.config.name}'. Got "
+            f"input(s) [{given}], but missing required input(s) [{missing}]. Please provide "
+            "all required input(s)."
         )
 
 

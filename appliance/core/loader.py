@@ -150,6 +150,8 @@ def backend_factory(
     declared_in, declared_out = declared_tensors(config)
     config_json = json.dumps(to_triton_json(config))
     kind = config.instance_group[0].kind
+    if kind == "KIND_MODEL" and backend != "python":
+        kind = "KIND_AUTO"  # Triton's "the model places itself": an engine picks as AUTO does
 
     def factory(index: int) -> backends.Backend:
         # in this process, or in a worker process (parameters: {execution: process})

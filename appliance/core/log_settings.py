@@ -3,7 +3,8 @@
 ``log_info``, ``log_warning``, ``log_error`` (bools) and ``log_verbose_level`` (an
 integer; above 0 means debug lines) set the level of the root logger, so a change
 takes effect at once for every module. ``log_format`` is ``default`` (the format
-the server started with). ``log_file`` is reported ("" = standard error) but
+the server started with) or ``ISO8601`` (each line starts with its UTC time as
+``2026-12-04T17:30:00Z``, as Triton's). ``log_file`` is reported ("" = standard error) but
 cannot be changed through the network protocol: a path a client could set would
 let it write files anywhere the server can.
 """
@@ -11,11 +12,28 @@ let it write files anywhere the server can.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from appliance.errors import invalid
 
 _BOOLS = ("log_info", "log_warning", "log_error")
+_FORMATS = ("default", "ISO8601")
+# each root handler's formatter as the server started, put back by log_format default
+_STARTED: dict[logging.Handler, logging.Formatter | None] = {}
+
+
+def _set_format(name: str) -> None:
+    for handler in logging.getLogger().handlers:
+        _STARTED.setdefault(handler, handler.formatter)
+        if name == "ISO8601":
+            iso = logging.Formatter(
+                "%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%dT%H:%M:%SZ"
+            )
+            iso.converter = time.gmtime
+            handler.setFormatter(iso)
+        else:
+            handler.setFormatter(_STARTED[handler])
 
 
 class LogSettings:
@@ -46,14 +64,22 @@ class LogSettings:
                 if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                     raise invalid(f"log_verbose_level must be an integer >= 0, got {value!r}")
             elif key == "log_format":
-                if value != "default":
-                    raise invalid(f"log_format {value!r} is not supported; expected 'default'")
-            elif key == "log_file":
-                if value != self._settings["log_file"]:
-                    raise invalid("log_file cannot be changed through the network protocol")
+                if value not in _FORMATS:
+                    raise invalid(
+                        f"log_format {value!r} is not supported; expected 'default' or 'ISO8601'"
+                    )
+            elif key == "log_file":  # any value, as Triton: a path is the server's choice
+                if value is None:
+                    continue
+                raise invalid(
+                    "log file location can not be updated through network protocol "
+                    "(set it in the server config)"
+                )
             else:
                 raise invalid(f"unknown log setting '{key}'; expected one of {sorted(new)}")
             new[key] = value
+        if new["log_format"] != self._settings["log_format"]:
+            _set_format(new["log_format"])
         self._settings = new
         logging.getLogger().setLevel(self.level())
         return self.settings()

@@ -25,13 +25,34 @@ from typing import Any
 from appliance import names
 from appliance.config.model_config import ModelConfig, parse_model_config
 from appliance.config.reader import CONFIG_FILES, load_model_config, with_labels
-from appliance.errors import invalid, not_found
+from appliance.errors import ApplianceError, invalid, not_found
 
 # folders inside a model folder that are not versions
 NOT_VERSIONS = {"warmup", "initial_state"}
 
 # (relative path, size, mtime_ns) of every visible file in a model folder
 Fingerprint = tuple[tuple[str, int, int], ...]
+
+
+def load_order(repository: Path, models: list[str], allow_links: bool) -> list[str]:
+    """``models`` with every ensemble after the models its steps name, ensembles of
+    ensembles included (a cycle or an unreadable config is reported when it loads)."""
+    ranks: dict[str, int] = {}
+
+    def rank(name: str) -> int:
+        if name in ranks:  # known, or being ranked (a cycle): no further
+            return ranks[name]
+        ranks[name] = 0
+        try:
+            config = load_model_config(names.model_dir(repository, name, allow_links))
+        except ApplianceError:
+            return 0
+        if config.platform == "ensemble":
+            steps = {s.model_name for s in config.ensemble_steps}
+            ranks[name] = 1 + max((rank(s) for s in steps), default=0)
+        return ranks[name]
+
+    return sorted(models, key=rank)
 
 
 def model_names(repository: Path) -> list[str]:

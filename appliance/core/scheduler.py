@@ -59,6 +59,8 @@ def create(
         max_queue_delay_s=(db.max_queue_delay_us / 1e6) if db else 0.0,
         # a decoupled request runs alone: its response stream rides on its inputs
         dynamic=db is not None and config.batch_size > 0 and not config.decoupled,
+        priority_levels=db.priority_levels if db else 0,
+        default_priority_level=db.default_priority_level if db else 0,
     )
     size = db.max_queue_size if db and db.max_queue_size else default_max_queue_size
     return DynamicBatcher(label, instances, policy, size, stats)

@@ -257,6 +257,9 @@ class SequenceBatcher:
             parts, input_ns, infer_ns, output_ns = await lane.instance.run(
                 run_batch, feeds, [1] * len(feeds), outputs, self._batched
             )
+            lost = sorted({n for n in self._feed.state_outputs for p in parts if n not in p})
+            if lost:
+                raise internal(f"the backend did not return the state output(s) {lost}")
         except asyncio.CancelledError:  # stop() gave up waiting for this batch
             error = unavailable(
                 f"model '{self.model}' was unloaded while the request ran", FailureReason.REJECTED

@@ -8,10 +8,13 @@ mapping; outputs are written straight into it.
 Safety: off unless the server config enables it (Triton asks for the same
 opt-in); every access is bounds-checked against the registered window, so a
 request can never read or write outside it. Unregistering a region that
-in-flight requests still view is safe: the registry only drops its reference and
-never calls ``mmap.close()`` (which raises BufferError while views exist); the
-mapping is unmapped when the last view is released (numpy arrays keep the mmap
-alive through their buffer).
+in-flight requests use lets them finish, as in Triton: a request holds each region
+it names from its declaration to its answer (:meth:`SharedMemoryRegistry.hold`), and
+a region unregistered while held stays registered (and usable) until the last hold
+ends. The registry never calls ``mmap.close()`` (which raises BufferError while
+views exist); the mapping is unmapped when the last view is released (numpy arrays
+keep the mmap alive through their buffer). Errors carry Triton's texts, our detail
+after them.
 
 Not defended against: a client that shrinks (ftruncate) the object after
 registering it; touching the lost pages raises SIGBUS, as it does in Triton.
@@ -27,11 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance.errors import ApplianceError, Code, invalid, not_found
+from appliance.errors import ApplianceError, Code, internal, invalid, not_found
 
 SHM_DIR = Path("/dev/shm")  # where Linux exposes POSIX shared-memory objects
 # as glibc's shm_open: never follow a symlink planted in the world-writable /dev/shm
 _OPEN_FLAGS = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+# keys Triton keeps for the shm regions its Python backend creates
+RESERVED_PREFIX = "triton_python_backend_shm_region_"
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +62,8 @@ class Region:
     byte_size: int
     mapping: mmap.mmap
     base: int
+    holds: int = 0  # requests using it now
+    retired: bool = False  # unregistered while held: dropped when the last hold ends
 
     def status(self) -> dict[str, Any]:
         return {
@@ -71,10 +78,18 @@ def _is_size(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _key_path(key: str) -> Path:
-    """/dev/shm path of a POSIX shm name, validated as glibc's shm_open does."""
+def _key_path(name: str, key: str) -> Path:
+    """/dev/shm path of a POSIX shm name, validated as glibc's shm_open does and as
+    Triton refuses keys (all slashes, its reserved prefix)."""
     bare = key.lstrip("/")
-    if not bare or "/" in bare or "\0" in bare or bare in (".", ".."):
+    if not bare:
+        raise invalid(f"cannot register shared memory region '{name}' - invalid shm key '{key}'")
+    if bare.startswith(RESERVED_PREFIX):
+        raise invalid(
+            f"cannot register shared memory region '{name}' with key '{key}' as the key "
+            f"contains the reserved prefix '{RESERVED_PREFIX}'"
+        )
+    if "/" in bare or "\0" in bare or bare in (".", ".."):
         raise invalid(f"shared-memory key {key!r} is not a POSIX shared-memory name")
     return SHM_DIR / bare
 
@@ -114,22 +129,25 @@ class SharedMemoryRegistry:
                 f"shared-memory region '{name}': offset must be an integer >= 0 and "
                 f"byte_size an integer > 0, got offset {offset!r}, byte_size {byte_size!r}"
             )
-        path = _key_path(key)
+        path = _key_path(name, key)
         with self._lock:
             if name in self._regions:
-                raise invalid(f"shared-memory region '{name}' is already registered")
+                raise invalid(f"shared memory region '{name}' already in manager")
         try:
             fd = os.open(path, _OPEN_FLAGS)
         except OSError as exc:
-            raise invalid(f"cannot open shared-memory key {key!r}: {exc.strerror}") from None
+            raise internal(
+                f"Unable to open shared memory region: '{key}' ({exc.strerror})"
+            ) from None
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise invalid(f"shared-memory key {key!r} is not a shared-memory object")
             if offset + byte_size > info.st_size:
                 raise invalid(
-                    f"shared-memory region '{name}': offset {offset} + byte_size "
-                    f"{byte_size} exceeds the {info.st_size} bytes of key {key!r}"
+                    f"failed to register shared memory region '{name}': invalid args "
+                    f"(offset {offset} + byte_size {byte_size} exceeds the {info.st_size} "
+                    f"bytes of key {key!r})"
                 )
             base = offset % mmap.ALLOCATIONGRANULARITY  # mmap offsets must be page-aligned
             try:
@@ -140,19 +158,44 @@ class SharedMemoryRegistry:
             os.close(fd)
         with self._lock:
             if name in self._regions:  # another thread registered it while we mapped
-                raise invalid(f"shared-memory region '{name}' is already registered")
+                raise invalid(f"shared memory region '{name}' already in manager")
             self._regions[name] = Region(name, key, offset, byte_size, mapping, base)
 
     def unregister(self, name: str = "") -> None:
         """Forget one region (or all with ``name == ""``); an unknown name is a no-op,
-        as in Triton. The mapping stays valid for arrays that still view it and is
+        as in Triton. A region requests hold stays until the last of them is answered
+        (:meth:`hold`). The mapping stays valid for arrays that still view it and is
         unmapped with the last of them (never closed here: see the module doc)."""
         self._check_enabled()
         with self._lock:
-            if name:
-                self._regions.pop(name, None)
-            else:
-                self._regions.clear()
+            names = [name] if name else list(self._regions)
+            for each in names:
+                region = self._regions.get(each)
+                if region is None:
+                    continue
+                if region.holds:
+                    region.retired = True
+                else:
+                    del self._regions[each]
+
+    def hold(self, name: str, what: str) -> Region:
+        """Keep region ``name`` registered until :meth:`release`, for a request that
+        uses it (unregistering it meanwhile takes effect then); INVALID_ARG when it
+        is not registered."""
+        self._check_enabled()
+        with self._lock:
+            region = self._regions.get(name)
+            if region is None:
+                raise _unknown(name, what)
+            region.holds += 1
+            return region
+
+    def release(self, region: Region) -> None:
+        """End one :meth:`hold`; the last hold of an unregistered region drops it."""
+        with self._lock:
+            region.holds -= 1
+            if region.holds == 0 and region.retired and self._regions.get(region.name) is region:
+                del self._regions[region.name]
 
     def status(self, name: str = "") -> list[dict[str, Any]]:
         """Triton's status list: ``[{name, key, offset, byte_size}]``."""
@@ -161,7 +204,7 @@ class SharedMemoryRegistry:
             if name:
                 region = self._regions.get(name)
                 if region is None:
-                    raise not_found(f"shared-memory region '{name}' is not registered")
+                    raise not_found(f"Unable to find system shared memory region: '{name}'")
                 return [region.status()]
             return [r.status() for r in self._regions.values()]
 
@@ -171,11 +214,17 @@ class SharedMemoryRegistry:
         with self._lock:
             region = self._regions.get(name)
         if region is None:
-            raise invalid(f"{what}: shared-memory region '{name}' is not registered")
-        if not (_is_size(offset) and _is_size(byte_size)) or offset + byte_size > region.byte_size:
+            raise _unknown(name, what)
+        size = region.byte_size
+        if not _is_size(offset) or offset >= size:
             raise invalid(
-                f"{what}: offset {offset!r} + byte_size {byte_size!r} is outside region "
-                f"'{name}' ({region.byte_size} bytes)"
+                f"{what}: Invalid offset for shared memory region: '{name}' (offset "
+                f"{offset!r} of its {size} bytes)"
+            )
+        if not _is_size(byte_size) or offset + byte_size > size:
+            raise invalid(
+                f"{what}: Invalid offset + byte size for shared memory region: '{name}' "
+                f"(offset {offset!r} + byte_size {byte_size!r} is outside its {size} bytes)"
             )
         return region, region.base + offset
 
@@ -204,3 +253,7 @@ class SharedMemoryRegistry:
                 f"{byte_size} in region '{name}'"
             )
         region.mapping[start : start + len(raw)] = raw
+
+
+def _unknown(name: str, what: str) -> ApplianceError:
+    return invalid(f"{what}: Unable to find shared memory region: '{name}'")

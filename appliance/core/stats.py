@@ -161,6 +161,10 @@ class ModelStats:
     compute_input: Duration = field(default_factory=Duration)
     compute_infer: Duration = field(default_factory=Duration)
     compute_output: Duration = field(default_factory=Duration)
+    # the response cache (core/response_cache): look-ups answered, and look-ups and
+    # insertions of answers the model had to compute
+    cache_hit: Duration = field(default_factory=Duration)
+    cache_miss: Duration = field(default_factory=Duration)
     failures: dict[FailureReason, int] = field(default_factory=dict)
     # failures that were the caller's fault (4xx class: an invalid, unknown or too large
     # request), also counted in ``fail``; on the metrics page only
@@ -225,7 +229,6 @@ class ModelStats:
             self.client_errors += 1
 
     def json(self) -> dict[str, Any]:
-        empty = Duration().json()
         out = {
             "name": self.name,
             "version": self.version,
@@ -239,8 +242,8 @@ class ModelStats:
                 "compute_input": self.compute_input.json(),
                 "compute_infer": self.compute_infer.json(),
                 "compute_output": self.compute_output.json(),
-                "cache_hit": empty,
-                "cache_miss": empty,
+                "cache_hit": self.cache_hit.json(),
+                "cache_miss": self.cache_miss.json(),
             },
             "response_stats": {},
             "batch_stats": [

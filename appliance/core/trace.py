@@ -94,7 +94,7 @@ class Trace:
 class Tracer:
     """The trace settings and the traces collected for the file."""
 
-    def __init__(self, trace_file: Path | None) -> None:
+    def __init__(self, trace_file: Path | None, start: dict[str, Any] | None = None) -> None:
         self._file = trace_file
         self._global: dict[str, Any] = {**DEFAULTS, "trace_file": str(trace_file or "")}
         self._models: dict[str, dict[str, Any]] = {}
@@ -104,6 +104,8 @@ class Tracer:
         self._file_index = 0
         self._writes: set[asyncio.Task[None]] = set()
         self.active = False  # any level not OFF: the cheap check on the hot path
+        if start:  # the server config's trace_settings (Triton's --trace-config)
+            self.update(start)
 
     # ---- settings ---------------------------------------------------------------------
 

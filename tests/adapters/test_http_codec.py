@@ -16,6 +16,7 @@ from appliance.adapters.http_codec import (
     encode_response,
     error_body,
     parse_header_length,
+    parse_request,
 )
 from appliance.errors import ApplianceError, Code
 from appliance.request import InferenceResponse
@@ -211,9 +212,14 @@ def test_json_not_an_object() -> None:
     assert "must be a JSON object" in json_error([X])
 
 
-@pytest.mark.parametrize("doc", [{}, {"inputs": []}, {"inputs": {"x": 1}}])
-def test_missing_or_empty_inputs(doc: dict[str, Any]) -> None:
-    assert "non-empty 'inputs' list" in json_error(doc)
+@pytest.mark.parametrize("doc", [{}, {"inputs": {"x": 1}}])
+def test_missing_inputs(doc: dict[str, Any]) -> None:
+    assert "the request must have an 'inputs' list" in json_error(doc)
+
+
+def test_no_inputs_is_a_request_for_a_model_whose_inputs_are_all_optional() -> None:
+    form = parse_request(b'{"inputs": []}', None, "m", "")
+    assert form.inputs == []
 
 
 def test_input_not_an_object() -> None:
@@ -331,7 +337,10 @@ def test_binary_size_disagreeing_with_shape() -> None:
         },
         b"\0" * 4,
     )
-    assert "input 'x': got 4 bytes of data but FP32 shape [2] needs 8" in decode_error(body, length)
+    assert (
+        "input byte size mismatch for input 'x' for model 'm'. Expected 8, got 4"
+        in decode_error(body, length)
+    )
 
 
 @pytest.mark.parametrize("where", ["input", "output"])

@@ -91,7 +91,14 @@ CASES = {
         "has no input 'NOPE'",
         _json_case(lambda d: d["inputs"][0].update(name="NOPE")),
     ),
-    "missing input": (400, "expects input 'INPUT1'", _json_case(lambda d: d["inputs"].pop())),
+    "missing input": (
+        400,
+        (
+            "expected 2 inputs but got 1 inputs for model 'simple'. Got input(s) ['INPUT0'], "
+            "but missing required input(s) ['INPUT1']. Please provide all required input(s)."
+        ),
+        _json_case(lambda d: d["inputs"].pop()),
+    ),
     "data count": (
         400,
         "has 3 elements but shape [1, 16] needs 16",

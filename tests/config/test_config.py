@@ -185,7 +185,8 @@ def test_int64_as_string_is_accepted() -> None:
         ({"backend": 3}, "backend: expected a string, got 3"),
         (
             {"instance_group": [{"kind": "KIND_TPU"}]},
-            "instance_group[0].kind: expected KIND_CPU, KIND_GPU or KIND_AUTO, got 'KIND_TPU'",
+            "instance_group[0].kind: expected KIND_CPU, KIND_GPU, KIND_AUTO or KIND_MODEL, "
+            "got 'KIND_TPU'",
         ),
         (
             {"instance_group": [{"count": 1}, {"count": 0}]},
@@ -220,7 +221,7 @@ def test_config_must_be_a_mapping() -> None:
 
 def test_unsupported_fields_warn_instead_of_failing(caplog: pytest.LogCaptureFixture) -> None:
     data = {
-        "response_cache": {},
+        "model_operations": {},
         "optimization": {},
         "input": [{"name": "a", "data_type": "TYPE_FP32", "dims": [1], "is_shape_tensor": False}],
         "output": [
@@ -231,7 +232,7 @@ def test_unsupported_fields_warn_instead_of_failing(caplog: pytest.LogCaptureFix
         cfg = parse_model_config(data, "m", SRC)
     assert cfg.inputs[0].name == "a" and cfg.outputs[0].dims == (10,)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    for field in ("response_cache", "optimization", "is_shape_tensor", "allow_ragged_batch"):
+    for field in ("model_operations", "optimization", "is_shape_tensor", "allow_ragged_batch"):
         assert any(SRC in w and field in w for w in warnings), field
 
 

@@ -94,13 +94,17 @@ def test_decide_a_request_that_would_overflow_blocks_the_batch_and_keeps_fifo() 
     assert decide([Item(rows=2), Item(rows=3), Item(rows=1)], 0.0, policy) == Decision(send=(0,))
 
 
-def test_decide_skips_other_signatures_but_never_merges_them() -> None:
+def test_decide_a_request_of_another_shape_ends_the_batch_which_goes_at_once() -> None:
+    # Triton's rule: the batch cannot grow past a request of another shape (or other
+    # optional inputs), so it is sent as it is instead of waiting out the delay
+    policy = BatchPolicy(max_batch_size=8, max_queue_delay_s=10.0, dynamic=True)
     queue = [Item(signature="a"), Item(signature="b"), Item(signature="a"), Item(signature="b")]
-    assert decide(queue, 2.0, DYNAMIC).send == (0, 2)
-    # a big request of another shape doesn't block the head's batch either
-    policy = BatchPolicy(max_batch_size=4, max_queue_delay_s=1.0, dynamic=True)
-    queue = [Item(rows=2, signature="a"), Item(rows=4, signature="b"), Item(rows=2, signature="a")]
-    assert decide(queue, 0.0, policy).send == (0, 2)
+    assert decide(queue, 0.0, policy) == Decision(send=(0,))
+    assert decide([Item(), Item(), Item(signature="b"), Item()], 0.0, policy).send == (0, 1)
+    # never merged: the next batch leads with the other shape, and ends at the next change
+    assert decide(queue[1:], 0.0, policy).send == (0,)
+    # alone, one shape waits for the delay as before
+    assert decide([Item(), Item()], 0.0, policy).wait_s == pytest.approx(10.0)
 
 
 def test_decide_preferred_sizes_follow_triton() -> None:
@@ -149,9 +153,10 @@ def test_below_wake_rows_no_arrival_changes_a_waiting_decision(policy: BatchPoli
     assert 1 <= rows <= policy.max_batch_size
     for shapes in ([1] * (rows - 1), [rows - 1], [1, rows - 2] if rows > 2 else [1]):
         queue = [Item(rows=n) for n in shapes if n > 0]
-        for mixed in (queue, [*queue[:1], *(Item(rows=n, signature="b") for n in shapes[1:])]):
-            if mixed:
-                assert decide(mixed, 0.0, policy).send == ()
+        if queue:
+            assert decide(queue, 0.0, policy).send == ()
+    # an arrival of another shape changes it (the batcher wakes the instance for it)
+    assert decide([Item(), Item(signature="b")], 0.0, policy).send == (0,)
     # and at wake_rows of one shape the decision can change before the delay ran out
     assert decide([Item()] * rows, 0.0, policy).send != ()
 
@@ -373,9 +378,9 @@ def test_requests_with_different_non_batch_shapes_never_share_a_call() -> None:
             ((0, 2), (1, 2), (2, 3), (3, 2), (4, 3)), results, strict=True
         ):
             np.testing.assert_array_equal(result.outputs["y"], x(2 * value, cols=cols))
-        assert [c.shape for c in backend.calls] == [(1, 2), (2, 2), (2, 3)]
-        np.testing.assert_array_equal(backend.calls[1][:, 0], [1, 3])
-        np.testing.assert_array_equal(backend.calls[2][:, 0], [2, 4])
+        # each change of shape ends a batch (Triton's): queue order, nothing merged
+        assert [c.shape for c in backend.calls] == [(1, 2), (1, 2), (1, 3), (1, 2), (1, 3)]
+        assert [int(c[0, 0]) for c in backend.calls] == [0, 1, 2, 3, 4]
         await shutdown(batcher, group)
 
     run(main())
@@ -454,15 +459,14 @@ def test_a_backend_error_fails_only_its_batch() -> None:
     run(main())
 
 
-def test_a_backend_that_omits_a_requested_output_fails_the_request_instead_of_hanging() -> None:
+def test_a_backend_that_omits_a_requested_output_answers_without_it_instead_of_hanging() -> None:
+    # Triton's: a model (a Python model's response) may leave an output out
     backend = Doubler(omit_outputs=True)
 
     async def main() -> None:
         batcher, group, _ = await make_batcher(backend, MERGE)
-        with pytest.raises(ApplianceError) as info:
-            await asyncio.wait_for(submit(batcher, x(1)), LIMIT_S)
-        assert info.value.code is Code.INTERNAL
-        assert "'y'" in info.value.message
+        answered = await asyncio.wait_for(submit(batcher, x(1)), LIMIT_S)
+        assert "y" not in answered.outputs
         await shutdown(batcher, group)
 
     run(main())
@@ -583,3 +587,33 @@ def test_a_batcher_never_stopped_does_not_hold_the_interpreter_at_exit() -> None
     )
     assert done.returncode == 0, done.stderr
     assert "answered [[1.0, 1.0]]" in done.stdout
+
+
+def test_priority_levels_serve_the_urgent_first_and_keep_arrival_order_within_a_level() -> None:
+    # an alarm camera (level 1) ahead of a counting one (level 2, the default)
+    backend = Doubler(hold=True)
+    policy = BatchPolicy(
+        max_batch_size=8, dynamic=False, priority_levels=2, default_priority_level=2
+    )
+    assert [policy.level(p) for p in (0, 1, 2, 3)] == [2, 1, 2, 2]  # 0, out of range: default
+
+    async def main() -> None:
+        batcher, group, _ = await make_batcher(backend, policy)
+        loop = asyncio.get_running_loop()
+
+        def ask(value: float, level: int) -> asyncio.Task[BatchResult]:
+            arr = x(value)
+            return loop.create_task(
+                batcher.submit({"x": arr}, ("y",), 1, arr.shape[1:], None, level)
+            )
+
+        held = ask(0, 2)
+        await until(backend.started.is_set)
+        queued = [ask(1, 2), ask(2, 2), ask(3, 1), ask(4, 2), ask(5, 1)]
+        await until(lambda: batcher.pending == 5)
+        backend.release.set()
+        await asyncio.gather(held, *queued)
+        assert [int(c[0, 0]) for c in backend.calls] == [0, 3, 5, 1, 2, 4]
+        await shutdown(batcher, group)
+
+    run(main())

@@ -86,7 +86,7 @@ def test_mode_none_loads_everything_and_refuses_changes(run_appliance, tmp_path:
     for call in (client.load_model, client.unload_model):
         with pytest.raises(InferenceServerException, match=r"model_control_mode: none") as info:
             call("simple")
-        assert info.value.status() == "400"
+        assert info.value.status() == "503"  # Triton: UNAVAILABLE
     assert _serves(client) == "1"
 
 
@@ -122,8 +122,13 @@ def test_poll_mode_follows_the_repository(run_appliance, tmp_path: Path) -> None
     folder = modelgen.write_model(tmp_path, "simple", modelgen.simple_add_sub())
     srv = run_appliance(tmp_path, model_control_mode="poll", repository_poll_secs=0.05)
     client = httpclient.InferenceServerClient(srv.url)
-    with pytest.raises(InferenceServerException, match="the repository is polled"):
+    with pytest.raises(InferenceServerException, match="the repository is polled") as refused:
         client.load_model("simple")
+    # Triton's status and text first (python_http_aio_test, python_grpc_aio_test)
+    assert refused.value.status() == "503"
+    assert str(refused.value.message()).startswith(
+        "explicit model load / unload is not allowed if polling is enabled"
+    )
 
     (folder / "2").mkdir()  # a version folder still empty: being written, not acted on
     time.sleep(0.5)  # ten polls

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.utils.shared_memory as shm
 
-from appliance.core.shared_memory import SharedMemoryRegistry
+from appliance.core.shared_memory import RESERVED_PREFIX, SharedMemoryRegistry
 from appliance.errors import ApplianceError, Code
 
 SIZE = 64
@@ -63,18 +63,29 @@ def test_duplicate_name_is_refused(region: tuple[str, shm.SharedMemoryRegion]) -
     reg.register("a", key, 0, 8)
     exc = error(reg.register, "a", key, 8, 8)
     assert exc.code is Code.INVALID_ARG
-    assert "'a' is already registered" in exc.message
+    assert exc.message == "shared memory region 'a' already in manager"  # Triton's
     assert reg.status("a")[0]["offset"] == 0  # the first registration is untouched
 
 
 def test_missing_and_malformed_keys() -> None:
     reg = SharedMemoryRegistry(enabled=True)
-    exc = error(reg.register, "a", f"/appliance_missing_{os.getpid()}", 0, 8)
-    assert exc.code is Code.INVALID_ARG
-    assert "cannot open shared-memory key" in exc.message
-    assert "No such file" in exc.message
-    for key in ("", "/", "/a/b", "/..", "/.", "/a\0b"):
+    missing = f"/appliance_missing_{os.getpid()}"
+    exc = error(reg.register, "a", missing, 0, 8)
+    assert exc.code is Code.INTERNAL  # Triton's code and text
+    assert (
+        exc.message
+        == f"Unable to open shared memory region: '{missing}' (No such file or directory)"
+    )
+    for key in ("", "/", "///"):
+        exc = error(reg.register, "a", key, 0, 8)
+        assert exc.message == f"cannot register shared memory region 'a' - invalid shm key '{key}'"
+    for key in ("/a/b", "/..", "/.", "/a\0b"):
         assert "is not a POSIX shared-memory name" in error(reg.register, "a", key, 0, 8).message
+    for key in (f"{RESERVED_PREFIX}_k", f"/{RESERVED_PREFIX}_k", f"///{RESERVED_PREFIX}_k"):
+        assert error(reg.register, "a", key, 0, 8).message == (
+            f"cannot register shared memory region 'a' with key '{key}' as the key contains "
+            f"the reserved prefix '{RESERVED_PREFIX}'"
+        )
     assert reg.status() == []
 
 
@@ -97,13 +108,18 @@ def test_view_bounds(region: tuple[str, shm.SharedMemoryRegion]) -> None:
     reg = SharedMemoryRegistry(enabled=True)
     reg.register("a", key, 16, 16)
     assert bytes(reg.view("a", 12, 4, "x")) == bytes([28, 29, 30, 31])
-    assert len(reg.view("a", 16, 0, "x")) == 0
-    for offset, size in ((-1, 4), (0, -1), (0, 17), (13, 4), (16, 1), (1 << 70, 1)):
+    assert len(reg.view("a", 15, 0, "x")) == 0
+    for offset, size in ((-1, 4), (16, 0), (16, 1), (1 << 70, 1)):  # Triton's texts
         exc = error(reg.view, "a", offset, size, "input 'x'")
         assert exc.code is Code.INVALID_ARG
-        assert exc.message.startswith("input 'x': ")
-        assert "region 'a'" in exc.message
-    assert "'nope' is not registered" in error(reg.view, "nope", 0, 1, "input 'x'").message
+        assert exc.message.startswith("input 'x': Invalid offset for shared memory region: 'a'")
+    for offset, size in ((0, -1), (0, 17), (13, 4)):
+        exc = error(reg.view, "a", offset, size, "input 'x'")
+        assert exc.message.startswith(
+            "input 'x': Invalid offset + byte size for shared memory region: 'a'"
+        )
+    exc = error(reg.view, "nope", 0, 1, "input 'x'")
+    assert exc.message == "input 'x': Unable to find shared memory region: 'nope'"
 
 
 def test_views_are_read_only_and_zero_copy(region: tuple[str, shm.SharedMemoryRegion]) -> None:
@@ -128,13 +144,16 @@ def test_write_bounds(region: tuple[str, shm.SharedMemoryRegion]) -> None:
     assert got[36:44].tolist() == [255] * 8
     assert got[32:36].tolist() == [32, 33, 34, 35] and got[44] == 44  # neighbours untouched
     # the declared window must be inside the region and the data must fit in it
-    assert "outside region 'a'" in error(reg.write, "a", 12, 8, b"\1" * 4, "o").message
-    assert "outside region 'a'" in error(reg.write, "a", -1, 4, b"\1", "o").message
+    assert "Invalid offset + byte size" in error(reg.write, "a", 12, 8, b"\1" * 4, "o").message
+    assert "Invalid offset for" in error(reg.write, "a", -1, 4, b"\1", "o").message
     exc = error(reg.write, "a", 0, 4, b"\1" * 5, "output 'y'")
     assert exc.message == (
         "output 'y': needs 5 bytes but shared_memory_byte_size is 4 in region 'a'"
     )
-    assert "'b' is not registered" in error(reg.write, "b", 0, 4, b"\1", "o").message
+    assert (
+        "Unable to find shared memory region: 'b'"
+        in error(reg.write, "b", 0, 4, b"\1", "o").message
+    )
     assert shm.get_contents_as_numpy(handle, np.uint8, [SIZE]).copy().tolist() == got.tolist()
 
 
@@ -147,7 +166,7 @@ def test_unregister_while_a_view_is_alive(region: tuple[str, shm.SharedMemoryReg
     reg.unregister()
     gc.collect()
     assert arr.tolist() == list(range(8, 24))  # still mapped and readable
-    assert "not registered" in error(reg.view, "a", 0, 1, "x").message
+    assert "Unable to find shared memory region" in error(reg.view, "a", 0, 1, "x").message
     del arr
     gc.collect()  # the last view goes: the mapping is unmapped without a BufferError
 
@@ -169,3 +188,28 @@ def test_disabled_registry_refuses_everything(
         exc = error(call, *args)
         assert exc.code is Code.INVALID_ARG
         assert "set 'shared_memory: system' in the server config" in exc.message
+
+
+def test_a_region_in_use_outlives_its_unregister_until_the_last_request_ends(
+    region: tuple[str, shm.SharedMemoryRegion],
+) -> None:
+    # Triton's L0_shared_memory TestSharedMemoryUnregister: unregister while requests
+    # use a region lets them finish (and new ones use it) until the last is answered
+    key, _ = region
+    reg = SharedMemoryRegistry(enabled=True)
+    reg.register("a", key, 0, 16)
+    reg.register("b", key, 0, 16)
+    first = reg.hold("a", "input 'x'")
+    reg.unregister()
+    assert [r["name"] for r in reg.status()] == ["a"]  # b went at once, a is in use
+    second = reg.hold("a", "input 'x'")  # a request placed meanwhile still finds it
+    reg.write("a", 0, 4, b"\1\2\3\4", "output 'y'")
+    reg.release(first)
+    assert reg.status("a")[0]["name"] == "a"
+    reg.release(second)
+    assert reg.status() == []
+    exc = error(reg.status, "a")
+    assert exc.code is Code.NOT_FOUND
+    assert exc.message == "Unable to find system shared memory region: 'a'"
+    exc = error(reg.hold, "a", "input 'x'")
+    assert exc.message == "input 'x': Unable to find shared memory region: 'a'"

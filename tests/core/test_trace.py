@@ -82,3 +82,23 @@ def test_log_settings_map_to_levels() -> None:
         assert settings.settings()["log_info"] is False  # nothing of a refused change applied
     finally:
         root.setLevel(before)
+
+
+def test_log_format_iso8601_stamps_each_line_in_utc_and_default_restores() -> None:
+    root = logging.getLogger()
+    handler = logging.StreamHandler()
+    started = logging.Formatter("%(message)s")
+    handler.setFormatter(started)
+    root.addHandler(handler)
+    try:
+        settings = LogSettings("info")
+        assert settings.update({"log_format": "ISO8601"})["log_format"] == "ISO8601"
+        record = logging.LogRecord("x", logging.INFO, "f", 1, "hello", None, None)
+        record.created = 0.0
+        assert handler.format(record).startswith("1970-01-01T00:00:00Z INFO x: hello")
+        settings.update({"log_format": "default"})
+        assert handler.formatter is started
+        with pytest.raises(ApplianceError, match="expected 'default' or 'ISO8601'"):
+            settings.update({"log_format": "json"})
+    finally:
+        root.removeHandler(handler)

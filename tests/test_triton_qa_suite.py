@@ -1,0 +1,124 @@
+"""Triton's own server QA test files (``qa/L0_*`` of triton-inference-server/server),
+run unchanged against the appliance, from a local copy.
+
+Set ``TRITON_QA_DIR`` to the ``qa`` folder of a checkout of that repository (its
+code is not part of this project). Without it every case skips. Each case copies or
+generates the suite's models the way the suite's ``test.sh`` does (only suites whose
+models need no GPU and no other backend), serves them on 127.0.0.1 at the ports
+Triton's tests dial (8000 and 8001: a case skips when either is taken), and runs the
+named unittest cases in the suite's folder, as ``test.sh`` runs them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+QA = os.environ.get("TRITON_QA_DIR", "")
+
+
+def _copy_models(suite: str, skip: tuple[str, ...] = ()) -> Callable[[Path, Path], None]:
+    """The suite ships its models (``<suite>/models``): copy them, less ``skip``."""
+
+    def make(qa: Path, repo: Path) -> None:
+        for model in (qa / suite / "models").iterdir():
+            if model.name not in skip:
+                shutil.copytree(model, repo / model.name)
+
+    return make
+
+
+def _generated(script: str, *args: str) -> Callable[[Path, Path], None]:
+    """Models written by one of ``qa/common``'s generators, ONNX only."""
+
+    def make(qa: Path, repo: Path) -> None:
+        subprocess.run(
+            [sys.executable, str(qa / "common" / script), "--models_dir", str(repo), *args],
+            cwd=qa / "common",
+            check=True,
+            timeout=600,
+        )
+
+    return make
+
+
+# suite folder, test file, unittest cases, how its models are made, server options
+CASES = [
+    (
+        "L0_input_validation",
+        "input_validation_test.py",
+        ["InputValTest"],
+        # pt_identity and the onnx_object models come from other generators
+        _copy_models("L0_input_validation"),
+        {},
+    ),
+    (
+        "L0_logging",
+        "logging_endpoint_test.py",
+        ["LogEndpointTest"],
+        lambda qa, repo: None,  # no model needed
+        {},
+    ),
+    (
+        "L0_scalar_io",
+        "scalar_test.py",
+        ["ScalarIOTest"],
+        _generated("gen_qa_ort_scalar_models.py"),
+        {},
+    ),
+]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("suite", "test_file", "cases", "make_models", "options"),
+    CASES,
+    ids=[c[0] for c in CASES],
+)
+def test_tritons_qa_suite_passes(
+    run_appliance,
+    tmp_path: Path,
+    suite: str,
+    test_file: str,
+    cases: list[str],
+    make_models: Callable[[Path, Path], None],
+    options: dict[str, object],
+) -> None:
+    if not QA:
+        pytest.skip(
+            "set TRITON_QA_DIR to the qa folder of a triton-inference-server/server checkout"
+        )
+    qa = Path(QA)
+    if not (qa / suite / test_file).is_file():
+        pytest.skip(f"{qa / suite / test_file} is not there")
+    if not (_port_free(8000) and _port_free(8001)):
+        pytest.skip("Triton's tests dial 127.0.0.1:8000 and :8001, and one is taken")
+    repo = tmp_path / "models"
+    repo.mkdir()
+    make_models(qa, repo)
+    run_appliance(repo, http_port=8000, grpc_port=8001, **options)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(qa / "common"), str(qa / suite)])}
+    done = subprocess.run(
+        [sys.executable, test_file, *cases],
+        cwd=qa / suite,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
