@@ -170,17 +170,29 @@ async def _decode(
         else:
             form = wire.read(payload, None)
         ticket = dataplane.admit(form.model, form.version, held=hold)
-        if heavy:
-            return ticket, await asyncio.to_thread(_declared, wire, form, ticket, shm), form.fmt
-    elif heavy:
+        try:  # the caller never sees this ticket when the request fails here
+            if heavy:
+                request = await asyncio.to_thread(_declared, wire, form, ticket, shm)
+            else:
+                request = await _built(wire, form, ticket, shm)
+        except BaseException:
+            ticket.release()  # what declare() held (shared-memory regions) with it
+            raise
+        return ticket, request, form.fmt
+    if heavy:
         form, request = await asyncio.to_thread(_read_declared, wire, payload, ticket, shm)
         return ticket, request, form.fmt
-    else:
-        form = wire.read(payload, ticket)
+    form = wire.read(payload, ticket)
+    return ticket, await _built(wire, form, ticket, shm), form.fmt
+
+
+async def _built(
+    wire: Wire[Any], form: RequestForm, ticket: Ticket, shm: SharedMemoryRegistry
+) -> InferenceRequest:
     request_form.declare(form, ticket, shm)
     if form.object_elements > LOOP_OBJECTS or form.files:
-        return ticket, await asyncio.to_thread(wire.build, form, shm), form.fmt
-    return ticket, wire.build(form, shm), form.fmt
+        return await asyncio.to_thread(wire.build, form, shm)
+    return wire.build(form, shm)
 
 
 def _declared(
