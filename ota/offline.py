@@ -47,7 +47,7 @@ def export(repo: Path, out: Path, paths: tuple[str, ...] = ()) -> list[str]:
         snap = json.loads((meta / f"{snap_v}.snapshot.json").read_text())
         targets_v = int(snap["signed"]["meta"]["targets.json"]["version"])
         targets: Metadata[Targets] = Metadata.from_file(str(meta / f"{targets_v}.targets.json"))
-    except (OSError, KeyError, TypeError, ValueError) as exc:
+    except (OSError, KeyError, TypeError, ValueError, RecursionError) as exc:
         raise OtaError(f"{repo} is not a repository made by appliance fleet init: {exc}") from None
     chosen = paths or tuple(sorted(targets.signed.targets))
     members = sorted(p.name for p in meta.glob("*.root.json"))

@@ -104,8 +104,8 @@ def parse(raw: bytes) -> SoftwareManifest:
             for f in doc["files"]
         )
         sbom = str(doc["sbom_sha256"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise OtaError(f"software manifest: {exc!r}") from None
+    except (KeyError, TypeError, ValueError, RecursionError) as exc:
+        raise OtaError(f"software manifest: {type(exc).__name__}: {str(exc)[:200]}") from None
     names = {f.path for f in files}
     if "constraints.txt" not in names or SBOM not in names or len(names) != len(files):
         raise OtaError("software manifest: constraints.txt and the SBOM must be listed, once")
@@ -257,7 +257,10 @@ def first(path: Path) -> dict[str, Any]:
         for info, reader in bundle._members(f, MAX_MANIFEST_BYTES + (1 << 20)):
             if info.name != "manifest.json" or info.size > MAX_MANIFEST_BYTES:
                 raise OtaError("bundle: the first member must be manifest.json (<= 1 MiB)")
-            doc = json.loads(reader.read())
+            try:
+                doc = json.loads(reader.read())
+            except (ValueError, RecursionError):  # the model bundles' reader says why
+                return {}
             return doc if isinstance(doc, dict) else {}
     raise OtaError("bundle is empty")
 

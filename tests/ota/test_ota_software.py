@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ota import abinstall, controls, devicekey, report, software
+from ota import OtaError, abinstall, controls, devicekey, report, software
 from ota import config as ota_config
 from ota.agent import Agent
 from ota.config import OtaConfig
@@ -66,6 +67,33 @@ class Site:
         assert (doc["committed"], self.layout.linked()) == (version, version)
         assert self.supervisor.version() == version
         assert self.device.version() == "1"  # and the model still serves
+
+
+PAYLOAD = ("constraints.txt", "sbom.cdx.json", "wheels/appliance-1.2.3-py3-none-any.whl")
+GOOD = {"format": 1, "kind": "software", "name": "appliance", "version": "1.2.3",
+        "python": "3.11", "platform": "x86_64", "extras": [], "sbom_sha256": "0" * 64,
+        "files": [{"path": p, "sha256": "0" * 64, "size": 1} for p in PAYLOAD]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"kind": "model"}, "not a software bundle"),
+        ({"name": "other"}, "not appliance"),
+        ({"version": "1.2.x"}, "expected numbers and dots"),
+        ({"platform": "riscv64"}, "not understood"),
+        ({"extras": ["ota; rm -rf /"]}, "short lowercase names"),
+        ({"files": [{"path": "../../etc/x", "sha256": "0" * 64, "size": 1}]}, "unsafe path"),
+        ({"files": GOOD["files"][:2]}, "no wheel of appliance 1.2.3"),
+        ({"files": GOOD["files"][1:]}, "constraints.txt and the SBOM"),
+    ],
+)
+def test_a_software_manifest_is_checked_before_use(change: dict[str, object], why: str) -> None:
+    software.parse(json.dumps(GOOD).encode())  # the reference is fine
+    with pytest.raises(OtaError, match=re.escape(why)):
+        software.parse(json.dumps({**GOOD, **change}).encode())
+    with pytest.raises(OtaError, match="RecursionError"):
+        software.parse(b"[" * 200_000 + b"]" * 200_000)
 
 
 @pytest.fixture(scope="module")
