@@ -8,7 +8,9 @@ import http.client
 import json
 import os
 import socket
+import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -583,3 +585,58 @@ def test_priority_levels_reorder_the_queue_over_http_and_grpc(
             call.result()
     # the urgent (1) first, in arrival order; then the default level (0 and 2)
     assert (gate / "order").read_text().split() == ["100", "3", "4", "1", "2"]
+
+
+def test_a_client_that_goes_away_frees_its_queued_request(
+    run_appliance, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    monkeypatch.setenv("QA_GATE_DIR", str(gate))
+    repo = tmp_path / "repo"
+    (repo / "ordered" / "1").mkdir(parents=True)
+    (repo / "ordered" / "1" / "model.py").write_text(ORDER_PY)
+    (repo / "ordered" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 1\n'
+        'input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        'output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        "dynamic_batching { }\n"
+    )
+    srv = run_appliance(repo)
+    stats = srv.server.lifecycle.get("ordered").stats
+
+    def until(done: Callable[[], bool]) -> None:
+        for _ in range(6000):  # bounded: ten minutes
+            if done():
+                return
+            time.sleep(0.1)
+        raise AssertionError("never happened")
+
+    def body(value: int) -> bytes:
+        doc = {
+            "inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, 1], "data": [value]}]
+        }
+        data = json.dumps(doc).encode()
+        return (
+            b"POST /v2/models/ordered/infer HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+        )
+
+    host, port = srv.url.split(":")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(_exchange, srv.url, body(100))
+        _wait_for(gate / "started")
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(body(7))
+            until(lambda: stats.pending == 1)
+            # gone for good: a reset (a FIN alone is a half-close, which still gets
+            # its answer)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        until(lambda: stats.pending == 0)  # the client left: its request left the queue
+        (gate / "open").touch()
+        assert held.result()[0] == 200
+    http = httpclient.InferenceServerClient(srv.url)
+    tensor = httpclient.InferInput("INPUT0", [1, 1], "INT32")
+    tensor.set_data_from_numpy(np.array([[9]], np.int32))
+    http.infer("ordered", [tensor])
+    assert (gate / "order").read_text().split() == ["100", "9"]  # 7 never ran

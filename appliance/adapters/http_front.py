@@ -89,6 +89,7 @@ class Connection(asyncio.Protocol):
         self.head: http_head.Head | None = None  # parsed, its body still arriving
         self.head_size = 0
         self.busy = False  # a request is being answered
+        self.answering: asyncio.Task[None] | None = None  # ... by this task
         self.lingering = False  # answered 413/408: dropping the rest, then closing
         self.write_paused = False
         self.read_paused = False
@@ -144,6 +145,10 @@ class Connection(asyncio.Protocol):
             log.debug("client left in the middle of a request body: %s", exc)
         self._drop_request()
         self.transport = None
+        if self.answering is not None and not self.answering.done():
+            # the answer has nowhere to go: a request still queued leaves its model's
+            # queue (the batcher withdraws a cancelled request no instance took yet)
+            self.answering.cancel()
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -186,7 +191,7 @@ class Connection(asyncio.Protocol):
         ticket, self.head, self.ticket = self.ticket, None, None
         assert ticket is not None
         self.busy = True
-        self.loop.create_task(self._answer(head, ticket, body))
+        self.answering = self.loop.create_task(self._answer(head, ticket, body))
 
     def _take_head(self) -> bool:
         """Parse the next head and admit its request; False when it is not complete,
