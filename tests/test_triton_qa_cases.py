@@ -640,3 +640,43 @@ def test_a_client_that_goes_away_frees_its_queued_request(
     tensor.set_data_from_numpy(np.array([[9]], np.int32))
     http.infer("ordered", [tensor])
     assert (gate / "order").read_text().split() == ["100", "9"]  # 7 never ran
+
+
+AUTO_PY = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        have = {t["name"] for t in config.as_dict()["input"]}
+        if "INPUT0" not in have:
+            config.add_input({"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [1]})
+        config.add_output({"name": "key", "data_type": "TYPE_STRING", "dims": [-1]})
+        config.set_max_batch_size(0)
+        return config
+
+    def execute(self, requests):
+        out = pb_utils.Tensor("key", np.array([b"done"], dtype=object))
+        return [pb_utils.InferenceResponse([out]) for _ in requests]
+"""
+
+
+def test_a_python_model_without_a_config_completes_its_own(run_appliance, tmp_path: Path) -> None:
+    # L0_parameters' parameter model: no config.pbtxt, auto_complete_config declares all
+    (tmp_path / "parameter" / "1").mkdir(parents=True)
+    (tmp_path / "parameter" / "1" / "model.py").write_text(AUTO_PY)
+    srv = run_appliance(tmp_path)
+    http = httpclient.InferenceServerClient(srv.url)
+    config = http.get_model_config("parameter")
+    assert config["max_batch_size"] == 0
+    assert [(t["name"], t["data_type"], t["dims"]) for t in config["input"]] == [
+        ("INPUT0", "TYPE_FP32", [1])
+    ]
+    assert [(t["name"], t["data_type"], t["dims"]) for t in config["output"]] == [
+        ("key", "TYPE_STRING", [-1])
+    ]
+    tensor = httpclient.InferInput("INPUT0", [1], "FP32")
+    tensor.set_data_from_numpy(np.ones(1, np.float32))
+    assert http.infer("parameter", [tensor]).as_numpy("key").tolist() == [b"done"]
