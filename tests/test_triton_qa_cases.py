@@ -680,3 +680,28 @@ def test_a_python_model_without_a_config_completes_its_own(run_appliance, tmp_pa
     tensor = httpclient.InferInput("INPUT0", [1], "FP32")
     tensor.set_data_from_numpy(np.ones(1, np.float32))
     assert http.infer("parameter", [tensor]).as_numpy("key").tolist() == [b"done"]
+
+
+def test_a_chunked_body_sent_with_a_content_length_too_is_framed_by_its_chunks(
+    run_appliance, tmp_path: Path
+) -> None:
+    # L0_http test_content_encoding_chunked_manually: `requests` adds a Content-Length
+    # to the chunked body; served by the chunks (RFC 9112), and the connection closes
+    srv = run_appliance(_raw_models(tmp_path))
+    data = np.arange(8, dtype=np.float32).tobytes()
+    chunks = b"%X\r\n%s\r\n0\r\n\r\n" % (len(data), data)
+    head = (
+        b"POST /v2/models/onnx_zero_1_float32/infer HTTP/1.1\r\nHost: x\r\n"
+        b"Inference-Header-Content-Length: 0\r\nTransfer-Encoding: chunked\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(chunks)
+    )
+    host, port = srv.url.split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head + chunks)
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        body = resp.read()
+        assert resp.status == 200, body
+        assert body[int(resp.getheader("Inference-Header-Content-Length")) :] == data
+        assert resp.getheader("Connection") == "close"
+        assert sock.recv(1) == b""  # closed: nothing can follow on this connection

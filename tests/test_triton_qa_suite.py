@@ -92,9 +92,7 @@ CASES = [
                 "test_byte_too_many_elements",
                 "test_multi_variable_dimensions",
                 "test_multi_inputs",
-                # not test_content_encoding_chunked_manually: requests sends its
-                # chunked body with a Content-Length too, which is refused on purpose
-                # (docs/triton-compatibility.md)
+                "test_content_encoding_chunked_manually",
                 "test_descriptive_status_code",
             )
         ],

@@ -363,6 +363,11 @@ class Connection(asyncio.Protocol):
         transport.set_protocol(handler)
         handler.connection_made(transport)  # (reading pauses only while busy: never here)
         data, self.buffer = bytes(self.buffer), bytearray()
+        end = data.find(b"\r\n\r\n", 0, http_head.MAX_HEAD)
+        if end >= 0:  # a chunked body with a Content-Length too: by the chunks alone
+            rewritten = http_head.chunked_only(data[: end + 4])
+            if rewritten is not None:
+                data = rewritten + data[end + 4 :]
         if data:
             handler.data_received(data)
 
