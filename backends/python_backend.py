@@ -40,6 +40,7 @@ from appliance import bls, decoupled
 from appliance import python_model as pb
 from appliance.config.fields import ConfigError
 from appliance.errors import ApplianceError, FailureReason, internal, invalid, unavailable
+from backends import python_autocomplete
 from backends.base import BackendOptions, TensorSpec, check_inputs
 from backends.python_imports import Namespace
 
@@ -74,13 +75,6 @@ class PythonBackend:
 
     def __init__(self, options: BackendOptions) -> None:
         self._name = options.model_name
-        if not options.inputs or not options.outputs:
-            raise ConfigError(
-                options.config_source or str(options.model_path.parent.parent),
-                "input" if not options.inputs else "output",
-                "a Python model has no graph to read its tensors from: "
-                "declare every input and output in its config",
-            )
         self.inputs: list[TensorSpec] = list(options.inputs)
         self.outputs: list[TensorSpec] = list(options.outputs)
         timeout = options.parameters.get("execute_timeout_s", "")
@@ -113,6 +107,8 @@ class PythonBackend:
             raise invalid(
                 f"model '{self._name}': {options.model_path} defines no TritonPythonModel"
             )
+        if not self.inputs or not self.outputs:
+            self._declare(cls, options)
         model = cls()
         init = getattr(model, "initialize", None)
         if init is not None:
@@ -128,6 +124,23 @@ class PythonBackend:
                 }
             )
         return model
+
+    def _declare(self, cls: Any, options: BackendOptions) -> None:
+        """Tensors the config leaves out: from the model's ``auto_complete_config``
+        (Triton's), or a config error naming what to declare."""
+        if hasattr(cls, "auto_complete_config"):
+            inputs, outputs = python_autocomplete.complete(
+                cls, json.loads(options.model_config or "{}")
+            )
+            self.inputs = self.inputs or inputs
+            self.outputs = self.outputs or outputs
+        if not self.inputs or not self.outputs:
+            raise ConfigError(
+                options.config_source or str(options.model_path.parent.parent),
+                "input" if not self.inputs else "output",
+                "a Python model has no graph to read its tensors from: declare every "
+                "input and output in its config (or in its auto_complete_config)",
+            )
 
     def infer(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
         check_inputs(self._name, self.inputs, inputs)

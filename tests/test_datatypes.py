@@ -329,5 +329,9 @@ def test_to_json_data_bool() -> None:
 
 
 def test_to_json_data_bytes_as_strings() -> None:
-    data = datatypes.to_json_data(np.array([b"ab", b"\xff", "s"], dtype=object))
-    assert data == ["ab", "\ufffd", "s"]
+    data = datatypes.to_json_data(np.array([b"ab", "é".encode(), "s"], dtype=object))
+    assert data == ["ab", "é", "s"]
+    # bytes that are not UTF-8 have no JSON form: refused, never replaced in silence
+    with pytest.raises(ApplianceError) as e:
+        datatypes.to_json_data(np.array([b"ab", b"\xff"], dtype=object), "y")
+    assert invalid_arg(e).startswith("output 'y': a BYTES element is not UTF-8")

@@ -8,7 +8,9 @@ import http.client
 import json
 import os
 import socket
+import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -583,3 +585,123 @@ def test_priority_levels_reorder_the_queue_over_http_and_grpc(
             call.result()
     # the urgent (1) first, in arrival order; then the default level (0 and 2)
     assert (gate / "order").read_text().split() == ["100", "3", "4", "1", "2"]
+
+
+def test_a_client_that_goes_away_frees_its_queued_request(
+    run_appliance, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    monkeypatch.setenv("QA_GATE_DIR", str(gate))
+    repo = tmp_path / "repo"
+    (repo / "ordered" / "1").mkdir(parents=True)
+    (repo / "ordered" / "1" / "model.py").write_text(ORDER_PY)
+    (repo / "ordered" / "config.pbtxt").write_text(
+        'backend: "python"\nmax_batch_size: 1\n'
+        'input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        'output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+        "dynamic_batching { }\n"
+    )
+    srv = run_appliance(repo)
+    stats = srv.server.lifecycle.get("ordered").stats
+
+    def until(done: Callable[[], bool]) -> None:
+        for _ in range(6000):  # bounded: ten minutes
+            if done():
+                return
+            time.sleep(0.1)
+        raise AssertionError("never happened")
+
+    def body(value: int) -> bytes:
+        doc = {
+            "inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, 1], "data": [value]}]
+        }
+        data = json.dumps(doc).encode()
+        return (
+            b"POST /v2/models/ordered/infer HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+        )
+
+    host, port = srv.url.split(":")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(_exchange, srv.url, body(100))
+        _wait_for(gate / "started")
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(body(7))
+            until(lambda: stats.pending == 1)
+            # gone for good: a reset (a FIN alone is a half-close, which still gets
+            # its answer)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        until(lambda: stats.pending == 0)  # the client left: its request left the queue
+        (gate / "open").touch()
+        assert held.result()[0] == 200
+    http = httpclient.InferenceServerClient(srv.url)
+    tensor = httpclient.InferInput("INPUT0", [1, 1], "INT32")
+    tensor.set_data_from_numpy(np.array([[9]], np.int32))
+    http.infer("ordered", [tensor])
+    assert (gate / "order").read_text().split() == ["100", "9"]  # 7 never ran
+
+
+AUTO_PY = """\
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(config):
+        have = {t["name"] for t in config.as_dict()["input"]}
+        if "INPUT0" not in have:
+            config.add_input({"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [1]})
+        config.add_output({"name": "key", "data_type": "TYPE_STRING", "dims": [-1]})
+        config.set_max_batch_size(0)
+        return config
+
+    def execute(self, requests):
+        out = pb_utils.Tensor("key", np.array([b"done"], dtype=object))
+        return [pb_utils.InferenceResponse([out]) for _ in requests]
+"""
+
+
+def test_a_python_model_without_a_config_completes_its_own(run_appliance, tmp_path: Path) -> None:
+    # L0_parameters' parameter model: no config.pbtxt, auto_complete_config declares all
+    (tmp_path / "parameter" / "1").mkdir(parents=True)
+    (tmp_path / "parameter" / "1" / "model.py").write_text(AUTO_PY)
+    srv = run_appliance(tmp_path)
+    http = httpclient.InferenceServerClient(srv.url)
+    config = http.get_model_config("parameter")
+    assert config["max_batch_size"] == 0
+    assert [(t["name"], t["data_type"], t["dims"]) for t in config["input"]] == [
+        ("INPUT0", "TYPE_FP32", [1])
+    ]
+    assert [(t["name"], t["data_type"], t["dims"]) for t in config["output"]] == [
+        ("key", "TYPE_STRING", [-1])
+    ]
+    tensor = httpclient.InferInput("INPUT0", [1], "FP32")
+    tensor.set_data_from_numpy(np.ones(1, np.float32))
+    assert http.infer("parameter", [tensor]).as_numpy("key").tolist() == [b"done"]
+
+
+def test_a_chunked_body_sent_with_a_content_length_too_is_framed_by_its_chunks(
+    run_appliance, tmp_path: Path
+) -> None:
+    # L0_http test_content_encoding_chunked_manually: `requests` adds a Content-Length
+    # to the chunked body; served by the chunks (RFC 9112), and the connection closes
+    srv = run_appliance(_raw_models(tmp_path))
+    data = np.arange(8, dtype=np.float32).tobytes()
+    chunks = b"%X\r\n%s\r\n0\r\n\r\n" % (len(data), data)
+    head = (
+        b"POST /v2/models/onnx_zero_1_float32/infer HTTP/1.1\r\nHost: x\r\n"
+        b"Inference-Header-Content-Length: 0\r\nTransfer-Encoding: chunked\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(chunks)
+    )
+    host, port = srv.url.split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head + chunks)
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        body = resp.read()
+        assert resp.status == 200, body
+        assert body[int(resp.getheader("Inference-Header-Content-Length")) :] == data
+        assert resp.getheader("Connection") == "close"
+        assert sock.recv(1) == b""  # closed: nothing can follow on this connection

@@ -49,6 +49,27 @@ def _generated(script: str, *args: str) -> Callable[[Path, Path], None]:
     return make
 
 
+def _http_models(qa: Path, repo: Path) -> None:
+    """L0_http's python unit test models, as its test.sh copies and edits them."""
+    generated = repo.parent / "identity"
+    generated.mkdir()
+    _generated("gen_qa_identity_models.py", "--onnx")(qa, generated)
+    for name in ("onnx_zero_1_float32", "onnx_zero_1_object", "onnx_zero_1_float16"):
+        shutil.copytree(generated / name, repo / name)
+    shutil.copytree(generated / "onnx_zero_3_float32", repo / "onnx_zero_3_float32")
+    one = repo / "onnx_zero_1_object_1_element"
+    shutil.copytree(repo / "onnx_zero_1_object", one)
+    text = (one / "config.pbtxt").read_text().replace("onnx_zero_1_object", one.name)
+    (one / "config.pbtxt").write_text(text.replace("-1", "1", 1))
+    queue = repo / "onnx_zero_1_float32_queue"
+    shutil.copytree(repo / "onnx_zero_1_float32", queue)
+    text = (queue / "config.pbtxt").read_text().replace("onnx_zero_1_float32", queue.name)
+    (queue / "config.pbtxt").write_text(
+        text + "dynamic_batching { max_queue_delay_microseconds: 1000000 "
+        "preferred_batch_size: [ 8 ] default_queue_policy { max_queue_size: 1 } }\n"
+    )
+
+
 # suite folder, test file, unittest cases, how its models are made, server options
 CASES = [
     (
@@ -57,6 +78,25 @@ CASES = [
         ["InputValTest"],
         # pt_identity and the onnx_object models come from other generators
         _copy_models("L0_input_validation"),
+        {},
+    ),
+    (
+        "L0_http",
+        "http_test.py",
+        [
+            f"HttpTest.{case}"
+            for case in (
+                "test_raw_binary",
+                "test_raw_binary_longer",
+                "test_byte",
+                "test_byte_too_many_elements",
+                "test_multi_variable_dimensions",
+                "test_multi_inputs",
+                "test_content_encoding_chunked_manually",
+                "test_descriptive_status_code",
+            )
+        ],
+        _http_models,
         {},
     ),
     (

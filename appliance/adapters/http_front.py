@@ -90,6 +90,7 @@ class Connection(asyncio.Protocol):
         self.head: http_head.Head | None = None  # parsed, its body still arriving
         self.head_size = 0
         self.busy = False  # a request is being answered
+        self.answering: asyncio.Task[None] | None = None  # ... by this task
         self.lingering = False  # answered 413/408: dropping the rest, then closing
         self.write_paused = False
         self.read_paused = False
@@ -151,6 +152,10 @@ class Connection(asyncio.Protocol):
             log.debug("client left in the middle of a request body: %s", exc)
         self._drop_request()
         self.transport = None
+        if self.answering is not None and not self.answering.done():
+            # the answer has nowhere to go: a request still queued leaves its model's
+            # queue (the batcher withdraws a cancelled request no instance took yet)
+            self.answering.cancel()
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -204,7 +209,7 @@ class Connection(asyncio.Protocol):
         ticket, self.head, self.ticket = self.ticket, None, None
         assert ticket is not None
         self.busy, self.keep_alive = True, head.keep_alive
-        self.loop.create_task(self._answer(head, ticket, body))
+        self.answering = self.loop.create_task(self._answer(head, ticket, body))
         return False
 
     def _take_head(self) -> bool:
@@ -400,6 +405,11 @@ class Connection(asyncio.Protocol):
             self.read_paused = False
             transport.resume_reading()
         data, self.buffer = bytes(self.buffer), bytearray()
+        end = data.find(b"\r\n\r\n", 0, http_head.MAX_HEAD)
+        if end >= 0:  # a chunked body with a Content-Length too: by the chunks alone
+            rewritten = http_head.chunked_only(data[: end + 4])
+            if rewritten is not None:
+                data = rewritten + data[end + 4 :]
         if data:
             handler.data_received(data)
 

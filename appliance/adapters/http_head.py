@@ -1,7 +1,8 @@
 """HTTP/1.1 heads as :mod:`appliance.adapters.http_front` reads and writes them: which
 requests it serves itself (:func:`parse`: an inference, ``POST
 /v2/models/<m>[/versions/<v>]/infer``, with an ordinary head), and the heads of its
-answers (:func:`answer`).
+answers (:func:`answer`), and the one head it rewrites before aiohttp reads it
+(:func:`chunked_only`: a chunked body that also names a ``Content-Length``).
 
 The rule is strict on purpose: a head is taken only when every byte of it has one
 obvious meaning (a request line of exactly that form, HTTP/1.1, well-formed header
@@ -94,6 +95,34 @@ def parse(head: bytes) -> Head | None:
         tuple(authorizations),
         keep_alive,
     )
+
+
+def chunked_only(head: bytes) -> bytes | None:
+    """A head framed twice, by ``Transfer-Encoding: chunked`` and a ``Content-Length``
+    (as Python's ``requests`` sends a chunked body it was given), rewritten to be
+    framed by the chunks alone and to close the connection after its answer: RFC 9112
+    lets a server process such a request by its Transfer-Encoding if it then closes,
+    so no second request can hide in a body the two framings disagree on. None for
+    any other head (left as it is)."""
+    fields = head.split(b"\r\n")
+    chunked = lengths = 0
+    kept = []
+    for line in fields[1:-2]:  # between the request line and the blank line
+        name, _, value = line.partition(b":")
+        key = name.strip().lower()
+        if key == b"transfer-encoding":
+            if value.strip().lower() != b"chunked":
+                return None  # another coding: aiohttp decides
+            chunked += 1
+        elif key == b"content-length":
+            lengths += 1
+            continue
+        elif key == b"connection":
+            continue
+        kept.append(line)
+    if chunked != 1 or not lengths:
+        return None
+    return b"\r\n".join([fields[0], *kept, b"Connection: close", b"", b""])
 
 
 @functools.lru_cache(maxsize=64)
