@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from appliance import bls, startup_report
-from appliance.adapters import grpc_libraries, http_api, http_front, http_limits, metrics
+from appliance.adapters import grpc_libraries, http_api, http_front, http_limits
 from appliance.adapters.access import AccessPolicy, is_loopback
 from appliance.adapters.http_drain import close_http
 from appliance.adapters.tls import http_context
@@ -35,6 +35,7 @@ from appliance.telemetry.device import Telemetry
 
 if TYPE_CHECKING:
     from appliance.adapters.grpc_server import GrpcEndpoint
+    from appliance.adapters.metrics import MetricsExporter
     from appliance.adapters.mqtt_bridge import MqttBridge
 from appliance.config.server_config import ServerConfig
 
@@ -63,15 +64,7 @@ class Server:
         self.mqtt: MqttBridge | None = None
         # what this device exposes (thermal zones, clocks, power rails...), found once
         self.telemetry = Telemetry.discover()
-        self.metrics = metrics.MetricsExporter(
-            metrics.Sources(
-                models=lambda: (mv.stats for mv in self.lifecycle.loaded()),
-                budget=self.dataplane.memory,
-                mqtt=self._mqtt_counters,
-                queued=lambda: (self.dataplane.queued.held, self.dataplane.queued.limit),
-                telemetry=self.telemetry.read,
-            )
-        )
+        self.metrics: MetricsExporter | None = None  # with the metrics endpoint only
         self._bls: bls.Binding | None = None
         self.http_port = 0
         self.grpc_port = 0
@@ -139,6 +132,7 @@ class Server:
         if self.config.http_port >= 0:
             await self._start_http(tls)
         if self.config.metrics_port >= 0:
+            self.metrics = self._exporter()
             mapp = web.Application()
             mapp.router.add_get("/metrics", self._render_metrics)
             self._metrics, self.metrics_port = await self._site(mapp, self.config.metrics_port)
@@ -183,9 +177,7 @@ class Server:
                     f"cannot serve gRPC on port {self.config.grpc_port}: {reason}: "
                     f"{grpc_libraries.FIX}, or grpc_port: -1",
                 ) from None
-            log.warning(
-                "gRPC endpoint off: %s: %s (or grpc_port: -1)", reason, grpc_libraries.FIX
-            )
+            log.warning("gRPC endpoint off: %s: %s (or grpc_port: -1)", reason, grpc_libraries.FIX)
             return
         self._grpc = GrpcEndpoint(
             self.dataplane,
@@ -213,7 +205,22 @@ class Server:
             return
         self.mqtt = bridge
 
+    def _exporter(self) -> MetricsExporter:
+        """The Prometheus exporter; prometheus_client loads only when metrics are served."""
+        from appliance.adapters import metrics
+
+        return metrics.MetricsExporter(
+            metrics.Sources(
+                models=lambda: (mv.stats for mv in self.lifecycle.loaded()),
+                budget=self.dataplane.memory,
+                mqtt=self._mqtt_counters,
+                queued=lambda: (self.dataplane.queued.held, self.dataplane.queued.limit),
+                telemetry=self.telemetry.read,
+            )
+        )
+
     async def _render_metrics(self, request: web.Request) -> web.Response:
+        assert self.metrics is not None  # this route exists with the exporter only
         body, content_type = self.metrics.render(request.headers.get("Accept", ""))
         return web.Response(body=body, headers={"Content-Type": content_type})
 
