@@ -31,12 +31,12 @@ from appliance.config.fields import ConfigError
 from appliance.core.dataplane import DataPlane
 from appliance.core.lifecycle import ModelLifeCycle
 from appliance.core.shared_memory import SharedMemoryRegistry
-from appliance.telemetry.device import Telemetry
 
 if TYPE_CHECKING:
     from appliance.adapters.grpc_server import GrpcEndpoint
     from appliance.adapters.metrics import MetricsExporter
     from appliance.adapters.mqtt_bridge import MqttBridge
+    from appliance.telemetry.device import Telemetry
 from appliance.config.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,7 @@ class Server:
         self._grpc: GrpcEndpoint | None = None
         self._metrics: web.AppRunner | None = None
         self.mqtt: MqttBridge | None = None
-        # what this device exposes (thermal zones, clocks, power rails...), found once
-        self.telemetry = Telemetry.discover()
+        self._telemetry: Telemetry | None = None  # found on first use: see telemetry
         self.metrics: MetricsExporter | None = None  # with the metrics endpoint only
         self._bls: bls.Binding | None = None
         self.http_port = 0
@@ -205,6 +204,17 @@ class Server:
             return
         self.mqtt = bridge
 
+    @property
+    def telemetry(self) -> Telemetry:
+        """What this device exposes (thermal zones, clocks, power rails, GPUs through
+        NVML), found once, on first use: when the metrics endpoint starts, or never
+        (no sysfs walk, no NVML) on a server without one."""
+        if self._telemetry is None:
+            from appliance.telemetry.device import Telemetry
+
+            self._telemetry = Telemetry.discover()
+        return self._telemetry
+
     def _exporter(self) -> MetricsExporter:
         """The Prometheus exporter; prometheus_client loads only when metrics are served."""
         from appliance.adapters import metrics
@@ -249,5 +259,6 @@ class Server:
             self._bls = None
         if metrics_runner is not None:
             await metrics_runner.cleanup()
-        self.telemetry.close()
+        if self._telemetry is not None:
+            self._telemetry.close()
         log.info("stopped")

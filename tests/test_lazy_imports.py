@@ -69,7 +69,8 @@ NEVER = (
     "importlib.metadata",
 )
 GRPC = ("grpc", "google.protobuf", "tritonclient", "hpack", "appliance.adapters.grpc_server")
-METRICS = ("prometheus_client", "appliance.adapters.metrics")
+# the metrics endpoint's: the exposition and the device's telemetry (sysfs, NVML)
+METRICS = ("prometheus_client", "appliance.adapters.metrics", "appliance.telemetry.device")
 MQTT = ("paho", "appliance.adapters.mqtt_bridge")
 
 
