@@ -18,12 +18,10 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from appliance import doctor
+from appliance.cli_commands import add_doctor_parser, add_perf_parser, add_tune_parser
 from appliance.cli_parser import OneLineParser, port
 from appliance.config.server_config import ServerConfig, load_server_config
 from appliance.errors import ApplianceError, Code
-from appliance.perf import command as perf_command
-from appliance.perf import tune as tune_command
 from appliance.sdnotify import SystemdLink
 from appliance.server import Server
 from appliance.version import __version__
@@ -37,6 +35,13 @@ def _setup_logging(level: str) -> None:
         fmt = "%(asctime)s " + fmt
     logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stderr)
 
+
+# the subcommands other than serve, by the module that runs each
+TOOLS = {
+    "perf": "appliance.perf.command",
+    "tune": "appliance.perf.tune",
+    "doctor": "appliance.doctor",
+}
 
 # event loop implementations by name (uvicorn's convention): "auto" prefers uvloop,
 # whose C transports cut the per-request cost of reading large bodies
@@ -157,9 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--mqtt-broker", metavar="HOST:PORT", help="serve requests over MQTT from this broker"
     )
     ota_cli.register(sub)  # fleet, bundle, ota: see ota/cli.py
-    perf_command.add_parser(sub)
-    tune_command.add_parser(sub)
-    doctor.add_parser(sub)
+    add_perf_parser(sub)
+    add_tune_parser(sub)
+    add_doctor_parser(sub)
     return parser
 
 
@@ -180,12 +185,11 @@ def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("fleet", "bundle", "ota"):
         return ota_cli.run(args)
-    if args.command == "perf":
-        return perf_command.main(args)
-    if args.command == "tune":
-        return tune_command.main(args)
-    if args.command == "doctor":
-        return doctor.main(args)
+    if args.command in ("perf", "tune", "doctor"):
+        # their code (load generator, clients, device checks) loads only when asked for
+        runner = importlib.import_module(TOOLS[args.command])
+        status: int = runner.main(args)
+        return status
     try:
         config = load_server_config(
             args.config,

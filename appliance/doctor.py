@@ -288,22 +288,6 @@ def run_checks(
     return checks
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``appliance doctor`` on the CLI's subparsers."""
-    doctor = sub.add_parser("doctor", help="check this device: platform, engines, config, models")
-    doctor.add_argument("--config", type=Path, help="server config file (appliance.yaml)")
-    doctor.add_argument(
-        "--model-repository",
-        type=Path,
-        help="model repository to check (as serve takes it; default: the config's, else the demo)",
-    )
-    doctor.add_argument(
-        "--ota-url", help="OTA source to check for reachability (default: the config's ota.source)"
-    )
-    doctor.add_argument("--timeout", type=float, default=2.0, help="network checks (seconds)")
-    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
-
-
 def main(args: argparse.Namespace) -> int:
     checks = run_checks(args.config, args.ota_url, args.timeout, args.model_repository)
     if args.json:

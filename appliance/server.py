@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from appliance import bls, startup_report
-from appliance.adapters import grpc_libraries, http_api, http_front, http_limits, metrics
+from appliance.adapters import grpc_libraries, http_api, http_front, http_limits
 from appliance.adapters.access import AccessPolicy, is_loopback
 from appliance.adapters.http_drain import close_http
 from appliance.adapters.http_vision import register as register_vision
@@ -35,13 +35,13 @@ from appliance.core.lifecycle import ModelLifeCycle
 from appliance.core.shared_memory import SharedMemoryRegistry
 from appliance.errors import ApplianceError
 from appliance.streams.manager import Streams
-from appliance.streams.metrics import StreamsCollector
-from appliance.telemetry.device import Telemetry
 from appliance.vision.detector import Detectors
 
 if TYPE_CHECKING:
     from appliance.adapters.grpc_server import GrpcEndpoint
+    from appliance.adapters.metrics import MetricsExporter
     from appliance.adapters.mqtt_bridge import MqttBridge
+    from appliance.telemetry.device import Telemetry
 from appliance.config.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -67,24 +67,12 @@ class Server:
         self._grpc: GrpcEndpoint | None = None
         self._metrics: web.AppRunner | None = None
         self.mqtt: MqttBridge | None = None
-        # what this device exposes (thermal zones, clocks, power rails...), found once
-        self.telemetry = Telemetry.discover()
-        self.metrics = metrics.MetricsExporter(
-            metrics.Sources(
-                models=lambda: (mv.stats for mv in self.lifecycle.loaded()),
-                budget=self.dataplane.memory,
-                mqtt=self._mqtt_counters,
-                queued=lambda: (self.dataplane.queued.held, self.dataplane.queued.limit),
-                telemetry=self.telemetry.read,
-            )
-        )
+        self._telemetry: Telemetry | None = None  # found on first use: see telemetry
+        self.metrics: MetricsExporter | None = None  # with the metrics endpoint only
         self._bls: bls.Binding | None = None
         self.vision = Detectors(self.dataplane, config.vision) if config.vision else None
         self.streams = Streams(self.vision, config.mqtt)  # camera streams (docs/vision.md)
         self._reloads: set[asyncio.Task[None]] = set()
-        self.metrics.registry.register(
-            StreamsCollector(lambda: list(self.streams.running.values()))
-        )
         self.http_port = 0
         self.grpc_port = 0
         self.metrics_port = 0
@@ -152,6 +140,12 @@ class Server:
         if self.config.http_port >= 0:
             await self._start_http(tls)
         if self.config.metrics_port >= 0:
+            from appliance.streams.metrics import StreamsCollector
+
+            self.metrics = self._exporter()
+            self.metrics.registry.register(
+                StreamsCollector(lambda: list(self.streams.running.values()))
+            )
             mapp = web.Application()
             mapp.router.add_get("/metrics", self._render_metrics)
             self._metrics, self.metrics_port = await self._site(mapp, self.config.metrics_port)
@@ -197,9 +191,7 @@ class Server:
                     f"cannot serve gRPC on port {self.config.grpc_port}: {reason}: "
                     f"{grpc_libraries.FIX}, or grpc_port: -1",
                 ) from None
-            log.warning(
-                "gRPC endpoint off: %s: %s (or grpc_port: -1)", reason, grpc_libraries.FIX
-            )
+            log.warning("gRPC endpoint off: %s: %s (or grpc_port: -1)", reason, grpc_libraries.FIX)
             return
         self._grpc = GrpcEndpoint(
             self.dataplane,
@@ -243,7 +235,33 @@ class Server:
         self._reloads.add(task)
         task.add_done_callback(self._reloads.discard)
 
+    @property
+    def telemetry(self) -> Telemetry:
+        """What this device exposes (thermal zones, clocks, power rails, GPUs through
+        NVML), found once, on first use: when the metrics endpoint starts, or never
+        (no sysfs walk, no NVML) on a server without one."""
+        if self._telemetry is None:
+            from appliance.telemetry.device import Telemetry
+
+            self._telemetry = Telemetry.discover()
+        return self._telemetry
+
+    def _exporter(self) -> MetricsExporter:
+        """The Prometheus exporter; prometheus_client loads only when metrics are served."""
+        from appliance.adapters import metrics
+
+        return metrics.MetricsExporter(
+            metrics.Sources(
+                models=lambda: (mv.stats for mv in self.lifecycle.loaded()),
+                budget=self.dataplane.memory,
+                mqtt=self._mqtt_counters,
+                queued=lambda: (self.dataplane.queued.held, self.dataplane.queued.limit),
+                telemetry=self.telemetry.read,
+            )
+        )
+
     async def _render_metrics(self, request: web.Request) -> web.Response:
+        assert self.metrics is not None  # this route exists with the exporter only
         body, content_type = self.metrics.render(request.headers.get("Accept", ""))
         return web.Response(body=body, headers={"Content-Type": content_type})
 
@@ -273,5 +291,6 @@ class Server:
             self._bls = None
         if metrics_runner is not None:
             await metrics_runner.cleanup()
-        self.telemetry.close()
+        if self._telemetry is not None:
+            self._telemetry.close()
         log.info("stopped")

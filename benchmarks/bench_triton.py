@@ -7,12 +7,23 @@ A benchmark, not a test. One command::
 
 It lays out Triton 2.51 from the ``nvidia-pytriton`` wheel and perf_analyzer from the
 ``perf-analyzer`` wheel (``triton_layout.py``; cached after the first run, or
-``--perf-analyzer PATH``), writes the same two models for both servers (the
+``--perf-analyzer PATH``), writes the same two models for every server (the
 256-1024-1024-10 MLP and Triton's ``simple`` INT32 add/sub, ``max_batch_size: 8``,
 dynamic batching with the same queue delay, one instance, the same ONNX Runtime
-threads; on Triton each is a Python-backend model running the ONNX file with ONNX
-Runtime in-process), starts both servers and runs perf_analyzer (batch 1) against
-each in turn, ABBA order at every point (Triton, appliance, appliance, Triton, ...).
+threads), starts the servers and runs perf_analyzer (batch 1) against each in turn,
+ABC..CBA order at every point (Triton, appliance, appliance, Triton, ...).
+
+Which Triton: the wheel has only Triton's Python backend, so by default Triton runs
+each model as a Python-backend model calling ONNX Runtime in-process (a stub process
+and a shared-memory hop per request): the report calls it "Triton (Python backend)".
+Triton as deployed serves ONNX with its native ONNX Runtime backend
+(``libtriton_onnxruntime.so``), which the wheel lacks. ``--triton-backend-dir DIR``
+names a folder holding ``onnxruntime/libtriton_onnxruntime.so`` (with its
+``libonnxruntime.so``), a backend you built from Triton's onnxruntime_backend sources
+at the branch of the wheel's Triton (r24.10 for 2.51); the same ``tritonserver`` then
+also serves the models with it (``platform: "onnxruntime_onnx"``, ``--backend-directory
+DIR``), and the report has all three servers side by side. Nothing here builds
+Triton's code.
 
 Per run: throughput, p50 and p99 latency (perf_analyzer's), server CPU per request
 (utime+stime of the whole server process tree over the run, Triton's stub processes
@@ -34,7 +45,6 @@ import datetime
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,6 +57,7 @@ from typing import Any
 import triton_layout
 from machine import describe
 from probes import free_port
+from triton_report import LABELS, report
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -65,7 +76,7 @@ POINTS = [
 ]
 
 CONFIG = """\
-name: "{name}"
+name: "{name}"{platform}
 backend: "{backend}"
 max_batch_size: 8
 input [
@@ -91,11 +102,12 @@ def _tensors(rows: list[tuple[str, str, int]]) -> str:
     return ",\n".join(f'  {{ name: "{n}", data_type: {t}, dims: [ {d} ] }}' for n, t, d in rows)
 
 
-def write_repositories(work: Path, threads: int, delay_us: int) -> tuple[Path, Path]:
-    """The same models for both servers: (appliance repository, Triton repository)."""
+def write_repositories(work: Path, threads: int, delay_us: int) -> tuple[Path, Path, Path]:
+    """The same models for every server: (appliance repository, Triton Python-backend
+    repository, Triton native ONNX Runtime backend repository)."""
     graphs = {"mlp": modelgen.mlp(256, 1024, 10), "simple": modelgen.simple_add_sub()}
-    repos = work / "appliance", work / "triton"
-    for repo, backend in zip(repos, ("onnxruntime", "python"), strict=True):
+    repos = work / "appliance", work / "triton", work / "triton-ort"
+    for repo, backend in zip(repos, ("onnxruntime", "python", "native"), strict=True):
         for name, graph in graphs.items():
             (repo / name / "1").mkdir(parents=True)
             (repo / name / "1" / "model.onnx").write_bytes(graph)
@@ -103,7 +115,8 @@ def write_repositories(work: Path, threads: int, delay_us: int) -> tuple[Path, P
             (repo / name / "config.pbtxt").write_text(
                 CONFIG.format(
                     name=name,
-                    backend=backend,
+                    platform='\nplatform: "onnxruntime_onnx"' if backend == "native" else "",
+                    backend="onnxruntime" if backend == "native" else backend,
                     inputs=_tensors(ins),
                     outputs=_tensors(outs),
                     delay=delay_us,
@@ -122,6 +135,7 @@ class Server:
     proc: subprocess.Popen[bytes]
     http: int
     grpc: int
+    ready_s: float
 
     def url(self, protocol: str) -> str:
         return f"127.0.0.1:{self.http if protocol == 'http' else self.grpc}"
@@ -151,8 +165,9 @@ def start(
             url = f"http://127.0.0.1:{http}/v2/health/ready"
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
-                    print(f"{name} ready in {time.monotonic() - t0:.2f} s", file=sys.stderr)
-                    return Server(name, proc, http, grpc)
+                    ready = time.monotonic() - t0
+                    print(f"{name} ready in {ready:.2f} s", file=sys.stderr)
+                    return Server(name, proc, http, grpc, ready)
         except OSError:
             pass
         time.sleep(0.1)
@@ -160,11 +175,13 @@ def start(
     raise SystemExit(f"{name} not ready after 180 s: {log.read_text()[-3000:]}")
 
 
-def tree_cpu(pid: int) -> float:
-    """utime+stime (s) of ``pid`` and every live descendant."""
+def tree_cpu(pid: int, rss: bool = False) -> float:
+    """utime+stime (s) of ``pid`` and every live descendant (``rss``: their resident
+    memory in MiB instead)."""
     parent: dict[int, int] = {}
     own: dict[int, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
+    pages = os.sysconf("SC_PAGE_SIZE") / 2**20
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -173,7 +190,8 @@ def tree_cpu(pid: int) -> float:
         except OSError:
             continue
         parent[int(entry.name)] = int(fields[1])
-        own[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+        cpu = (int(fields[11]) + int(fields[12])) / tick
+        own[int(entry.name)] = int(fields[21]) * pages if rss else cpu
     total = 0.0
     for p, cpu in own.items():
         q = p
@@ -277,7 +295,14 @@ def main() -> int:
     ap.add_argument("--interval-ms", type=int, default=2000, help="perf_analyzer window")
     ap.add_argument("--threads", type=int, default=1, help="ONNX Runtime intra-op threads")
     ap.add_argument("--queue-delay-us", type=int, default=100)
-    ap.add_argument("--only", choices=["appliance", "triton"], help="measure one server")
+    ap.add_argument("--only", choices=list(LABELS), help="measure one server")
+    ap.add_argument(
+        "--triton-backend-dir",
+        type=Path,
+        help="folder with onnxruntime/libtriton_onnxruntime.so (built by you from Triton's "
+        "onnxruntime_backend sources): also measure Triton with its native ONNX Runtime "
+        "backend",
+    )
     ap.add_argument("--label", default="", help="a name for this tree in the report")
     ap.add_argument("--py-spy", type=Path, help="record py-spy profiles of the appliance here")
     args = ap.parse_args()
@@ -287,19 +312,29 @@ def main() -> int:
     machine = describe("onnxruntime", "grpcio", "aiohttp", "numpy")
     pa = args.perf_analyzer.split() if args.perf_analyzer else triton_layout.perf_analyzer()
     triton = triton_layout.Triton()
+    native = triton_layout.native_backends(args.triton_backend_dir)
+    wanted = [n for n in LABELS if (args.only or n) == n and (n != "triton-ort" or native)]
+    if not wanted:
+        raise SystemExit("--only triton-ort needs --triton-backend-dir")
+    idle: dict[str, tuple[float, float]] = {}
     servers: list[Server] = []
     results: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-triton-") as tmp:
         work = Path(tmp)
-        ours, theirs = write_repositories(work, args.threads, args.queue_delay_us)
+        ours, theirs, native_repo = write_repositories(work, args.threads, args.queue_delay_us)
         try:
-            if args.only != "appliance":
+            for name, repo, backends in (
+                ("triton-ort", native_repo, native),
+                ("triton", theirs, None),
+            ):
+                if name not in wanted:
+                    continue
                 h, g, m = free_port(), free_port(), free_port()
                 servers.append(
-                    start("triton", triton.command(theirs, h, g, m), triton.env(), h, g,
-                          work / "triton.log")
+                    start(name, triton.command(repo, h, g, m, backends), triton.env(backends),
+                          h, g, work / f"{name}.log")
                 )  # fmt: skip
-            if args.only != "triton":
+            if "appliance" in wanted:
                 h, g, m = free_port(), free_port(), free_port()
                 cmd = [
                     sys.executable, "-m", "appliance", "serve",
@@ -309,6 +344,8 @@ def main() -> int:
                 ]  # fmt: skip
                 env = {**os.environ, "PYTHONPATH": str(ROOT)}
                 servers.append(start("appliance", cmd, env, h, g, work / "appliance.log"))
+            time.sleep(3.0)  # idle, then each server's resident memory
+            idle.update({s.name: (s.ready_s, tree_cpu(s.proc.pid, rss=True)) for s in servers})
             for point in points:
                 order = []
                 for r in range(args.repeats):
@@ -326,7 +363,7 @@ def main() -> int:
                     s.proc.wait(30)
                 except subprocess.TimeoutExpired:
                     s.proc.kill()
-    text = report(machine, results, args, pa)
+    text = report(machine, results, args, pa, idle)
     print(text)
     tag = "".join(c if c.isalnum() else "-" for c in args.label.split()[0]) if args.label else ""
     name = f"{datetime.date.today()}-triton{'-' + tag if tag else ''}.md"
@@ -334,74 +371,6 @@ def main() -> int:
     out.write_text(text)
     print(f"written to {out}", file=sys.stderr)
     return 0
-
-
-def report(
-    machine: dict[str, str],
-    results: dict[tuple[str, str, int], list[dict[str, Any]]],
-    args: Any,
-    pa: list[str],
-) -> str:
-    lines = [
-        f"# The appliance against Triton 2.51 ({datetime.date.today()}) {args.label}".rstrip(),
-        "",
-        "`python benchmarks/bench_triton.py " + " ".join(sys.argv[1:]) + "`",
-        "",
-        "| | |",
-        "|---|---|",
-        *[f"| {k} | {v} |" for k, v in machine.items()],
-        f"| perf_analyzer | `{Path(pa[-1]).name}` ({triton_layout.PERF_ANALYZER}) |",
-        f"| Triton | {triton_layout.PYTRITON} (tritonserver 2.51, Python backend + ONNX Runtime) |",
-        f"| models | max_batch_size 8, dynamic batching, {args.queue_delay_us} us queue delay, "
-        f"1 instance, {args.threads} ONNX Runtime thread(s); batch 1 per request |",
-        "",
-        "Medians over the runs of each point (every run is listed below). CPU: utime+stime "
-        "of the server's process tree per request; batch: inferences per execution; "
-        "others: the load of every other process on the machine during the runs, in cores.",
-        "",
-        "| model / protocol / concurrency | Triton infer/s, p50, p99 ms, CPU ms/req, batch "
-        "| appliance infer/s, p50, p99 ms, CPU ms/req, batch | appliance / Triton "
-        "| others (cores) |",
-        "|---|---|---|---|---|",
-    ]
-
-    def med(rows: list[dict[str, Any]], key: str) -> float:
-        return statistics.median(r[key] for r in rows) if rows else float("nan")
-
-    for (model, protocol, c), rows in results.items():
-        cells = []
-        by = {}
-        for name in ("triton", "appliance"):
-            mine = [r for r in rows if r["server"] == name]
-            by[name] = med(mine, "infer_s")
-            cells.append(
-                "-" if not mine else
-                f"{med(mine, 'infer_s'):,.0f}, {med(mine, 'p50_ms'):.2f}, "
-                f"{med(mine, 'p99_ms'):.2f}, {med(mine, 'cpu_ms'):.3f}, {med(mine, 'batch'):.2f}"
-            )  # fmt: skip
-        ratio = by["appliance"] / by["triton"] if by["triton"] == by["triton"] else float("nan")
-        others = max(r["others_cores"] for r in rows)
-        lines.append(
-            f"| {model}, {protocol.upper() if protocol == 'http' else 'gRPC'}, {c} "
-            f"| {cells[0]} | {cells[1]} | {ratio:.2f} | {others:.2f} |"
-        )
-    lines += [
-        "",
-        "Every run, in the order taken:",
-        "",
-        "| point | server | infer/s | p50 ms | p99 ms | CPU ms/req | client CPU ms/req | batch "
-        "| others (cores) | load average |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for (model, protocol, c), rows in results.items():
-        for r in rows:
-            lines.append(
-                f"| {model} {protocol} c={c} | {r['server']} | {r['infer_s']:,.0f} | "
-                f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['cpu_ms']:.3f} | "
-                f"{r['client_ms']:.3f} | {r['batch']:.2f} | "
-                f"{r['others_cores']:.2f} | {r['uptime']} |"
-            )
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

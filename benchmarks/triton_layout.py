@@ -5,7 +5,9 @@ Triton: release 2.51 is the ``tritonserver`` binary inside the ``nvidia-pytriton
 0.7.0 wheel, with its libraries (``nvidia_pytriton.libs``), the Python backend and a
 Python backend stub per Python version. The wheel carries no ONNX Runtime backend, so
 an ONNX model runs there as a Python-backend model calling ONNX Runtime in-process
-(:func:`python_model`). It serves on the CPU (it logs that there is no CUDA driver).
+(:func:`python_model`), unless the user brings Triton's native ONNX Runtime backend,
+built from its sources (:func:`native_backends`). It serves on the CPU (it logs that
+there is no CUDA driver).
 
 perf_analyzer: the ``perf-analyzer`` wheel. Its binary needs glibc 2.38; on an older
 system (Debian 12 has 2.36) it runs through Debian 13's loader and C/C++ runtime,
@@ -75,11 +77,15 @@ class Triton:
             shutil.copy(stub, target)
             target.chmod(0o755)
 
-    def command(self, repository: Path, http: int, grpc: int, metrics: int) -> list[str]:
+    def command(
+        self, repository: Path, http: int, grpc: int, metrics: int, backends: Path | None = None
+    ) -> list[str]:
+        """``backends``: a backend directory of the user's (:func:`native_backends`);
+        default the wheel's, which has the Python backend only."""
         return [
             str(self.binary),
             f"--model-repository={repository}",
-            f"--backend-directory={self.backends}",
+            f"--backend-directory={backends or self.backends}",
             f"--http-port={http}",
             f"--grpc-port={grpc}",
             f"--metrics-port={metrics}",
@@ -88,17 +94,37 @@ class Triton:
             "--exit-timeout-secs=5",
         ]
 
-    def env(self) -> dict[str, str]:
+    def env(self, backends: Path | None = None) -> dict[str, str]:
         """The running Python's libpython for the stub, and its packages (numpy, ONNX
-        Runtime) on the stub's path: the Python models run the same ONNX Runtime."""
+        Runtime) on the stub's path: the Python models run the same ONNX Runtime.
+        ``backends``: a native backend directory, whose ``onnxruntime`` folder (the
+        backend and the ``libonnxruntime.so`` it was built with) joins the library path."""
         libdir = sysconfig.get_config_var("LIBDIR") or ""
-        paths = [str(self.libs), libdir, os.environ.get("LD_LIBRARY_PATH", "")]
+        own = [str(backends / "onnxruntime")] if backends else []
+        paths = [*own, str(self.libs), libdir, os.environ.get("LD_LIBRARY_PATH", "")]
         site = [p for p in sys.path if p.endswith("site-packages")]
         return {
             **os.environ,
             "LD_LIBRARY_PATH": ":".join(p for p in paths if p),
             "PYTHONPATH": ":".join(site),
         }
+
+
+def native_backends(folder: Path | None) -> Path | None:
+    """A backend directory holding Triton's native ONNX Runtime backend, which the
+    user built from Triton's public onnxruntime_backend sources (this project neither
+    ships nor builds it); None when not given. Exits naming what is missing."""
+    if folder is None:
+        return None
+    folder = folder.resolve()
+    library = folder / "onnxruntime" / "libtriton_onnxruntime.so"
+    if not library.is_file():
+        raise SystemExit(
+            f"--triton-backend-dir {folder}: no {library.relative_to(folder)} in it (build "
+            "Triton's onnxruntime_backend at the branch of Triton 2.51, r24.10, and point "
+            "here at its install folder's backends/)"
+        )
+    return folder
 
 
 PYTHON_MODEL = '''\

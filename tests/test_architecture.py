@@ -16,6 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "appliance.cli",
         "appliance.cli_parser",
+        "appliance.cli_commands",
         "appliance.__main__",
         "appliance.doctor",
         "appliance.doctor_check",

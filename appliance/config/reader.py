@@ -6,8 +6,6 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-import yaml
-
 from appliance.config.fields import ConfigError
 from appliance.config.model_config import ModelConfig, parse_model_config
 from appliance.config.triton_config import pbtxt_to_dict
@@ -44,11 +42,15 @@ def parse_config_text(text: str, filename: str, model: str, source: str) -> Mode
     for a bundle's config before it is built, published or installed. ConfigError for
     anything wrong, including YAML nested beyond Python's recursion limit."""
     try:
-        pbtxt = filename.endswith(".pbtxt")
-        data = pbtxt_to_dict(text, source) if pbtxt else yaml.safe_load(text)
+        if filename.endswith(".pbtxt"):
+            return parse_model_config(pbtxt_to_dict(text, source), model, source)
+        import yaml  # loaded only when a model's config is YAML
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(source, "", f"not valid YAML: {exc}") from None
         return parse_model_config(data, model, source)
-    except yaml.YAMLError as exc:
-        raise ConfigError(source, "", f"not valid YAML: {exc}") from None
     except RecursionError:
         raise ConfigError(source, "", "nested too deeply to be a model config") from None
 

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from appliance.config.fields import (
     ConfigError,
     Fields,
@@ -103,6 +101,8 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
     source = str(path) if path else "<command line>"
     data: dict[str, Any] = {}
     if path is not None:
+        import yaml  # loaded only when there is a config file
+
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except OSError as exc:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import pathlib
 import subprocess
 import sys
 from collections.abc import Callable
@@ -27,7 +26,6 @@ from appliance.perf import report, throttle
 from appliance.perf.httpclient import Admin
 from appliance.perf.plan import Settings, new_loop, plan_loads, prepare
 from appliance.perf.runner import Point, StatsReader, measure, parse_range
-from appliance.perf.transports import TRANSPORTS
 from appliance.perf.workers import Fleet
 from appliance.perf.workload import parse_shapes
 
@@ -123,48 +121,6 @@ def _show(table: report.LiveTable | None, p: Point) -> Point:
     if table is not None:
         table.row(p)
     return p
-
-
-def add_parser(sub: Any) -> None:
-    """Register ``perf`` on the ``appliance`` command's subparsers."""
-    p = sub.add_parser("perf", help="measure throughput and latency of a KServe v2 server")
-    p.add_argument("-m", "--model", help="model name (default with --ceiling: trivial)")
-    p.add_argument("-x", "--model-version", default="", help="version (default: the server's)")
-    p.add_argument("-u", "--url", default="127.0.0.1:8000", help="HTTP host:port")
-    p.add_argument("-i", "--transport", choices=TRANSPORTS, default="http", help="how to call")
-    p.add_argument("--grpc-url", default="", help="gRPC host:port (default: -u's host, 8001)")
-    p.add_argument("--metrics-url", default="", help="metrics host:port (default: -u's host, 8002)")
-    p.add_argument("--mqtt-broker", default="127.0.0.1:1883", help="MQTT broker host:port")
-    p.add_argument("--mqtt-prefix", default="appliance", help="the appliance's topic prefix")
-    p.add_argument("--mqtt-device", default="", help="the appliance's MQTT device id")
-    p.add_argument("--model-repository", type=pathlib.Path, help="-i inprocess: repository to load")
-    p.add_argument("-b", "--batch-size", type=int, default=1, help="rows per request")
-    load = p.add_mutually_exclusive_group()
-    load.add_argument("--concurrency", default="1", help="closed loop: N, a,b, a:b:step, a:b:2x")
-    load.add_argument("--request-rate", help="open loop (Poisson), requests/s: same syntax")
-    p.add_argument("--warmup", type=float, default=2.0, help="seconds before each window")
-    p.add_argument("--duration", type=float, default=5.0, help="measured seconds per point")
-    p.add_argument(
-        "--measurement-request-count",
-        type=int,
-        default=0,
-        metavar="N",
-        help="a window also lasts until N requests sent in it completed (0: time only)",
-    )
-    p.add_argument(
-        "--input-data", choices=("random", "zeros", "files"), default="random", help="tensors"
-    )
-    p.add_argument("--input-files", type=pathlib.Path, help="file or folder for --input-data files")
-    p.add_argument("--json-data", action="store_true", help="-i http: send JSON, not binary")
-    p.add_argument("--shape", action="append", default=[], help="NAME:d1,d2 (no batch dim)")
-    p.add_argument("--token", default="", help="bearer token for the server")
-    p.add_argument("--max-outstanding", type=int, default=256, help="open loop: cap")
-    p.add_argument("--csv", type=pathlib.Path, help="write the points as CSV")
-    p.add_argument("--json", type=pathlib.Path, help="write settings, machine and points as JSON")
-    p.add_argument("--plot", type=pathlib.Path, help="latency-throughput PNG (needs matplotlib)")
-    p.add_argument("--processes", type=int, default=1, help="load-generating processes")
-    p.add_argument("--quiet", action="store_true", help="no live table")
-    p.add_argument("--ceiling", action="store_true", help="measure the load generator itself")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

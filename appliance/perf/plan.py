@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from appliance.cli_commands import TRANSPORTS
 from appliance.errors import invalid
 from appliance.perf.httpclient import Admin, model_path
 from appliance.perf.transports import (
-    TRANSPORTS,
     GrpcTransport,
     HttpTransport,
     InProcessTransport,

@@ -41,7 +41,6 @@ from appliance.perf.httpclient import (
 )
 from appliance.perf.workload import TensorSpec
 
-TRANSPORTS = ("http", "grpc", "shm", "mqtt", "inprocess")
 MQTT_REPLY_TIMEOUT_S = 30.0  # a request the bridge never answers counts as an error
 _runs = itertools.count()  # shared-memory region names unique within the process
 Samples = Sequence[Mapping[str, np.ndarray]]

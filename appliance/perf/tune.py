@@ -31,6 +31,7 @@ from urllib.parse import quote
 import orjson
 import yaml
 
+from appliance.cli_commands import PREFERRED
 from appliance.config.fields import parse_limit
 from appliance.config.triton_config import dict_to_pbtxt
 from appliance.core.instances import cpu_share
@@ -40,7 +41,6 @@ from appliance.perf.httpclient import Admin, model_path
 from appliance.perf.runner import Point, parse_range
 
 GROWTH = 1.05  # another instance must add 5 % throughput to be worth its memory
-PREFERRED = ("none", "max", "pow2")
 
 
 @dataclass
@@ -266,36 +266,6 @@ def render(cfg: dict[str, Any], fmt: str, comment: str) -> str:
     if fmt == "pbtxt":  # protobuf and Triton's schema only: no grpcio needed
         return f"# {comment}\n" + dict_to_pbtxt(cfg, ignore_unknown=True)
     return f"# {comment}\n" + yaml.safe_dump(cfg, sort_keys=False)
-
-
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("tune", help="search a faster config for a model on the live server")
-    p.add_argument("model", help="the loaded model to tune")
-    p.add_argument("-u", "--url", default="127.0.0.1:8000", help="the server's HTTP host:port")
-    p.add_argument("--token", default="", help="admin bearer token (loads configs)")
-    p.add_argument("--backends", default="", help="e.g. onnxruntime,openvino (default: its own)")
-    p.add_argument("--max-batch-sizes", default="", help="e.g. 1,8,32 (default: its own)")
-    p.add_argument("--queue-delays-us", default="", help="e.g. 0,500,2000 (default: its own)")
-    p.add_argument("--preferred", default="max", help=f"preferred sizes: {', '.join(PREFERRED)}")
-    p.add_argument("--max-instances", type=int, default=2, help="most instances to try")
-    p.add_argument("--memory-budget", help="most memory a config may use, e.g. 256MiB")
-    p.add_argument("--p99-ms", type=float, help="objective: p99 latency at most this")
-    p.add_argument("--min-throughput", type=float, help="objective: infer/s at least this")
-    p.add_argument("--concurrency", type=int, default=8, help="closed-loop load per trial")
-    p.add_argument("-b", "--batch-size", type=int, default=1, help="rows per request")
-    p.add_argument("-i", "--transport", choices=("http", "grpc"), default="http", help="wire")
-    p.add_argument("--warmup", type=float, default=1.0, help="seconds before each trial")
-    p.add_argument("--duration", type=float, default=3.0, help="measured seconds per trial")
-    p.add_argument(
-        "--measurement-request-count",
-        type=int,
-        default=0,
-        metavar="N",
-        help="a trial's window also lasts until N requests sent in it completed",
-    )
-    p.add_argument("--output", type=Path, help="file for the winning config (.yaml or .pbtxt)")
-    p.add_argument("--json", type=Path, help="every trial as JSON")
-    p.add_argument("--apply", action="store_true", help="load the winner on the server")
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from PIL import Image
 
 from appliance.config.model_config import ModelConfig
 from appliance.config.vision_config import DetectorConfig, VisionConfig
@@ -23,6 +22,9 @@ from appliance.core.dataplane import DataPlane
 from appliance.errors import invalid, not_found
 from appliance.request import InferenceRequest
 from appliance.vision import image, yolo
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 DATATYPES = ("FP32", "FP16", "UINT8")
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 import io
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from PIL import Image
 
 from appliance.errors import invalid
+
+if TYPE_CHECKING:  # Pillow loads with the first image: a server without vision never does
+    from PIL import Image
 
 FORMATS = ("JPEG", "PNG", "BMP", "WEBP")  # what an upload may be
 PAD = 114  # the grey Ultralytics pads with
@@ -45,6 +48,8 @@ def decode(data: bytes | bytearray | memoryview, max_pixels: int) -> Image.Image
     """An uploaded image as RGB. Refused (INVALID_ARG) when it is not an image of
     :data:`FORMATS`, when its header declares more than ``max_pixels`` (before it is
     decoded), or when its data is broken."""
+    from PIL import Image
+
     if not data:
         raise invalid("the 'image' field is empty")
     try:
@@ -76,6 +81,8 @@ def fit(frame: Image.Image | np.ndarray, size: int, letterbox: str) -> tuple[np.
     """``frame`` (RGB) scaled to fit a ``size`` square, keeping its aspect, and padded
     (centered, or right and bottom with ``corner``): the HWC uint8 input and its
     :class:`Fit`."""
+    from PIL import Image
+
     image = frame if isinstance(frame, Image.Image) else Image.fromarray(frame, "RGB")
     width, height = image.size
     scale = min(size / width, size / height)
