@@ -18,14 +18,17 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import urllib3
 
-from ota import software
+from ota import abinstall, software
+from ota.config import OtaConfig
 from tests.mosquitto import wait_until
-from tests.ota_device import ROOT
+from tests.ota_device import ROOT, Device
+from tests.ota_helpers import Fleet
 
 BROKEN = """
 
@@ -196,3 +199,39 @@ class Supervisor:
 
         wait_until(ready, timeout_s, "the supervised server to be ready")
         return found[-1]
+
+
+@dataclass
+class Site:
+    fleet: Fleet
+    device: Device
+    supervisor: Supervisor
+    work: Path
+    cfg: OtaConfig
+    patch: int = 1  # the last published release is 0.1.<patch>
+
+    @property
+    def layout(self) -> abinstall.Layout:
+        return abinstall.Layout(self.cfg)
+
+    @property
+    def committed(self) -> str:
+        return str(self.layout.load()["committed"])
+
+    def publish(self, broken: bool = False, **kw: str) -> str:
+        self.patch += 1
+        version = f"0.1.{self.patch}"
+        from ota import repo
+        from ota.rollout import Rollout
+
+        repo.publish(self.fleet.repo, self.fleet.keys, release(self.work, version, broken, **kw),
+                     Rollout())  # fmt: skip
+        return version
+
+    def agrees(self, version: str) -> None:
+        """The state, the link and the server agree on ``version``; no job left."""
+        doc = self.layout.load()
+        assert doc["job"] is None, doc
+        assert (doc["committed"], self.layout.linked()) == (version, version)
+        assert self.supervisor.version() == version
+        assert self.device.version() == "1"  # and the model still serves

@@ -12,8 +12,13 @@ from typing import Any
 
 import pytest
 
+from ota import abinstall, software
+from ota import config as ota_config
+from ota.agent import Agent
 from tests.mosquitto import Broker, require_mosquitto
+from tests.ota_device import Device
 from tests.ota_helpers import Fleet, LocalDevice, start_fleet
+from tests.ota_software import Site, Supervisor, release
 
 
 @pytest.fixture
@@ -74,3 +79,35 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[..., Path]]:
     for where in reversed(mounted):
         with contextlib.suppress(subprocess.SubprocessError):
             subprocess.run(["umount", "-l", str(where)], check=True, capture_output=True)
+
+
+# one software device and repository per module that asks for it (tests/ota_software.py)
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    tmp = tmp_path_factory.mktemp("software")
+    fleet = start_fleet(tmp / "fleet")
+    device = Device(
+        tmp, fleet.server.url, fleet.repo / "metadata" / "1.root.json",
+        restart_command=Supervisor.command(tmp), system_site_packages=True,
+        software_ready_timeout_s=60,
+    )  # fmt: skip
+    cfg = ota_config.load(device.config)
+    supervisor = Supervisor(cfg.state_dir / "software", device.config, device.url)
+    assert supervisor.folder == tmp
+    work = tmp / "work"
+    work.mkdir()
+    try:
+        # the image: version 0.1.1 installed the way the agent installs, and linked
+        first = release(work, "0.1.1")
+        lay = abinstall.Layout(cfg)
+        abinstall.install_env(lay, first, software.read(first, 1 << 30))
+        lay.flip("0.1.1")
+        lay.save({"committed": "0.1.1", "job": None, "bad": []})
+        supervisor.start()
+        assert supervisor.version() == "0.1.1"
+        fleet.publish(1)
+        assert Agent(cfg).run_once()  # a model, as every device has
+        yield Site(fleet, device, supervisor, work, cfg)
+    finally:
+        supervisor.stop()
+        fleet.server.stop()

@@ -3,12 +3,12 @@ published to a real TUF repository on a local HTTP server, installed A/B on a de
 laid out as the image lays it out (a venv per version under the state folder, one
 ``current`` link, a supervisor that runs the server from ``current`` and honours the
 restart command), committed when the new server comes up READY with its models, and
-rolled back when it cannot start. kill -9 of the agent at every software phase, with
-and without the server killed too, converges on one version: the state's, the
-link's and the one that answers.
+rolled back when it cannot start (kill -9 at every software phase:
+tests/ota/test_ota_software_crash.py).
 
-One device and one repository for the module (a server start and a venv cost
-seconds): each case publishes the next version.
+One device and one repository for the module (the ``site`` fixture of
+tests/ota/conftest.py: a server start and a venv cost seconds): each case publishes
+the next version.
 """
 
 from __future__ import annotations
@@ -17,57 +17,14 @@ import hashlib
 import json
 import re
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from ota import OtaError, abinstall, controls, devicekey, report, software
-from ota import config as ota_config
+from ota import OtaError, controls, devicekey, report, software
 from ota.agent import Agent
-from ota.config import OtaConfig
 from ota.state import StateFile
-from tests.ota_device import Device, appliance, cli
-from tests.ota_helpers import Fleet, start_fleet
-from tests.ota_software import Supervisor, release
-
-
-@dataclass
-class Site:
-    fleet: Fleet
-    device: Device
-    supervisor: Supervisor
-    work: Path
-    cfg: OtaConfig
-    patch: int = 1  # the last published release is 0.1.<patch>
-
-    @property
-    def layout(self) -> abinstall.Layout:
-        return abinstall.Layout(self.cfg)
-
-    @property
-    def committed(self) -> str:
-        return str(self.layout.load()["committed"])
-
-    def publish(self, broken: bool = False, **kw: str) -> str:
-        self.patch += 1
-        version = f"0.1.{self.patch}"
-        from ota import repo
-        from ota.rollout import Rollout
-
-        repo.publish(self.fleet.repo, self.fleet.keys, release(self.work, version, broken, **kw),
-                     Rollout())  # fmt: skip
-        return version
-
-    def agrees(self, version: str) -> None:
-        """The state, the link and the server agree on ``version``; no job left."""
-        doc = self.layout.load()
-        assert doc["job"] is None, doc
-        assert (doc["committed"], self.layout.linked()) == (version, version)
-        assert self.supervisor.version() == version
-        assert self.device.version() == "1"  # and the model still serves
-
+from tests.ota_device import appliance, cli
+from tests.ota_software import Site
 
 PAYLOAD = ("constraints.txt", "sbom.cdx.json", "wheels/appliance-1.2.3-py3-none-any.whl")
 GOOD = {"format": 1, "kind": "software", "name": "appliance", "version": "1.2.3",
@@ -94,37 +51,6 @@ def test_a_software_manifest_is_checked_before_use(change: dict[str, object], wh
         software.parse(json.dumps({**GOOD, **change}).encode())
     with pytest.raises(OtaError, match="RecursionError"):
         software.parse(b"[" * 200_000 + b"]" * 200_000)
-
-
-@pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
-    tmp = tmp_path_factory.mktemp("software")
-    fleet = start_fleet(tmp / "fleet")
-    device = Device(
-        tmp, fleet.server.url, fleet.repo / "metadata" / "1.root.json",
-        restart_command=Supervisor.command(tmp), system_site_packages=True,
-        software_ready_timeout_s=60,
-    )  # fmt: skip
-    cfg = ota_config.load(device.config)
-    supervisor = Supervisor(cfg.state_dir / "software", device.config, device.url)
-    assert supervisor.folder == tmp
-    work = tmp / "work"
-    work.mkdir()
-    try:
-        # the image: version 0.1.1 installed the way the agent installs, and linked
-        first = release(work, "0.1.1")
-        lay = abinstall.Layout(cfg)
-        abinstall.install_env(lay, first, software.read(first, 1 << 30))
-        lay.flip("0.1.1")
-        lay.save({"committed": "0.1.1", "job": None, "bad": []})
-        supervisor.start()
-        assert supervisor.version() == "0.1.1"
-        fleet.publish(1)
-        assert Agent(cfg).run_once()  # a model, as every device has
-        yield Site(fleet, device, supervisor, work, cfg)
-    finally:
-        supervisor.stop()
-        fleet.server.stop()
 
 
 def test_a_good_release_is_committed_and_serves_the_same_models(site: Site) -> None:
@@ -190,33 +116,6 @@ def test_a_release_the_fleet_halts_during_the_install_is_withdrawn(site: Site) -
     doc = site.layout.load()
     assert doc["last"]["result"] == "withdrawn" and new not in doc["bad"]
     assert not (site.layout.envs / new).exists()
-
-
-POINTS = [
-    ("software:install", False),
-    ("software:flip", False),
-    ("software:restart", False),
-    ("software:watch", False),
-    ("software:watch", True),
-    ("software:committed", False),
-    ("software:rollback", False),
-]
-
-
-@pytest.mark.parametrize(("point", "power_cut"), POINTS,
-                         ids=[p + "+power" * c for p, c in POINTS])  # fmt: skip
-def test_killed_at_any_software_phase_converges(site: Site, point: str, power_cut: bool) -> None:
-    old = site.committed
-    broken = point == "software:rollback"
-    new = site.publish(broken=broken)
-    args = ("ota", "agent", "--once", "--config", str(site.device.config))
-    killed = appliance(*args, check=False, env={"APPLIANCE_OTA_KILL_AT": point}, timeout=300)
-    assert killed.returncode == -9, killed.stderr[-2000:]
-    if power_cut:
-        site.supervisor.power_cut()
-    again = appliance(*args, check=False, timeout=300)
-    assert again.returncode in (0, 1), again.stderr[-2000:]
-    site.agrees(old if broken else new)
 
 
 def test_a_software_release_imported_from_a_file_takes_the_same_path(site: Site) -> None:
