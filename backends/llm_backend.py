@@ -107,6 +107,7 @@ class LlmBackend:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p
         )
+        self._ended = False  # the engine's answers ended (set by the reader)
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "backends.llm_worker"],
             stdin=subprocess.PIPE,
@@ -144,7 +145,7 @@ class LlmBackend:
         frame["id"] = job_id
         request = _Request(stream, streaming, tuple(outputs), [])
         with self._lock:
-            if self._proc.poll() is not None:
+            if self._ended or self._proc.poll() is not None:
                 raise unavailable(f"model '{self._name}': the LLM engine stopped")
             self._requests[job_id] = request
             try:
@@ -199,7 +200,7 @@ class LlmBackend:
 
     def _cancel(self, job_id: int) -> None:
         with self._lock:
-            if job_id not in self._requests or self._proc.poll() is not None:
+            if job_id not in self._requests or self._ended or self._proc.poll() is not None:
                 return
             with contextlib.suppress(OSError):  # gone: the reader fails the request
                 write_frame(self._to, {"op": "cancel", "id": job_id})
@@ -215,6 +216,9 @@ class LlmBackend:
         except (OSError, ValueError) as exc:
             log.warning("model '%s': reading the LLM engine failed: %s", self._name, exc)
         with self._lock:
+            # unhealthy before any request hears of it: its pipe can close a moment
+            # before the process can be reaped
+            self._ended = True
             left, self._requests = self._requests, {}
         for request in left.values():
             request.stream.fail(unavailable(f"model '{self._name}': the LLM engine stopped"))
@@ -261,7 +265,7 @@ class LlmBackend:
     @property
     def healthy(self) -> bool:
         """False once the engine process ended: the model reports not ready."""
-        return self._proc.poll() is None
+        return not self._ended and self._proc.poll() is None
 
     def memory_usage(self) -> MemoryUsage:
         """The engine process's resident memory plus its whole KV cache."""
