@@ -22,10 +22,10 @@ from appliance.cli_commands import add_doctor_parser, add_perf_parser, add_tune_
 from appliance.cli_parser import OneLineParser, port
 from appliance.config.server_config import ServerConfig, load_server_config
 from appliance.errors import ApplianceError, Code
+from appliance.ota import cli as ota_cli
 from appliance.sdnotify import SystemdLink
 from appliance.server import Server
 from appliance.version import __version__
-from ota import cli as ota_cli
 
 
 def _setup_logging(level: str) -> None:
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--mqtt-broker", metavar="HOST:PORT", help="serve requests over MQTT from this broker"
     )
-    ota_cli.register(sub)  # fleet, bundle, ota: see ota/cli.py
+    ota_cli.register(sub)  # fleet, bundle, ota: see appliance/ota/cli.py
     add_perf_parser(sub)
     add_tune_parser(sub)
     add_doctor_parser(sub)

@@ -175,12 +175,12 @@ def check_memory(config: ServerConfig | None) -> Check:
 
 def check_repository(repository: Path) -> Check:
     """What would fail to load and why, from configs and files alone."""
+    from appliance.backends.model_check import probe
+    from appliance.backends.sealed import is_sealed
     from appliance.config.reader import load_model_config
     from appliance.core import repository as repo
     from appliance.core.loader import resolve_backend
     from appliance.core.warmup import lower_bound
-    from backends.model_check import probe
-    from backends.sealed import is_sealed
 
     if not repository.is_dir():
         return Check("models", FAIL, f"model repository {repository} is not a directory")

@@ -62,7 +62,7 @@ def _bindable(host: str, port: int, details: dict[str, str], name: str) -> bool:
 
 def _grpc_off(config: ServerConfig) -> str:
     """'' when the gRPC endpoint can start, else why it cannot and the fix."""
-    from appliance.adapters import grpc_libraries
+    from appliance.adapters.grpc import libraries as grpc_libraries
 
     problem = grpc_libraries.load_error() if config.grpc_port >= 0 else None
     if problem is None:
@@ -123,7 +123,7 @@ def check_ota_config(config_path: Path | None) -> Check | None:
     source (the only OTA address doctor contacts unless --ota-url names another)."""
     import yaml
 
-    from ota.config import load
+    from appliance.ota.config import load
 
     if config_path is None:
         return None

@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from appliance import bls, startup_report
-from appliance.adapters import grpc_libraries, http_api, http_front, http_limits
 from appliance.adapters.access import AccessPolicy, is_loopback
-from appliance.adapters.http_drain import close_http
-from appliance.adapters.http_vision import register as register_vision
+from appliance.adapters.grpc import libraries as grpc_libraries
+from appliance.adapters.http import api, front
+from appliance.adapters.http import limits as http_limits
+from appliance.adapters.http.drain import close_http
+from appliance.adapters.http.vision import register as register_vision
 from appliance.adapters.tls import http_context
 from appliance.config.fields import ConfigError
 from appliance.core.dataplane import DataPlane
@@ -38,9 +40,9 @@ from appliance.streams.manager import Streams
 from appliance.vision.detector import Detectors
 
 if TYPE_CHECKING:
-    from appliance.adapters.grpc_server import GrpcEndpoint
+    from appliance.adapters.grpc.server import GrpcEndpoint
     from appliance.adapters.metrics import MetricsExporter
-    from appliance.adapters.mqtt_bridge import MqttBridge
+    from appliance.adapters.mqtt.bridge import MqttBridge
     from appliance.telemetry.device import Telemetry
 from appliance.config.server_config import ServerConfig
 
@@ -63,7 +65,7 @@ class Server:
         self.dataplane = DataPlane(
             self.lifecycle, SharedMemoryRegistry(enabled=config.shared_memory == "system")
         )
-        self._http: http_front.Listener | None = None
+        self._http: front.Listener | None = None
         self._grpc: GrpcEndpoint | None = None
         self._metrics: web.AppRunner | None = None
         self.mqtt: MqttBridge | None = None
@@ -109,11 +111,11 @@ class Server:
         return runner, int(sock.getsockname()[1])
 
     async def _start_http(self, tls: ssl.SSLContext | None) -> None:
-        """The KServe v2 endpoint: :mod:`appliance.adapters.http_front` on the socket,
+        """The KServe v2 endpoint: :mod:`appliance.adapters.http.front` on the socket,
         serving inference itself and handing every other request's connection to the
         aiohttp application behind it."""
         config = self.config
-        app = http_api.create_app(
+        app = api.create_app(
             self.dataplane, config.max_request_size, self.access, config.http_body_timeout_s
         )
         register_vision(app, self.vision, config.http_body_timeout_s, self.streams)
@@ -121,7 +123,7 @@ class Server:
         runner = await self._runner(
             app, config.drain_timeout_s, **http_limits.runner_options(config)
         )
-        self._http = await http_front.listen(
+        self._http = await front.listen(
             runner,
             sock,
             tls,
@@ -181,7 +183,7 @@ class Server:
         (flag or config file) stops the start with one line naming the fix; the default
         port turns the endpoint off with a warning."""
         try:
-            from appliance.adapters.grpc_server import GrpcEndpoint, grpc_limits
+            from appliance.adapters.grpc.server import GrpcEndpoint, grpc_limits
         except Exception as exc:  # ImportError, RuntimeError, VersionError: grpc_libraries
             reason = f"the gRPC libraries do not load ({grpc_libraries.why(exc)})"
             if self.config.grpc_port_given:
@@ -210,7 +212,7 @@ class Server:
         if self.config.mqtt is None:
             return
         try:
-            from appliance.adapters.mqtt_bridge import MqttBridge
+            from appliance.adapters.mqtt.bridge import MqttBridge
 
             bridge = MqttBridge(self.config.mqtt, self.dataplane, self.config.max_request_size)
             await bridge.start()

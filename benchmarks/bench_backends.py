@@ -59,9 +59,9 @@ sys.path.insert(0, str(REPO_ROOT))  # run from a checkout: devtools/ is not inst
 
 from machine import describe  # noqa: E402  (benchmarks/machine.py, next to this script)
 
-import backends  # noqa: E402
+from appliance import backends  # noqa: E402
+from appliance.backends.base import Backend, BackendOptions  # noqa: E402
 from appliance.core.instances import cpu_share  # noqa: E402
-from backends.base import Backend, BackendOptions  # noqa: E402
 from devtools import modelgen  # noqa: E402
 
 ENGINES = ("onnxruntime", "openvino")

@@ -47,10 +47,10 @@ from machine import describe  # noqa: E402
 from mosquitto import Broker, find_mosquitto  # noqa: E402
 from ota_helpers import StaticServer, start_fleet  # noqa: E402
 
-from ota import OtaError, bundle, check, controls, download, repo  # noqa: E402
-from ota.config import OtaConfig  # noqa: E402
-from ota.rollout import Rollout, bucket  # noqa: E402
-from ota.state import AgentState  # noqa: E402
+from appliance.ota import OtaError, bundle, check, controls, download, repo  # noqa: E402
+from appliance.ota.config import OtaConfig  # noqa: E402
+from appliance.ota.rollout import Rollout, bucket  # noqa: E402
+from appliance.ota.state import AgentState  # noqa: E402
 
 PREFIX = "fleet"
 

@@ -1,7 +1,7 @@
 """What the gRPC endpoint's own HTTP/2 layer costs per call, before/after on two trees.
 
 A benchmark, not a test. It isolates what served traffic pays in the HTTP/2 and gRPC
-call layers (``grpc_h2.Connection`` and ``grpc_dispatch.Dispatcher``, frames, HPACK,
+call layers (``grpc_h2.Connection`` and ``dispatch.Dispatcher``, frames, HPACK,
 flow control, the limits' bookkeeping) from the model, the data plane and the client:
 one process per tree and run feeds a real ``Connection`` the bytes a well-behaved
 client sends for ``--calls`` unary calls (``--batch`` calls per read, as
@@ -105,15 +105,16 @@ def _client_bytes(calls: int, batch: int, size: int) -> list[bytes]:
 
 
 async def _child(calls: int, batch: int, size: int) -> tuple[float, float]:
-    from appliance.adapters import grpc_calls, grpc_dispatch
-    from appliance.adapters.grpc_h2 import Connection
+    from appliance.adapters.grpc import calls as grpc_calls
+    from appliance.adapters.grpc import dispatch
+    from appliance.adapters.grpc.h2.connection import Connection
 
     async def echo(request: bytes, context: object) -> bytes:
         return request
 
     methods = {"/b.S/Echo": grpc_calls.Method(grpc_calls.UNARY, echo, bytes, bytes)}
     chunks = _client_bytes(calls, batch, size)
-    conn = Connection(grpc_dispatch.Dispatcher(methods), size + 1024, lambda c: None)
+    conn = Connection(dispatch.Dispatcher(methods), size + 1024, lambda c: None)
     transport = _Transport()
     conn.connection_made(transport)  # type: ignore[arg-type]
     conn.data_received(chunks[0])

@@ -54,9 +54,9 @@ sys.path.insert(0, str(REPO_ROOT))  # run from a checkout without installing
 from machine import describe  # noqa: E402  (benchmarks/machine.py, next to this script)
 from probes import cpu_seconds, free_port  # noqa: E402
 
+from appliance.backends.base import BackendOptions  # noqa: E402
+from appliance.backends.onnxruntime_backend import OnnxRuntimeBackend  # noqa: E402
 from appliance.core.instances import cpu_share  # noqa: E402
-from backends.base import BackendOptions  # noqa: E402
-from backends.onnxruntime_backend import OnnxRuntimeBackend  # noqa: E402
 from devtools import modelgen  # noqa: E402
 
 HEADER_LENGTH = "Inference-Header-Content-Length"

@@ -41,11 +41,11 @@ from machine import describe  # noqa: E402
 from mosquitto import free_port  # noqa: E402
 from ota_helpers import start_fleet  # noqa: E402
 
+from appliance.ota import bundle, repo  # noqa: E402
+from appliance.ota import config as ota_config  # noqa: E402
+from appliance.ota.agent import Agent  # noqa: E402
+from appliance.ota.rollout import Rollout  # noqa: E402
 from devtools import modelgen  # noqa: E402
-from ota import bundle, repo  # noqa: E402
-from ota import config as ota_config  # noqa: E402
-from ota.agent import Agent  # noqa: E402
-from ota.rollout import Rollout  # noqa: E402
 
 
 def rss(pid: int) -> int:

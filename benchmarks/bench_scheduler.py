@@ -45,8 +45,8 @@ except ImportError:  # the flat layout of older trees
     from appliance.batcher import BatchPolicy, DynamicBatcher
     from appliance.instances import InstanceGroup
     from appliance.stats import ModelStats
-from backends.base import BackendOptions
-from backends.onnxruntime_backend import OnnxRuntimeBackend
+from appliance.backends.base import BackendOptions
+from appliance.backends.onnxruntime_backend import OnnxRuntimeBackend
 
 
 def spin(us):

@@ -28,9 +28,9 @@ import urllib3
 import yaml
 from probes import cpu_seconds, free_port
 
-from backends import sealed_crypto
+from appliance.backends import sealed_crypto
+from appliance.ota import bundle, delta
 from devtools import modelgen
-from ota import bundle, delta
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20

@@ -5,7 +5,7 @@
 Starts the appliance in this process (the demo models, no listening endpoint), then
 sends ``--requests`` HTTP/JSON inference requests of Triton's ``simple`` (two INT32
 [1, 16] inputs) one after another through the one inference exchange, as the HTTP
-front does once it has a request's body (:func:`appliance.adapters.http_infer.answer`:
+front does once it has a request's body (:func:`appliance.adapters.http.infer.answer`:
 admission ticket, form, declare, build, data plane, dynamic batcher, the instance's
 thread, encoder). A profile hook installed before the server starts, so that the
 instance threads carry it, counts every Python function call and every call into C
@@ -31,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from appliance.adapters import http_infer  # noqa: E402
+from appliance.adapters.http import infer  # noqa: E402
 from appliance.config.server_config import load_server_config  # noqa: E402
 from appliance.server import Server  # noqa: E402
 
@@ -53,7 +53,7 @@ counting = False
 def _where(code: Any) -> str:
     path = Path(code.co_filename)
     parts = path.parts
-    for root in ("appliance", "backends", "asyncio", "concurrent", "threading.py"):
+    for root in ("appliance", "asyncio", "concurrent", "threading.py"):
         if root in parts or path.name == root:
             index = parts.index(root) if root in parts else len(parts) - 1
             return "/".join(parts[index:])
@@ -89,7 +89,7 @@ async def run(requests: int, model: str) -> None:
     async def one() -> None:
         ticket = dp.admit(model, "", len(body))
         try:
-            await http_infer.answer(dp, ticket, model, "", body, None)
+            await infer.answer(dp, ticket, model, "", body, None)
         finally:
             ticket.release()
 

@@ -122,7 +122,7 @@ def native_backends(folder: Path | None) -> Path | None:
         raise SystemExit(
             f"--triton-backend-dir {folder}: no {library.relative_to(folder)} in it (build "
             "Triton's onnxruntime_backend at the branch of Triton 2.51, r24.10, and point "
-            "here at its install folder's backends/)"
+            "here at its install folder's appliance/backends/)"
         )
     return folder
 

@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BASE = "localhost/appliance-base:bookworm"
 IMAGE = "localhost/appliance:x86-check"
 CONTEXT_FILES = ("pyproject.toml", "README.md", "LICENSE", "constraints.txt", "Dockerfile.x86")
-CONTEXT_DIRS = ("appliance", "backends", "ota", "wheels")
+CONTEXT_DIRS = ("appliance", "wheels")
 CONF = '[containers]\ndefault_ulimits = []\n\n[engine]\nruntime = "runc"\n'
 
 

@@ -14,12 +14,12 @@ current folder).
 
 ``h2``: each input is the byte stream one client sends (after a valid preface and
 SETTINGS, or raw when the first byte is odd), fed in pieces of varying size to a real
-:class:`appliance.adapters.grpc_h2.Connection` on an event loop, serving an echo method
-(unary and streaming) through the real :class:`grpc_dispatch.Dispatcher`. It fails when
+:class:`appliance.adapters.grpc.h2.connection.Connection` on an event loop, serving an echo method
+(unary and streaming) through the real :class:`dispatch.Dispatcher`. It fails when
 anything escapes the connection (an exception, an "unexpected error" logged: a bug),
 or when what the server wrote is not well-formed HTTP/2: a frame longer than 16384
 bytes, a frame type the server never sends, a header block HPACK cannot decode.
-``hpack``: each input is one header block for :class:`grpc_headers.HeaderDecoder`,
+``hpack``: each input is one header block for :class:`headers.HeaderDecoder`,
 which must return or raise ProtocolError(COMPRESSION_ERROR), nothing else.
 """
 
@@ -35,15 +35,16 @@ import atheris
 with atheris.instrument_imports():
     import hpack
 
-    from appliance.adapters import grpc_calls, grpc_dispatch, grpc_frames, grpc_headers
-    from appliance.adapters.grpc_h2 import Connection
-    from appliance.adapters.grpc_limits import H2Limits
+    from appliance.adapters.grpc import calls, dispatch
+    from appliance.adapters.grpc.h2 import frames, headers
+    from appliance.adapters.grpc.h2.connection import Connection
+    from appliance.adapters.grpc.h2.limits import H2Limits
 
 SENT_BY_SERVER = {
-    grpc_frames.DATA, grpc_frames.HEADERS, grpc_frames.RST_STREAM, grpc_frames.SETTINGS,
-    grpc_frames.PING, grpc_frames.GOAWAY, grpc_frames.WINDOW_UPDATE,
+    frames.DATA, frames.HEADERS, frames.RST_STREAM, frames.SETTINGS,
+    frames.PING, frames.GOAWAY, frames.WINDOW_UPDATE,
 }  # fmt: skip
-PREFACE = grpc_frames.PREFACE + grpc_frames.frame(grpc_frames.SETTINGS, 0, 0)
+PREFACE = frames.PREFACE + frames.frame(frames.SETTINGS, 0, 0)
 
 
 class Bug(Exception):
@@ -107,8 +108,8 @@ async def _stream(requests: Any, context: Any) -> Any:
 
 
 METHODS = {
-    "/t.S/Echo": grpc_calls.Method(grpc_calls.UNARY, _echo, bytes, bytes),
-    "/t.S/Stream": grpc_calls.Method(grpc_calls.STREAM, _stream, bytes, bytes),
+    "/t.S/Echo": calls.Method(calls.UNARY, _echo, bytes, bytes),
+    "/t.S/Stream": calls.Method(calls.STREAM, _stream, bytes, bytes),
 }
 LIMITS = H2Limits(read_timeout_s=0.05, idle_timeout_s=0.05)
 
@@ -119,17 +120,17 @@ def _check_output(out: bytes) -> None:
     while i + 9 <= len(out):
         length = int.from_bytes(out[i : i + 3], "big")
         kind = out[i + 3]
-        if length > grpc_frames.MAX_FRAME:
+        if length > frames.MAX_FRAME:
             raise Bug(f"the server wrote a frame of {length} bytes")
         if kind not in SENT_BY_SERVER:
             raise Bug(f"the server wrote a frame of type {kind}")
-        if kind == grpc_frames.HEADERS:
+        if kind == frames.HEADERS:
             decoder.decode(out[i + 9 : i + 9 + length])
         i += 9 + length
 
 
 async def _session(data: bytes) -> None:
-    conn = Connection(grpc_dispatch.Dispatcher(METHODS), 4096, lambda c: None, LIMITS)
+    conn = Connection(dispatch.Dispatcher(METHODS), 4096, lambda c: None, LIMITS)
     transport = _Transport()
     conn.connection_made(transport)  # type: ignore[arg-type]
     stream = data if data[:1] and data[0] & 1 else PREFACE + data[1:]
@@ -152,12 +153,12 @@ def fuzz_h2(data: bytes) -> None:
 
 
 def fuzz_hpack(data: bytes) -> None:
-    decoder = grpc_headers.HeaderDecoder(32768)
+    decoder = headers.HeaderDecoder(32768)
     try:
         decoder.decode(data)
         decoder.decode(data, trailers=True)
-    except grpc_frames.ProtocolError as exc:
-        if exc.code != grpc_frames.COMPRESSION_ERROR:
+    except frames.ProtocolError as exc:
+        if exc.code != frames.COMPRESSION_ERROR:
             raise
 
 

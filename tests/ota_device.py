@@ -4,7 +4,7 @@ appliance.yaml; plus :func:`cli`, a fleet-side command run in this process.
 
 :meth:`Device.kill` is a power cut for the server (SIGKILL by PID);
 :func:`agent_run` with ``kill_at`` makes the agent SIGKILL itself at a named point
-(:mod:`ota.faults`). :meth:`Device.truth` reads the three places a device's
+(:mod:`appliance.ota.faults`). :meth:`Device.truth` reads the three places a device's
 version lives: the agent's state file, the config on disk and what the server
 serves.
 """
@@ -25,8 +25,8 @@ import urllib3
 import yaml
 
 from appliance.cli import main
-from ota import faults, install
-from ota.state import StateFile
+from appliance.ota import faults, install
+from appliance.ota.state import StateFile
 from tests.mosquitto import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]

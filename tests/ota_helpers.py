@@ -21,11 +21,11 @@ from typing import Any
 import urllib3
 from tuf.api.metadata import TargetFile
 
+from appliance.ota import bundle, keys, repo
+from appliance.ota.agent import Agent
+from appliance.ota.config import OtaConfig
+from appliance.ota.rollout import Rollout
 from devtools import modelgen
-from ota import bundle, keys, repo
-from ota.agent import Agent
-from ota.config import OtaConfig
-from ota.rollout import Rollout
 from tests.mosquitto import Client
 
 BODY = {

@@ -15,9 +15,9 @@ import numpy as np
 import onnxruntime as ort
 import urllib3
 
+from appliance.ota import bundle, repo
+from appliance.ota.rollout import Rollout
 from devtools import modelgen
-from ota import bundle, repo
-from ota.rollout import Rollout
 from tests.ota_helpers import Fleet
 
 IN, HIDDEN = 64, 128

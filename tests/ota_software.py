@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import urllib3
 
-from ota import abinstall, software
-from ota.config import OtaConfig
+from appliance.ota import abinstall, software
+from appliance.ota.config import OtaConfig
 from tests.mosquitto import wait_until
 from tests.ota_device import ROOT, Device
 from tests.ota_helpers import Fleet
@@ -221,8 +221,8 @@ class Site:
     def publish(self, broken: bool = False, **kw: str) -> str:
         self.patch += 1
         version = f"0.1.{self.patch}"
-        from ota import repo
-        from ota.rollout import Rollout
+        from appliance.ota import repo
+        from appliance.ota.rollout import Rollout
 
         repo.publish(self.fleet.repo, self.fleet.keys, release(self.work, version, broken, **kw),
                      Rollout())  # fmt: skip

@@ -7,7 +7,7 @@ from __future__ import annotations
 import grimp
 import pytest
 
-PACKAGES = ("appliance", "backends", "ota", "devtools")
+PACKAGES = ("appliance", "devtools")
 
 # highest first; a module may import its own layer and those below it, never above.
 # A module is placed by the longest prefix that names it.
@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
         "appliance.doctor_check",
         "appliance.doctor_network",
         "appliance.perf",
-        "ota",
+        "appliance.ota",
         "devtools",
     ),
     ("appliance",),  # the package itself: its lazy public names (InProcessServer...)
@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("appliance.vision",),
     # the core, and beside it the device's telemetry readers (sysfs, NVML, jetson-stats)
     ("appliance.core", "appliance.telemetry"),
-    ("backends",),
+    ("appliance.backends",),
     ("appliance.config",),
     # the foundation every layer shares: errors, datatypes, names, the neutral request,
     # and what Python models import (pb_utils, BLS, decoupled responses)
@@ -81,8 +81,11 @@ BELOW_ADAPTERS = (
     "appliance.bls",
     "appliance.python_model",
     "appliance.process_env",
-    "backends",
+    "appliance.backends",
 )
+# the wires: each its own package, sharing only what lies beside them in adapters/
+# (the exchange, access, the KServe JSON codec), never importing one another
+WIRES = ("appliance.adapters.http", "appliance.adapters.grpc", "appliance.adapters.mqtt")
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +198,25 @@ def test_nothing_below_the_adapters_imports_a_wire_library(graph: grimp.ImportGr
     assert found == [], "wire libraries below the adapters: " + ", ".join(sorted(found))
 
 
+def test_no_wire_imports_another(graph: grimp.ImportGraph) -> None:
+    crossing = []
+    for importer in _internal(graph):
+        mine = next((w for w in WIRES if importer.startswith(w + ".")), None)
+        if mine is None:
+            continue
+        for imported in graph.find_modules_directly_imported_by(importer):
+            other = next((w for w in WIRES if imported == w or imported.startswith(w + ".")), None)
+            if other is not None and other != mine:
+                crossing.append(f"{importer} -> {imported}")
+    assert crossing == [], "wires that import another wire: " + ", ".join(sorted(crossing))
+
+
 def test_the_checks_can_fail(graph: grimp.ImportGraph) -> None:
     """The graph is real: the server imports the adapters, the adapters the core."""
     assert graph.direct_import_exists(
-        importer="appliance.server", imported="appliance.adapters.http_api"
+        importer="appliance.server", imported="appliance.adapters.http.api"
     )
     assert graph.find_modules_directly_imported_by("appliance.core.dataplane")
+    # both wires that speak KServe JSON import its codec
+    for wire in ("appliance.adapters.http.infer", "appliance.adapters.mqtt.codec"):
+        assert graph.direct_import_exists(importer=wire, imported="appliance.adapters.codec.kserve")

@@ -67,7 +67,7 @@ def test_the_image_is_what_the_readme_documents(name: str) -> None:
     assert json.loads(args["CMD"])[0] == "serve" and "/models" in args["CMD"]
     assert "/v2/health/ready" in args["HEALTHCHECK"]
     assert args["USER"] not in ("root", "0", "0:0")
-    # every package the wheel holds is copied in (ota/ was not: the entry point failed)
+    # every package the wheel holds is copied in (appliance/ota/ was not: the entry point failed)
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     copied = {v.split()[0].rstrip("/") for k, v in steps if k == "COPY"}
     for pattern in packages["packages"]["find"]["include"]:

@@ -254,7 +254,7 @@ def test_models_the_engine_would_refuse_are_named_as_serve_names_them(
 def test_a_sealed_model_is_not_parsed_as_plain_bytes(tmp_path: Path) -> None:
     """A model encrypted at rest opens only with the server's key: doctor names it
     sealed instead of calling its ciphertext a model the engine would refuse."""
-    from backends import sealed_crypto
+    from appliance.backends import sealed_crypto
 
     public = sealed_crypto.parse_public(sealed_crypto.generate_key(tmp_path / "device.key"))
     (tmp_path / "plain").mkdir()

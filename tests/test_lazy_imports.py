@@ -64,14 +64,14 @@ NEVER = (
     "appliance.perf.tune",
     "appliance.doctor",
     "appliance.doctor_network",
-    "ota.commands",
+    "appliance.ota.commands",
     "multiprocessing",
     "importlib.metadata",
 )
-GRPC = ("grpc", "google.protobuf", "tritonclient", "hpack", "appliance.adapters.grpc_server")
+GRPC = ("grpc", "google.protobuf", "tritonclient", "hpack", "appliance.adapters.grpc.server")
 # the metrics endpoint's: the exposition and the device's telemetry (sysfs, NVML)
 METRICS = ("prometheus_client", "appliance.adapters.metrics", "appliance.telemetry.device")
-MQTT = ("paho", "appliance.adapters.mqtt_bridge")
+MQTT = ("paho", "appliance.adapters.mqtt.bridge")
 
 
 def _served_modules(tmp_path: Path, *args: str) -> set[str]:
@@ -147,7 +147,7 @@ def test_a_pbtxt_repository_loads_its_parser_only(tmp_path: Path) -> None:
     modules = _served_modules(
         tmp_path, "--model-repository", str(repo), "--grpc-port", "-1", "--metrics-port", "-1"
     )
-    stack = ("grpc", "hpack", "tritonclient.grpc._client", "appliance.adapters.grpc_server")
+    stack = ("grpc", "hpack", "tritonclient.grpc._client", "appliance.adapters.grpc.server")
     assert _loaded(modules, NEVER + stack + METRICS + MQTT + ("yaml", "PIL")) == []
     assert _loaded(modules, ("onnxruntime", "google.protobuf")) == [
         "onnxruntime",

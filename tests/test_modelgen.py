@@ -225,7 +225,7 @@ def test_generated_models_are_read_by_the_oldest_supported_onnx_runtime() -> Non
     import re
     import sys
 
-    from backends.model_check import READS
+    from appliance.backends.model_check import READS
 
     tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
 

@@ -328,7 +328,7 @@ def test_the_quoted_config_error_is_what_the_validator_says() -> None:
 
 
 def test_the_layout_names_every_module_of_the_package() -> None:
-    """Each module of appliance/ and its subpackages appears in the README's Layout
+    """Each module of appliance/ and its subpackages, at any depth, appears in the README's Layout
     (``sequence_*`` stands for every module with that prefix)."""
     layout = README[README.index("## Layout") :]
     layout = layout[: layout.index("\n## ", 1)] if "\n## " in layout[1:] else layout
@@ -337,9 +337,8 @@ def test_the_layout_names_every_module_of_the_package() -> None:
     package = ROOT / "appliance"
     modules = [
         p.stem
-        for folder in (package, *(d for d in package.iterdir() if (d / "__init__.py").exists()))
-        for p in folder.glob("*.py")
-        if p.stem not in ("__init__", "__main__")
+        for p in package.rglob("*.py")
+        if p.stem not in ("__init__", "__main__") and (p.parent / "__init__.py").exists()
     ]
     missing = sorted(m for m in modules if m not in words and not m.startswith(prefixes))
     assert not missing, f"the README's Layout leaves out {missing}"

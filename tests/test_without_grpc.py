@@ -126,7 +126,7 @@ from pathlib import Path
 from appliance.config.triton_config import to_triton_json
 from appliance.config.reader import load_model_config
 from appliance.perf.tune import render
-from ota import install
+from appliance.ota import install
 
 repo = Path(sys.argv[1])
 config = install.on_disk(repo, "simple")            # config.yaml read, as Triton JSON

@@ -1,8 +1,8 @@
 """One inference exchange for every wire: admit -> read the form -> declare -> build ->
 infer -> encode -> deliver -> release.
 
-HTTP (:mod:`appliance.adapters.http_infer`, both fronts), gRPC unary and streaming
-(:mod:`appliance.adapters.grpc_api`), MQTT (:mod:`appliance.adapters.mqtt_codec`) and
+HTTP (:mod:`appliance.adapters.http.infer`, both fronts), gRPC unary and streaming
+(:mod:`appliance.adapters.grpc.api`), MQTT (:mod:`appliance.adapters.mqtt.codec`) and
 the in-process API (:mod:`appliance.adapters.inprocess`) each supply a :class:`Wire`:
 a form reader (their payload -> :class:`~appliance.adapters.request_form.RequestForm`,
 no tensor decoded) and an encoder (an

@@ -1,6 +1,6 @@
 """When codec work leaves the event loop: the measures of the one offload rule, which
 :mod:`appliance.adapters.exchange` applies to every wire (HTTP, gRPC, MQTT, the
-in-process API) and :mod:`appliance.adapters.grpc_messages` to inflating messages.
+in-process API) and :mod:`appliance.adapters.grpc.messages` to inflating messages.
 
 Decoding or encoding a big payload on the event loop would stall every other
 connection, while a thread hop costs tens of microseconds: small payloads stay on

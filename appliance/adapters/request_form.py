@@ -1,8 +1,8 @@
 """The one request form under every wire, and the one decode from it.
 
 Each codec reads its wire into a :class:`RequestForm` (HTTP and MQTT: the KServe JSON
-document and its binary tail, :mod:`appliance.adapters.http_codec`; gRPC: the
-``ModelInferRequest``, :mod:`appliance.adapters.grpc_codec`): every input's name,
+document and its binary tail, :mod:`appliance.adapters.codec.kserve`; gRPC: the
+``ModelInferRequest``, :mod:`appliance.adapters.grpc.codec`): every input's name,
 datatype, shape and where its data is (:class:`TensorForm`), the outputs asked for and
 how, and the request parameters, all type-checked, no tensor data touched. Then, the
 same for every wire:
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from appliance import datatypes
-from appliance.adapters import json_tensors
+from appliance.adapters.codec import json_tensors
 from appliance.core.admission import Ticket
 from appliance.core.shared_memory import SharedMemoryRef, SharedMemoryRegistry
 from appliance.errors import internal, invalid

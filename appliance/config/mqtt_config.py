@@ -1,5 +1,5 @@
 """The ``mqtt:`` section of the server configuration (appliance.yaml), validated into
-:class:`MqttConfig` for the MQTT bridge (appliance/adapters/mqtt_bridge.py) and the OTA
+:class:`MqttConfig` for the MQTT bridge (appliance/adapters/mqtt/bridge.py) and the OTA
 agent's reports; :func:`appliance.config.server_config.load_server_config` calls
 :func:`parse_mqtt`."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from appliance.config.fields import ConfigError, Fields, existing_path, seconds
 
-# ---- mqtt: the MQTT bridge (appliance/adapters/mqtt_bridge.py) ----------------------------------
+# ---- mqtt: the MQTT bridge (appliance/adapters/mqtt/bridge.py) ----------------------------------
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """Triton's ``sequence_batching`` settings as typed values, and the tensors they imply.
 
 :func:`parse_sequence_batching` reads the field (for :mod:`appliance.config.model_config`) into a
-:class:`SequenceBatching`; the sequence batcher (:mod:`appliance.core.sequence_batcher`)
+:class:`SequenceBatching`; the sequence batcher (:mod:`appliance.core.sequence.batcher`)
 acts on it. Control inputs and implicit-state tensors are fed by the server, not
 sent by clients, so they are not among a model's declared ``input``/``output``;
 :func:`implicit_inputs` and :func:`implicit_outputs` name them for the loader and

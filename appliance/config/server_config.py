@@ -64,7 +64,8 @@ class ServerConfig:
     tls_cert: Path | None = None  # TLS on the HTTP and gRPC endpoints: certificate and key
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # mutual TLS: clients need a certificate this CA signed
-    # the private key that opens sealed (encrypted at rest) model files: backends/sealed.py
+    # the private key that opens sealed (encrypted at rest) model files
+    # (appliance/backends/sealed.py)
     model_key_file: Path | None = None
     # what one request may hold and how long a peer may take: see _limits() below
     allow_symlinked_models: bool = False  # model folders/files may link outside the repo
@@ -126,7 +127,7 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
             "<repository>/<model>/config.yaml), not a server config: pass the repository "
             "with --model-repository",
         )
-    # ``ota:`` belongs to the update agent (ota/config.py), which reads this same file
+    # ``ota:`` belongs to the update agent (appliance/ota/config.py), which reads this same file
     f.check_keys(set(ServerConfig.__slots__) - _DERIVED | {"ota"})
     level = f.text("log_level", "info").lower()
     if level not in ("debug", "info", "warning", "error"):

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from appliance.backends.base import Backend
 from appliance.core.batching import (
     BatchPolicy,
     BatchResult,
@@ -47,7 +48,6 @@ from appliance.core.instances import InstanceGroup
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, FailureReason, internal, unavailable
 from appliance.request import InferenceRequest
-from backends.base import Backend
 
 log = logging.getLogger(__name__)
 

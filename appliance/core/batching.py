@@ -19,8 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
+from appliance.backends.base import Backend
 from appliance.errors import ApplianceError, FailureReason, internal
-from backends.base import Backend
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from appliance.backends.base import Backend
 from appliance.core import memory
-from backends.base import Backend
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

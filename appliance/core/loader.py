@@ -20,8 +20,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-import backends
-from appliance import names
+from appliance import backends, names
+from appliance.backends import process_host
+from appliance.backends.base import BackendOptions, TensorSpec, memory_usage
+from appliance.backends.parameters import Parameters
 from appliance.config.completion import complete
 from appliance.config.fields import ConfigError
 from appliance.config.model_config import InstanceGroup as GroupConfig
@@ -30,15 +32,12 @@ from appliance.config.sequence_config import implicit_inputs, implicit_outputs
 from appliance.config.server_config import ServerConfig
 from appliance.config.triton_config import to_triton_json
 from appliance.core import memory, warmup
-from appliance.core.ensemble import EnsembleVersion, Resolver
+from appliance.core.ensemble.runner import EnsembleVersion, Resolver
 from appliance.core.instances import ModelInstance, Warm, cpu_share, start_within_budget
 from appliance.core.model import ModelVersion
-from appliance.core.sequence_feed import load_initial_states, warmup_inputs
+from appliance.core.sequence.feed import load_initial_states, warmup_inputs
 from appliance.core.servable import Servable
 from appliance.errors import invalid
-from backends import process_host
-from backends.base import BackendOptions, TensorSpec, memory_usage
-from backends.parameters import Parameters
 
 log = logging.getLogger(__name__)
 

@@ -79,7 +79,7 @@ class ModelVersion:
     @property
     def state(self) -> State:
         """READY turns UNAVAILABLE while an instance has given up (a worker process in
-        a crash loop, see backends/process_host.py) until the model is loaded again."""
+        a crash loop, see appliance/backends/process_host.py) until the model is loaded again."""
         if self._state is State.READY and not self._instances.healthy:
             return State.UNAVAILABLE
         return self._state

@@ -3,7 +3,7 @@
 A :class:`Scheduler` owns a version's queue and decides which requests run
 together on which instance. The config picks one (:func:`create`):
 ``sequence_batching`` gets the sequence batcher (stateful models, see
-:mod:`appliance.core.sequence_batcher`), anything else the dynamic batcher (which,
+:mod:`appliance.core.sequence.batcher`), anything else the dynamic batcher (which,
 without ``dynamic_batching``, runs one request per call). The model version only
 validates, hands over and counts.
 """
@@ -17,7 +17,7 @@ from appliance.config.model_config import ModelConfig
 from appliance.core.batcher import DynamicBatcher
 from appliance.core.batching import BatchPolicy, BatchResult
 from appliance.core.instances import InstanceGroup
-from appliance.core.sequence_batcher import SequenceBatcher
+from appliance.core.sequence.batcher import SequenceBatcher
 from appliance.core.stats import ModelStats
 from appliance.request import InferenceRequest
 

@@ -2,7 +2,7 @@
 
 A servable is one loaded version of something that answers inference requests:
 a plain model version (:class:`appliance.core.model.ModelVersion`, instances behind a
-scheduler) or an ensemble (:class:`appliance.core.ensemble.EnsembleVersion`, a DAG
+scheduler) or an ensemble (:class:`appliance.core.ensemble.runner.EnsembleVersion`, a DAG
 over other servables, no instances or queue of its own). The lifecycle routes to,
 reports on and unloads both through this interface alone, never by platform.
 

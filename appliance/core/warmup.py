@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 
 from appliance import datatypes, names
+from appliance.backends.base import Backend
 from appliance.config.fields import ConfigError
 from appliance.config.model_config import ModelConfig
 from appliance.config.warmup_config import WarmupInput
 from appliance.errors import ApplianceError, invalid
-from backends.base import Backend
 
 log = logging.getLogger(__name__)
 

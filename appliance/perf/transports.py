@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from appliance.adapters import grpc_libraries
+from appliance.adapters.grpc import libraries as grpc_libraries
 from appliance.datatypes import from_numpy_dtype, to_raw
 from appliance.errors import ApplianceError, Code, invalid
 from appliance.perf.httpclient import (

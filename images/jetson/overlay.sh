@@ -47,7 +47,7 @@ rm -rf "$stage"
 mkdir -p "$stage/src"
 tar -C "$ROOT" --exclude=.git --exclude=images/out --exclude='*.egg-info' --exclude=build \
     --exclude=__pycache__ -cf - pyproject.toml README.md LICENSE constraints-jetson.txt \
-    appliance backends | tar -xf - -C "$stage/src"
+    appliance | tar -xf - -C "$stage/src"
 cp "$ort" "$stage/"
 # pip in the chroot needs a resolver: L4T's /etc/resolv.conf points into /run, which is
 # empty here, so the host's is put in place for the install and the link restored after

@@ -273,13 +273,13 @@ def test_every_http_route_declares_its_scope_and_an_undeclared_one_is_admin(
 ) -> None:
     from aiohttp import web
 
-    from appliance.adapters import http_api
+    from appliance.adapters.http import api
 
     modelgen.write_model(tmp_path, "simple", modelgen.simple_add_sub())
     srv = run_appliance(tmp_path, admin_token=ADMIN, inference_token=INFER)
     policy = AccessPolicy.from_config(srv.server.config)
-    app = http_api.create_app(srv.server.dataplane, 1 << 20, policy)
-    scopes = app[http_api.SCOPES]
+    app = api.create_app(srv.server.dataplane, 1 << 20, policy)
+    scopes = app[api.SCOPES]
     routes = list(app.router.routes())
     assert routes and all(route in scopes for route in routes)  # nothing left to a default
     by_path = {(r.method, r.resource.canonical): scopes[r] for r in routes if r.resource}
@@ -321,10 +321,11 @@ def test_every_http_route_declares_its_scope_and_an_undeclared_one_is_admin(
 def test_every_grpc_rpc_declares_its_scope_and_an_undeclared_one_is_admin() -> None:
     from tritonclient.grpc import service_pb2
 
-    from appliance.adapters import grpc_health_proto, grpc_server
+    from appliance.adapters.grpc import health_proto
+    from appliance.adapters.grpc import server as grpc_server
 
     services = (
-        grpc_health_proto.DESCRIPTOR.services_by_name["Health"],
+        health_proto.DESCRIPTOR.services_by_name["Health"],
         service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"],
     )
     methods = {f"/{s.full_name}/{m.name}" for s in services for m in s.methods}

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from appliance.adapters import exchange, http_infer, mqtt_codec
-from appliance.adapters.grpc_api import INFER
+from appliance.adapters import exchange
+from appliance.adapters.grpc.api import INFER
+from appliance.adapters.http import infer
+from appliance.adapters.mqtt import codec
 from appliance.adapters.offload import LOOP_OBJECTS, OFFLOAD_BYTES, OFFLOAD_COPY_BYTES
 from appliance.adapters.request_form import OutputFormat
 from appliance.core.shared_memory import SharedMemoryRef
 
-MQTT = mqtt_codec.MqttWire(None, 1 << 20)
+MQTT = codec.MqttWire(None, 1 << 20)
 
 
 def _floats(nbytes: int) -> dict[str, np.ndarray]:
@@ -22,11 +24,11 @@ def _floats(nbytes: int) -> dict[str, np.ndarray]:
 def test_text_is_heavy_past_the_offload_bytes_binary_views_never() -> None:
     text, binary = OutputFormat(), OutputFormat(binary_default=True)
     small, big = _floats(OFFLOAD_BYTES), _floats(OFFLOAD_BYTES + 4)
-    for wire in (http_infer.HTTP, MQTT):
+    for wire in (infer.HTTP, MQTT):
         assert not exchange.heavy_answer(small, text, wire)
         assert exchange.heavy_answer(big, text, wire)
     huge = _floats(2 * OFFLOAD_COPY_BYTES)
-    assert not exchange.heavy_answer(huge, binary, http_infer.HTTP)  # written as views
+    assert not exchange.heavy_answer(huge, binary, infer.HTTP)  # written as views
     assert exchange.heavy_answer(huge, binary, MQTT)  # joined into one payload
 
 
@@ -36,14 +38,14 @@ def test_copies_are_heavy_past_the_copy_bytes() -> None:
     assert not exchange.heavy_answer(under, fmt, INFER)  # gRPC: raw, joined once
     assert exchange.heavy_answer(over, fmt, INFER)
     to_region = OutputFormat(shared_memory={"OUT": SharedMemoryRef("r", 0, 1 << 30)})
-    assert not exchange.heavy_answer(under, to_region, http_infer.HTTP)
-    assert exchange.heavy_answer(over, to_region, http_infer.HTTP)
+    assert not exchange.heavy_answer(under, to_region, infer.HTTP)
+    assert exchange.heavy_answer(over, to_region, infer.HTTP)
 
 
 def test_many_bytes_elements_are_heavy_on_every_wire() -> None:
     few = {"OUT": np.array([b"x"] * LOOP_OBJECTS, dtype=object)}
     many = {"OUT": np.array([b"x"] * (LOOP_OBJECTS + 1), dtype=object)}
     binary = OutputFormat(binary_default=True)
-    for wire in (http_infer.HTTP, INFER, MQTT):
+    for wire in (infer.HTTP, INFER, MQTT):
         assert not exchange.heavy_answer(few, binary, wire)
         assert exchange.heavy_answer(many, binary, wire)

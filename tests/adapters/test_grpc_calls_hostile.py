@@ -187,7 +187,7 @@ def test_goaway_lets_streams_in_flight_finish_and_refuses_new_ones(server: Any) 
     on to its end (a streaming call here, held open by the client), a stream the client
     opens after it is refused (REFUSED_STREAM: it may retry elsewhere), and the
     connection closes once the last stream is done."""
-    from appliance.adapters.grpc_server import GrpcEndpoint
+    from appliance.adapters.grpc.server import GrpcEndpoint
 
     endpoint = GrpcEndpoint(server.server.dataplane, "127.0.0.1", 0, 2**20)
     port = server.call(endpoint.start())

@@ -525,7 +525,8 @@ def test_shared_memory_is_off_by_default(run_appliance: Any, regions: Any) -> No
 def test_the_wire_encoder_writes_what_protobuf_writes() -> None:
     """grpc_wire writes ModelInferResponse bytes by hand: the same bytes protobuf writes
     for the message grpc_codec builds, and they parse back to it."""
-    from appliance.adapters import grpc_codec, grpc_wire
+    from appliance.adapters.grpc import codec
+    from appliance.adapters.grpc import wire as grpc_wire
     from appliance.core.shared_memory import SharedMemoryRegistry
     from appliance.request import InferenceResponse
 
@@ -540,7 +541,7 @@ def test_the_wire_encoder_writes_what_protobuf_writes() -> None:
     for rid in ("", "req-7"):
         response = InferenceResponse("simple", "1", outputs, rid)
         wire = grpc_wire.encode_response(response, {}, shm)
-        expected = grpc_codec.encode_response(response, {}, shm)
+        expected = codec.encode_response(response, {}, shm)
         assert wire == expected.SerializeToString()
         assert service_pb2.ModelInferResponse.FromString(wire) == expected
         framed = grpc_wire.encode_response(response, {}, shm, framed=True)
@@ -548,7 +549,7 @@ def test_the_wire_encoder_writes_what_protobuf_writes() -> None:
 
 
 def test_raw_contents_are_views_of_the_wire() -> None:
-    from appliance.adapters import grpc_wire
+    from appliance.adapters.grpc import wire as grpc_wire
 
     request = _raw_request(("INPUT0", "INT32", [1, 16]), ("INPUT1", "INT32", [1, 16]))
     request.id = "x" * 300  # a length past one varint byte

@@ -1,4 +1,4 @@
-"""The gRPC endpoint's own HTTP/2 and gRPC layers (appliance/adapters/grpc_h2.py,
+"""The gRPC endpoint's own HTTP/2 and gRPC layers (appliance/adapters/grpc/h2/connection.py,
 grpc_calls.py) against the real grpcio client (tritonclient's) and raw sockets:
 big messages both ways (flow control, frame splitting), compressed requests,
 deadlines, cancellation, many calls on one connection, unknown methods, health,
@@ -20,7 +20,7 @@ import tritonclient.grpc as grpcclient
 from grpc_helpers import IDENTITY, SLOW
 from tritonclient.utils import InferenceServerException
 
-from appliance.adapters import grpc_health_proto as health_pb2
+from appliance.adapters.grpc import health_proto as health_pb2
 from devtools import modelgen
 
 
@@ -166,7 +166,7 @@ def test_an_open_watch_ends_with_not_serving_when_the_endpoint_stops(server: Any
     OK), instead of holding the shutdown until its grace runs out and being cancelled."""
     import threading
 
-    from appliance.adapters.grpc_server import GrpcEndpoint
+    from appliance.adapters.grpc.server import GrpcEndpoint
 
     endpoint = GrpcEndpoint(server.server.dataplane, "127.0.0.1", 0, 2**20)
     port = server.call(endpoint.start())

@@ -67,7 +67,7 @@ from h2_peer import (
     window_update,
 )
 
-from appliance.adapters.grpc_messages import hpack_int
+from appliance.adapters.grpc.messages import hpack_int
 
 __all__ = ["no_error_logged", "serve"]  # fixtures
 pytestmark = pytest.mark.usefixtures("no_error_logged")

@@ -37,9 +37,10 @@ from h2_peer import (
     settings,
 )
 
-from appliance.adapters import grpc_calls, grpc_dispatch
-from appliance.adapters.grpc_h2 import Connection
-from appliance.adapters.grpc_limits import H2Limits
+from appliance.adapters.grpc import calls as grpc_calls
+from appliance.adapters.grpc import dispatch
+from appliance.adapters.grpc.h2.connection import Connection
+from appliance.adapters.grpc.h2.limits import H2Limits
 
 h2_connection = pytest.importorskip("h2.connection")
 h2_config = pytest.importorskip("h2.config")
@@ -120,7 +121,7 @@ def ours(data: bytes, max_message: int = MAX_MESSAGE) -> tuple[int | None, dict[
 
     async def run() -> bytes:
         limits = H2Limits().for_message(max_message)
-        conn = Connection(grpc_dispatch.Dispatcher(METHODS), max_message, lambda c: None, limits)
+        conn = Connection(dispatch.Dispatcher(METHODS), max_message, lambda c: None, limits)
         transport = _Transport()
         conn.connection_made(transport)
         conn.data_received(data)

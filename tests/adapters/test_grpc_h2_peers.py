@@ -39,8 +39,8 @@ from h2_peer import (
     window_update,
 )
 
-from appliance.adapters.grpc_limits import H2Limits
-from appliance.adapters.grpc_server import grpc_limits
+from appliance.adapters.grpc.h2.limits import H2Limits
+from appliance.adapters.grpc.server import grpc_limits
 from appliance.config.server_config import ServerConfig, load_server_config
 
 __all__ = ["no_error_logged", "serve"]  # fixtures

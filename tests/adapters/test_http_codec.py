@@ -9,7 +9,7 @@ import numpy as np
 import orjson
 import pytest
 
-from appliance.adapters.http_codec import (
+from appliance.adapters.codec.kserve import (
     HEADER_LENGTH,
     OutputFormat,
     decode_request,

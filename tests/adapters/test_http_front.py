@@ -1,4 +1,4 @@
-"""The HTTP front (appliance.adapters.http_front): inference served on the connection
+"""The HTTP front (appliance.adapters.http.front): inference served on the connection
 itself, every other request handed with its connection to aiohttp, with the same
 answers either way, on asyncio's loop and on uvloop (what ``appliance serve`` runs).
 
@@ -20,7 +20,7 @@ import pytest
 import tritonclient.http as httpclient
 from http_helpers import Responses, simple_body
 
-from appliance.adapters import http_head
+from appliance.adapters.http import head as http_head
 
 SAFETY_S = 30.0  # a bound on waiting for the server, never a pass/fail on time
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from appliance.adapters import http_head
+from appliance.adapters.http import head as http_head
 
 httptools = pytest.importorskip("httptools")
 

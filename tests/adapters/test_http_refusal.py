@@ -20,7 +20,7 @@ import pytest
 from grpc_helpers import serve  # the server with identity and slow
 from http_helpers import Responses
 
-from appliance.adapters import http_front
+from appliance.adapters.http import front as http_front
 
 __all__ = ["serve"]  # fixture
 

@@ -18,7 +18,7 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from appliance.adapters import http_codec
+from appliance.adapters.codec import kserve
 from appliance.errors import ApplianceError
 
 A = np.arange(16, dtype=np.int32).reshape(1, 16)
@@ -308,12 +308,12 @@ def test_unregister_while_a_request_holds_the_region(run_appliance, make_region)
         ],
         "outputs": [{"name": "OUTPUT0", "parameters": {**params, "shared_memory_offset": 0}}],
     }
-    request, fmt = http_codec.decode_request(orjson.dumps(doc), None, "simple", "", registry)
+    request, fmt = kserve.decode_request(orjson.dumps(doc), None, "simple", "", registry)
     client.unregister_system_shared_memory()  # mid-flight: the inputs still view the mapping
     response = srv.call(srv.server.dataplane.infer(request))
     np.testing.assert_array_equal(response.outputs["OUTPUT0"], A + B)
     with pytest.raises(ApplianceError, match="Unable to find shared memory region: 'in'"):
-        http_codec.encode_response(response, fmt, registry)  # its output region is gone
+        kserve.encode_response(response, fmt, registry)  # its output region is gone
     del request, response
     assert_still_serving(client)
 

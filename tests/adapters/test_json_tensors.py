@@ -1,6 +1,6 @@
 """The simdjson path for big JSON requests gives exactly what the orjson path gives.
 
-Each case is decoded twice by :func:`appliance.adapters.http_codec.decode_request`: with
+Each case is decoded twice by :func:`appliance.adapters.codec.kserve.decode_request`: with
 pysimdjson (bodies above ``MIN_BYTES``) and with it switched off; the arrays, or
 the error messages, must be identical.
 """
@@ -13,7 +13,7 @@ import numpy as np
 import orjson
 import pytest
 
-from appliance.adapters import http_codec, json_tensors
+from appliance.adapters.codec import json_tensors, kserve
 from appliance.errors import ApplianceError
 
 pytestmark = pytest.mark.skipif(not json_tensors.AVAILABLE, reason="pysimdjson not installed")
@@ -25,7 +25,7 @@ def _decode(body: bytes, fast: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
         if not fast:
             m.setattr(json_tensors, "simdjson", None)
         try:
-            request, fmt = http_codec.decode_request(body, None, "m", "")
+            request, fmt = kserve.decode_request(body, None, "m", "")
         except ApplianceError as exc:
             return ("error", exc.code, exc.message)
     return request, fmt
@@ -128,7 +128,7 @@ def test_fast_path_survives_errors_kept_alive(monkeypatch: pytest.MonkeyPatch) -
     kept = []
     for _ in range(3):
         with pytest.raises(ApplianceError) as info:
-            http_codec.decode_request(bad, None, "m", "")
+            kserve.decode_request(bad, None, "m", "")
         kept.append(info.value)
     doc = json_tensors.loads(_body(PAD, "FP32"))
     assert doc is not None and isinstance(doc["inputs"][0]["data"], json_tensors.LazyData)

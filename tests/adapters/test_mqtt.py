@@ -27,8 +27,8 @@ import tritonclient.utils.shared_memory as shm
 from docs_examples import examples
 from mosquitto import Broker, Client, Reply, free_port, mqtt_metrics, require_mosquitto, wait_until
 
-from appliance.adapters.mqtt_codec import payload_form, read_device_file
-from appliance.adapters.mqtt_protocol import DedupWindow, Inbound, Topics, backoff_delay
+from appliance.adapters.mqtt.codec import payload_form, read_device_file
+from appliance.adapters.mqtt.protocol import DedupWindow, Inbound, Topics, backoff_delay
 from appliance.config.fields import ConfigError
 from appliance.config.server_config import load_server_config
 from devtools import modelgen

@@ -24,7 +24,7 @@ from mosquitto import Broker, Client, mqtt_metrics, require_mosquitto, wait_unti
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from appliance.adapters.mqtt_packets import (
+from appliance.adapters.mqtt.packets import (
     MALFORMED,
     PACKET_HEADROOM,
     PACKET_TOO_LARGE,

@@ -11,9 +11,9 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from appliance.adapters.mqtt_client import PackedProperties, reply_properties
-from appliance.adapters.mqtt_protocol import HEADER_LENGTH, Inbound
-from appliance.adapters.mqtt_socket import BufferedSocket
+from appliance.adapters.mqtt.client import PackedProperties, reply_properties
+from appliance.adapters.mqtt.protocol import HEADER_LENGTH, Inbound
+from appliance.adapters.mqtt.socket import BufferedSocket
 
 
 @pytest.fixture

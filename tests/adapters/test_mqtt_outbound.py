@@ -11,16 +11,16 @@ import pytest
 from paho.mqtt import _packet
 from paho.mqtt.enums import MQTTProtocolVersion
 
-from appliance.adapters.mqtt_client import reply_properties
-from appliance.adapters.mqtt_outbound import Outbound
-from appliance.adapters.mqtt_packets import (
+from appliance.adapters.mqtt.client import reply_properties
+from appliance.adapters.mqtt.outbound import Outbound
+from appliance.adapters.mqtt.packets import (
     Framer,
     decode_puback,
     decode_publish,
     encode_puback,
     encode_publish,
 )
-from appliance.adapters.mqtt_protocol import Inbound
+from appliance.adapters.mqtt.protocol import Inbound
 
 
 def parse(packet: bytes) -> tuple[int, Inbound]:

@@ -12,7 +12,7 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from appliance.adapters.mqtt_packets import (
+from appliance.adapters.mqtt.packets import (
     MALFORMED,
     PACKET_HEADROOM,
     PACKET_TOO_LARGE,
@@ -25,7 +25,7 @@ from appliance.adapters.mqtt_packets import (
     encode_varint,
     packet_limit,
 )
-from appliance.adapters.mqtt_socket import BufferedSocket
+from appliance.adapters.mqtt.socket import BufferedSocket
 
 TOPIC = "p/cam1/infer/simple"
 
@@ -230,7 +230,7 @@ def test_paho_still_builds_its_socket_in_create_socket() -> None:
     fails here, loudly, as well as every broker test."""
     assert callable(getattr(mqtt.Client, "_create_socket", None))
     assert "self._create_socket()" in _source(mqtt.Client.reconnect)
-    from appliance.adapters.mqtt_client import _Client
+    from appliance.adapters.mqtt.client import _Client
 
     assert _Client._create_socket is not mqtt.Client._create_socket
     assert hasattr(BufferedSocket, "hand")

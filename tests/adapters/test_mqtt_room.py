@@ -1,9 +1,9 @@
-"""The MQTT bridge's admission rule (appliance.adapters.mqtt_protocol.Room), without a
+"""The MQTT bridge's admission rule (appliance.adapters.mqtt.protocol.Room), without a
 broker: room per connection, twice as much for QoS 1, nothing while closed."""
 
 from __future__ import annotations
 
-from appliance.adapters.mqtt_protocol import Room
+from appliance.adapters.mqtt.protocol import Room
 
 
 def test_room_is_counted_per_connection_and_given_back() -> None:

@@ -26,11 +26,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-import backends
-from appliance import datatypes
+from appliance import backends, datatypes
+from appliance.backends.base import Backend, BackendOptions, TensorSpec
 from appliance.core.instances import InstanceGroup
 from appliance.errors import ApplianceError, Code
-from backends.base import Backend, BackendOptions, TensorSpec
 from devtools import modelgen
 
 
@@ -64,7 +63,7 @@ BACKENDS = [
 # datatypes each backend serves; a model with any other is refused at load
 SERVES = {
     "onnxruntime": set(datatypes.DATATYPES),
-    # OpenVINO: no BYTES (see backends/openvino_backend.py)
+    # OpenVINO: no BYTES (see appliance/backends/openvino_backend.py)
     "openvino": set(datatypes.DATATYPES) - {"BYTES"},
     # TensorRT's I/O types (unverified here: no GPU on CI)
     "tensorrt": {"BOOL", "UINT8", "INT32", "INT64", "FP16", "FP32"},

@@ -1,4 +1,4 @@
-"""backends.shared: engines built once per key, shared by reference count, closed with
+"""appliance.backends.shared: engines built once per key, shared by reference count, closed with
 the last lease; and backends.parameters, the typed parameter reads."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from appliance.backends.parameters import Parameters
+from appliance.backends.shared import Lease, SharedCache, file_identity
 from appliance.errors import ApplianceError
-from backends.parameters import Parameters
-from backends.shared import Lease, SharedCache, file_identity
 
 LIMIT_S = 10.0
 

@@ -10,9 +10,9 @@ from typing import Any
 import llm_models
 import pytest
 
+from appliance.backends import estimate, llm_settings
 from appliance.config.fields import ConfigError
 from appliance.config.reader import parse_config_text
-from backends import estimate, llm_settings
 
 
 def test_settings_defaults_and_kv_cache_forms(tmp_path: Path) -> None:
@@ -68,7 +68,7 @@ def test_the_docs_config_is_read_as_it_says(tmp_path: Path) -> None:
 
 def test_a_gguf_model_bundles_for_ota_as_the_llm_backend(tmp_path: Path) -> None:
     pytest.importorskip("tuf", reason="the ota extra is not installed")
-    from ota import bundle
+    from appliance.ota import bundle
 
     model = tmp_path / "smollm"
     (model / "3").mkdir(parents=True)

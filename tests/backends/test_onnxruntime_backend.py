@@ -14,10 +14,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-import backends
+from appliance import backends
+from appliance.backends.base import BackendOptions
+from appliance.backends.onnxruntime_backend import select_providers
 from appliance.errors import ApplianceError, Code
-from backends.base import BackendOptions
-from backends.onnxruntime_backend import select_providers
 from devtools import modelgen
 
 CPU_ONLY = ["CPUExecutionProvider"]

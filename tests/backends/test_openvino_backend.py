@@ -14,15 +14,14 @@ import numpy as np
 import onnx
 import pytest
 
-import backends
-from appliance import InProcessServer
+from appliance import InProcessServer, backends
+from appliance.backends.base import BackendOptions, TensorSpec
 from appliance.errors import ApplianceError, Code
-from backends.base import BackendOptions, TensorSpec
 from devtools import modelgen
 
 ov = pytest.importorskip("openvino", reason="not installed: pip install 'appliance[openvino]'")
 
-from backends.openvino_backend import OpenVinoSettings, settings  # noqa: E402
+from appliance.backends.openvino_backend import OpenVinoSettings, settings  # noqa: E402
 
 
 def _options(path: Path = Path("/r/m/1/model.xml"), **kw: object) -> BackendOptions:
@@ -196,7 +195,7 @@ def test_missing_openvino_fails_the_load_naming_the_extra(
 ) -> None:
     path = _write(tmp_path / "m" / "1", modelgen.mlp())
     monkeypatch.setitem(sys.modules, "openvino", None)  # import openvino -> ImportError
-    monkeypatch.delitem(sys.modules, "backends.openvino_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "appliance.backends.openvino_backend", raising=False)
     with pytest.raises(ApplianceError) as bad:
         backends.create("openvino", BackendOptions(path))
     assert bad.value.code == Code.INVALID_ARG
@@ -322,7 +321,7 @@ def test_a_load_error_keeps_openvinos_whole_reason(tmp_path: Path, caplog) -> No
 
 
 def test_engine_messages_are_bounded_keeping_start_and_end() -> None:
-    from backends.base import MESSAGE_CHARS, engine_message
+    from appliance.backends.base import MESSAGE_CHARS, engine_message
 
     assert engine_message(RuntimeError("  short \n")) == "short"
     long = "HEAD " + "x" * (3 * MESSAGE_CHARS) + " Summary: Conv-16"

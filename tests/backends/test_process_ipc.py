@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from appliance.backends import process_ipc
+from appliance.backends.process_ipc import Segment, create_segment_fd, read_tensors, write_tensors
 from appliance.errors import invalid
-from backends import process_ipc
-from backends.process_ipc import Segment, create_segment_fd, read_tensors, write_tensors
 
 
 @pytest.fixture

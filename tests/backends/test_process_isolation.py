@@ -22,8 +22,8 @@ import tritonclient.http as httpclient
 from serve_process import start_serve
 from tritonclient.utils import InferenceServerException
 
+from appliance.backends import process_worker
 from appliance.errors import ApplianceError
-from backends import process_worker
 from devtools import modelgen
 
 CRASHY_PY = """

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.python_imports import Namespace
+from appliance.backends.python_imports import Namespace
 
 
 def _files(folder: Path, files: dict[str, str]) -> Path:

@@ -19,8 +19,8 @@ import pytest
 import tritonclient.http as httpclient
 from serve_process import start_serve
 
+from appliance.backends import sealed, sealed_crypto
 from appliance.errors import ApplianceError
-from backends import sealed, sealed_crypto
 from devtools import modelgen
 
 X = np.random.default_rng(3).standard_normal((2, 64)).astype(np.float32)

@@ -15,10 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import backends
-from appliance.errors import ApplianceError, Code
-from backends.base import BackendOptions, batch_limit, memory_usage
-from backends.tensorrt_support import (
+from appliance import backends
+from appliance.backends.base import BackendOptions, batch_limit, memory_usage
+from appliance.backends.tensorrt_support import (
     ProfileShapes,
     TrtSettings,
     batch_limits,
@@ -28,6 +27,7 @@ from backends.tensorrt_support import (
     exposed_batch,
     settings,
 )
+from appliance.errors import ApplianceError, Code
 from devtools import modelgen
 
 
@@ -155,7 +155,7 @@ def test_missing_tensorrt_fails_the_load_naming_the_extra(
     folder.mkdir(parents=True)
     (folder / "model.plan").write_bytes(b"not an engine")
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # as on a machine without it
-    monkeypatch.delitem(sys.modules, "backends.tensorrt_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "appliance.backends.tensorrt_backend", raising=False)
     with pytest.raises(ApplianceError) as bad:
         backends.create("tensorrt", BackendOptions(folder / "model.plan"))
     assert bad.value.code == Code.INVALID_ARG
@@ -373,7 +373,7 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> _FakeCuda:
     monkeypatch.setitem(sys.modules, "pycuda", pycuda)
     monkeypatch.setitem(sys.modules, "pycuda.driver", cuda)
     monkeypatch.setitem(sys.modules, "tensorrt", _fake_tensorrt(cuda))
-    monkeypatch.delitem(sys.modules, "backends.tensorrt_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "appliance.backends.tensorrt_backend", raising=False)
     return cuda
 
 

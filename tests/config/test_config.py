@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from appliance.backends.base import TensorSpec
 from appliance.config.completion import complete
 from appliance.config.fields import ConfigError, parse_size
 from appliance.config.model_config import (
@@ -22,7 +23,6 @@ from appliance.config.reader import load_model_config
 from appliance.config.server_config import ServerConfig, load_server_config
 from appliance.config.triton_config import to_triton_json
 from appliance.errors import Code
-from backends.base import TensorSpec
 
 SRC = "models/det/config.yaml"
 

@@ -24,7 +24,7 @@ import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from appliance import names
-from appliance.adapters.mqtt_protocol import Topics
+from appliance.adapters.mqtt.protocol import Topics
 from appliance.config.fields import ConfigError
 from appliance.config.model_config import parse_model_config
 from appliance.errors import ApplianceError, Code

@@ -12,7 +12,7 @@ from appliance.config.fields import ConfigError
 from appliance.config.model_config import parse_model_config
 from appliance.config.sequence_config import CORRID, END, READY, START
 from appliance.config.triton_config import json_to_dict, pbtxt_to_dict, to_triton_json
-from appliance.core.sequence_strategy import DirectPlan, plan_direct
+from appliance.core.sequence.strategy import DirectPlan, plan_direct
 
 
 def _parse(sequence_batching: Any, **extra: Any) -> Any:

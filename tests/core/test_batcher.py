@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
+from appliance.backends.base import TensorSpec
 from appliance.core.batcher import DynamicBatcher
 from appliance.core.batching import (
     BatchPolicy,
@@ -32,7 +33,6 @@ from appliance.core.batching import (
 from appliance.core.instances import InstanceGroup
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, Code, FailureReason
-from backends.base import TensorSpec
 
 T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parents[2]

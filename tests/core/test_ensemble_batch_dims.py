@@ -13,7 +13,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from appliance.core.ensemble_plan import carried_shape
+from appliance.core.ensemble.plan import carried_shape
 from devtools import modelgen
 from tests.core.test_ensemble import load_reason
 

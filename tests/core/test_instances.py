@@ -12,6 +12,7 @@ from typing import TypeVar
 import numpy as np
 import pytest
 
+from appliance.backends.base import TensorSpec
 from appliance.config.model_config import ModelConfig, parse_model_config
 from appliance.core.batcher import DynamicBatcher
 from appliance.core.batching import BatchPolicy
@@ -19,7 +20,6 @@ from appliance.core.instances import InstanceGroup, cpu_share
 from appliance.core.loader import thread_share
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, Code
-from backends.base import TensorSpec
 
 T = TypeVar("T")
 LIMIT_S = 5.0

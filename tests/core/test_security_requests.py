@@ -19,7 +19,8 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from appliance.adapters import grpc_codec, http_codec
+from appliance.adapters.codec import kserve
+from appliance.adapters.grpc import codec
 from appliance.core.shared_memory import SharedMemoryRegistry
 from appliance.errors import ApplianceError
 
@@ -75,13 +76,13 @@ def test_codecs_refuse_impossible_shapes_before_any_array(shape: list[int]) -> N
         _binary_infer([("x", "BYTES", shape, b"")]),
     ):
         with pytest.raises(ApplianceError) as info:
-            http_codec.decode_request(body, length, "m", "")
+            kserve.decode_request(body, length, "m", "")
         assert "shape" in info.value.message
     msg = service_pb2.ModelInferRequest(model_name="m")
     msg.inputs.add(name="x", datatype="FP32", shape=shape)
     msg.raw_input_contents.append(b"")
     with pytest.raises(ApplianceError, match="shape"):
-        grpc_codec.decode_request(msg, SharedMemoryRegistry(enabled=False))
+        codec.decode_request(msg, SharedMemoryRegistry(enabled=False))
 
 
 def test_grpc_codec_refuses_narrow_integers_out_of_range() -> None:
@@ -89,7 +90,7 @@ def test_grpc_codec_refuses_narrow_integers_out_of_range() -> None:
     tensor = msg.inputs.add(name="x", datatype="INT8", shape=[2])
     tensor.contents.int_contents.extend([1, 300])
     with pytest.raises(ApplianceError, match="outside the INT8 range"):
-        grpc_codec.decode_request(msg, SharedMemoryRegistry(enabled=False))
+        codec.decode_request(msg, SharedMemoryRegistry(enabled=False))
 
 
 @pytest.mark.parametrize("shape", OVERSIZED_SHAPES)

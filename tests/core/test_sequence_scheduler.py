@@ -11,14 +11,14 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
+from appliance.backends.base import TensorSpec
 from appliance.config.model_config import ModelConfig, parse_model_config
 from appliance.core.batching import BatchResult
 from appliance.core.instances import InstanceGroup
-from appliance.core.sequence_batcher import SequenceBatcher
+from appliance.core.sequence.batcher import SequenceBatcher
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, Code
 from appliance.request import InferenceRequest
-from backends.base import TensorSpec
 
 T = TypeVar("T")
 LIMIT_S = 10.0  # upper bound on any single wait; only reached when a test is failing

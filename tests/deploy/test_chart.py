@@ -240,7 +240,7 @@ def test_the_rendered_config_is_one_the_server_and_agent_accept(example: str, tm
     assert server.memory_limit == _example(example).get("memory", {}).get("modelsMiB", 1024) * 2**20
     assert server.host == "0.0.0.0" and server.metrics_port == 8002
     if "ota" in config:
-        from ota.config import load
+        from appliance.ota.config import load
 
         agent = load(path)
         assert agent.server == "http://127.0.0.1:8000"

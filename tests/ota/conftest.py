@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from ota import abinstall, software
-from ota import config as ota_config
-from ota.agent import Agent
+from appliance.ota import abinstall, software
+from appliance.ota import config as ota_config
+from appliance.ota.agent import Agent
 from tests.mosquitto import Broker, require_mosquitto
 from tests.ota_device import Device
 from tests.ota_helpers import Fleet, LocalDevice, start_fleet

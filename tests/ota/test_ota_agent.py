@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import urllib3
 
-from ota.repo import Expiry, refresh
-from ota.state import StateFile
+from appliance.ota.repo import Expiry, refresh
+from appliance.ota.state import StateFile
 from tests.ota_helpers import BODY, Fleet, LocalDevice, files_under
 
 

@@ -20,9 +20,9 @@ import urllib3
 
 from appliance.cli import main
 from appliance.config.triton_config import to_triton_json
+from appliance.ota import OtaError, bundle, release, repo
+from appliance.ota.rollout import Rollout
 from devtools import modelgen
-from ota import OtaError, bundle, release, repo
-from ota.rollout import Rollout
 from tests.ota_helpers import (
     PY_SIMPLE_CONFIG,
     Fleet,

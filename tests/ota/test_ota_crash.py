@@ -4,7 +4,7 @@ the config on disk and what the server serves agree, on the last committed versi
 or on the new one once the resumed update committed it.
 
 The agent is a real ``appliance ota agent --once`` process that SIGKILLs itself at a
-named point (:mod:`ota.faults`): deterministic, no timing. The server is a real
+named point (:mod:`appliance.ota.faults`): deterministic, no timing. The server is a real
 ``appliance serve`` process; for a power cut it is SIGKILLed as well and started
 again from what is on disk.
 """
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from ota import config as ota_config
-from ota.agent import Agent
-from ota.state import StateFile
+from appliance.ota import config as ota_config
+from appliance.ota.agent import Agent
+from appliance.ota.state import StateFile
 from tests.ota_device import Device, Truth, appliance
 from tests.ota_helpers import Fleet, start_fleet
 

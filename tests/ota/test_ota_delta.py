@@ -19,9 +19,9 @@ from unittest.mock import ANY
 import numpy as np
 import pytest
 
+from appliance.ota import OtaError, bundle, delta, repo
+from appliance.ota.fetching import DELTA_TRIES
 from devtools import modelgen
-from ota import OtaError, bundle, delta, repo
-from ota.fetching import DELTA_TRIES
 from tests.ota_device import cli
 from tests.ota_helpers import Fleet, LocalDevice, files_under
 from tests.ota_models import outputs, release, served, weights

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from ota import OtaError, bundle, check, controls, probation, repo
-from ota.agent import Agent
-from ota.config import OtaConfig
-from ota.rollout import Rollout, bucket
-from ota.state import AgentState
+from appliance.ota import OtaError, bundle, check, controls, probation, repo
+from appliance.ota.agent import Agent
+from appliance.ota.config import OtaConfig
+from appliance.ota.rollout import Rollout, bucket
+from appliance.ota.state import AgentState
 from tests.ota_helpers import Fleet
 
 
@@ -150,8 +150,8 @@ def test_publish_warns_when_a_release_has_no_self_test_vectors(
     fleet: Fleet, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from appliance.cli import main
+    from appliance.ota import probes
     from devtools import modelgen
-    from ota import probes
 
     folder = modelgen.write_model(
         fleet.src, "simple", modelgen.simple_add_sub(), modelgen.SIMPLE_CONFIG, 7

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from appliance.cli import main
-from ota import OtaError, controls, software, watch
-from ota.repo import _load
+from appliance.ota import OtaError, controls, software, watch
+from appliance.ota.repo import _load
 from tests.ota_device import ROOT, cli
 from tests.ota_helpers import Fleet, LocalDevice
 from tests.ota_software import require_cyclonedx

@@ -21,7 +21,7 @@ import pytest
 import urllib3
 from tuf.api.metadata import TargetFile
 
-from ota import Transient, download
+from appliance.ota import Transient, download
 from tests.ota_helpers import StaticServer
 
 SIZE = 256 << 10

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from appliance.ota import OtaError, bundle, offline, repo
+from appliance.ota.rollout import Rollout
 from devtools import modelgen
-from ota import OtaError, bundle, offline, repo
-from ota.rollout import Rollout
 from tests.ota_device import cli
 from tests.ota_helpers import Fleet, LocalDevice, vectors
 

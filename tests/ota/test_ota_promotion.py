@@ -13,7 +13,7 @@ from typing import Any
 
 import urllib3
 
-from ota.agent import Agent
+from appliance.ota.agent import Agent
 from tests.ota_helpers import Fleet, start_fleet
 
 

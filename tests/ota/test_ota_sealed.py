@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from backends import sealed
+from appliance.backends import sealed
+from appliance.ota import OtaError, bundle, repo, sealing
+from appliance.ota.agent import Agent
+from appliance.ota.rollout import Rollout
 from devtools import modelgen
-from ota import OtaError, bundle, repo, sealing
-from ota.agent import Agent
-from ota.rollout import Rollout
 from tests.ota_device import cli
 from tests.ota_helpers import Fleet, files_under, write_python_simple
 from tests.ota_models import outputs, release, served, weights

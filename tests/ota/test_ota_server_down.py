@@ -18,8 +18,8 @@ from pathlib import Path
 
 import yaml
 
-from ota import faults
-from ota.state import StateFile
+from appliance.ota import faults
+from appliance.ota.state import StateFile
 from tests.mosquitto import wait_until
 from tests.ota_device import ROOT, Device, Truth
 from tests.ota_helpers import start_fleet

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import urllib3
 
+from appliance.ota import OtaError, report, shadow, watch
+from appliance.ota.server_api import ServerApi
+from appliance.ota.state import AgentState, Job
 from devtools import modelgen
-from ota import OtaError, report, shadow, watch
-from ota.server_api import ServerApi
-from ota.state import AgentState, Job
 from tests.ota_helpers import Fleet, LocalDevice
 from tests.ota_models import Traffic, release, served, weights
 

@@ -20,9 +20,9 @@ import threading
 
 import pytest
 
-from ota import OtaError, controls, devicekey, report, software
-from ota.agent import Agent
-from ota.state import StateFile
+from appliance.ota import OtaError, controls, devicekey, report, software
+from appliance.ota.agent import Agent
+from appliance.ota.state import StateFile
 from tests.ota_device import appliance, cli
 from tests.ota_software import Site
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ota.state import StateFile
+from appliance.ota.state import StateFile
 from tests.ota_device import Device
 from tests.ota_helpers import Fleet, LocalDevice, start_fleet
 

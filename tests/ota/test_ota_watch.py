@@ -17,11 +17,11 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from appliance.cli import build_parser, main
 from appliance.config.mqtt_config import MqttConfig
-from ota import devicekey, repo, report
-from ota.agent import Agent
-from ota.report import Reporter
-from ota.state import AgentState
-from ota.watch import main as watch_main
+from appliance.ota import devicekey, repo, report
+from appliance.ota.agent import Agent
+from appliance.ota.report import Reporter
+from appliance.ota.state import AgentState
+from appliance.ota.watch import main as watch_main
 from tests.mosquitto import Broker, Client, require_mosquitto
 from tests.ota_helpers import Fleet, LocalDevice, retained_report
 from tests.pace import scaled

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from appliance.config.fields import ConfigError
-from ota import OtaError, controls, window
-from ota import config as ota_config
+from appliance.ota import OtaError, controls, window
+from appliance.ota import config as ota_config
 from tests.ota_device import cli
 from tests.ota_helpers import Fleet, LocalDevice
 

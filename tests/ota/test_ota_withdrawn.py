@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ota import controls, repo
+from appliance.ota import controls, repo
 from tests.ota_helpers import Fleet, LocalDevice
 
 

@@ -1,0 +1,2 @@
+"""Triton's sequence batcher: slots, strategies, and the control and state tensors it
+adds to each request."""
