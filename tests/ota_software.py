@@ -54,7 +54,7 @@ def wheel(work: Path, version: str, broken: bool = False) -> Path:
     shutil.rmtree(src, ignore_errors=True)
     src.mkdir(parents=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.onnx", "*.egg-info")
-    for package in ("appliance", "backends", "ota"):
+    for package in ("appliance",):
         shutil.copytree(ROOT / package, src / package, ignore=ignore)
     for name in ("README.md", "LICENSE"):
         shutil.copyfile(ROOT / name, src / name)
@@ -180,7 +180,8 @@ class Supervisor:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        if self._thread.ident is not None:  # (a site whose set-up failed never started it)
+            self._thread.join(5)
         self._end()
 
     def version(self, timeout_s: float = 60) -> str:

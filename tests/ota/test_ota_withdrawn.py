@@ -52,7 +52,7 @@ def test_halted_while_under_test_is_rolled_back_not_marked_bad(
     agent = device()
     # the fleet halts version 2 while this device runs its self-test
     agent.hook = lambda phase: phase == "self_test" and withdraw(fleet, "halt", 2)
-    with caplog.at_level(logging.INFO, logger="ota"):
+    with caplog.at_level(logging.INFO, logger="appliance.ota"):
         assert agent.run_once(), agent.state.last_error
     said = [r for r in caplog.records if "withdrawn" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.WARNING], said  # said once, not an error
