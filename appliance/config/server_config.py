@@ -72,7 +72,7 @@ class ServerConfig:
     max_request_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS  # elements one request declares
     http_header_timeout_s: float = 30.0  # a complete request header, or idle keep-alive
     http_body_timeout_s: float = 60.0  # a complete request body
-    # the gRPC endpoint's HTTP/2 limits (adapters/grpc_limits.py, docs/security.md)
+    # the gRPC endpoint's HTTP/2 limits (adapters/grpc/h2/limits.py, docs/security.md)
     grpc_max_connections: int = 256  # open connections; more are turned away (GOAWAY)
     grpc_max_concurrent_streams: int = 100  # calls at once on one connection
     grpc_max_header_list_size: int = 16 * 1024  # request headers, as HTTP/2 counts them

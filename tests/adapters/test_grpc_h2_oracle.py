@@ -125,12 +125,7 @@ def ours(data: bytes, max_message: int = MAX_MESSAGE) -> tuple[int | None, dict[
         transport = _Transport()
         conn.connection_made(transport)
         conn.data_received(data)
-        for stream in list(conn.streams.values()):  # (no call is run: forget them)
-            conn._drop(stream)
-        if conn._watch is not None:
-            conn._watch.cancel()
-        if conn._abort is not None:
-            conn._abort.cancel()
+        conn.connection_lost(None)  # its streams dropped (no call is run), timers cancelled
         return bytes(transport.out)
 
     return _verdict(asyncio.run(run()), True)

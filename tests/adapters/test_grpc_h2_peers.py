@@ -108,7 +108,7 @@ def test_a_peer_that_never_reads_stops_being_read_and_is_dropped(serve: Any) -> 
             return served not in endpoint.connections
 
         def answered(n: int) -> bool:
-            return served._opened >= n and not served.streams and not served.calls
+            return served.machine.watch.opened >= n and not served.streams and not served.calls
 
         sid = -1
         for n in range(1, 65):  # calls, one at a time, until the server's writes back up
@@ -118,14 +118,15 @@ def test_a_peer_that_never_reads_stops_being_read_and_is_dropped(serve: Any) -> 
             if served._paused or gone():
                 break
         assert served._paused or gone(), "64 answers of 256 KiB fit in the write buffer"
-        opened = served._opened
+        opened = served.machine.watch.opened
         for _ in range(8):  # more requests: the server must not read them
             sid += 2
             if not hostile.send(hostile.call(sid, INFER, body)):
                 break
         waiting(gone)
         assert gone(), "the client that does not read is kept"
-        assert served._opened == opened, "requests were read while the writes were backed up"
+        read = served.machine.watch.opened
+        assert read == opened, "requests were read while the writes were backed up"
         hostile.close()
 
 

@@ -93,7 +93,7 @@ def _declared_bytes(request: Any) -> int:
 class _InferWire(exchange.Wire[bytes]):
     """ModelInfer: the message's bytes -> the form (parsed once by protobuf's C parser;
     a big message's raw inputs as views of it); the answer -> the framed
-    ``ModelInferResponse`` bytes, outputs joined once (:mod:`grpc_wire`)."""
+    ``ModelInferResponse`` bytes, outputs joined once (:mod:`appliance.adapters.grpc.wire`)."""
 
     endpoint = "ModelInfer RPC"
     joins = True
@@ -188,7 +188,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     @_guarded
     async def ModelInfer(self, held: Held, context: Any) -> Any:
         """Bytes in, bytes out, through the one exchange (:mod:`exchange`): the message
-        is parsed once (:mod:`grpc_wire`), its raw inputs are views of the wire, its
+        is parsed once (:mod:`appliance.adapters.grpc.wire`), its raw inputs are views of the wire, its
         outputs joined once behind gRPC's message prefix, written by the call
         (``context.answer``) before the queued bytes held since its length prefix are
         released."""

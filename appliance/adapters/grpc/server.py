@@ -231,7 +231,7 @@ class GrpcEndpoint:
         limits: H2Limits | None = None,
     ) -> None:
         self._dataplane = dataplane
-        # the windows sized for max_message_size (grpc_limits.H2Limits.for_message)
+        # the windows sized for max_message_size (H2Limits.for_message)
         self._limits = (limits or H2Limits()).for_message(max_message_size)
         self._tls = tls
         self._host = host

@@ -1,2 +1,5 @@
-"""The gRPC endpoint's HTTP/2 core: frames, HPACK headers, flow control and stream
-limits, with the accept loop that drives them."""
+"""The gRPC endpoint's HTTP/2 core: a sans-I/O state machine (``machine``: frames,
+streams, flow control and limits; ``outbound`` the bytes to send within the client's
+windows; ``watch`` the watchdog's decisions; ``frames`` and ``headers`` the wire's
+pieces, ``limits`` what a client may cost) and the thin asyncio driver over it
+(``connection``), with the accept loop's connection limit (``accept``)."""

@@ -1,7 +1,7 @@
 """HTTP/2's pieces for the gRPC endpoint (RFC 9113): frame types, flags and error
 codes, reading frames off the byte stream and writing them, SETTINGS payloads, and one
 stream's record. Header blocks are :mod:`appliance.adapters.grpc.h2.headers`'; the
-connection that uses all of them is :mod:`appliance.adapters.grpc.h2.connection`.
+state machine that uses all of them is :mod:`appliance.adapters.grpc.h2.machine`.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Stream:
         self.buffer = bytearray()  # gRPC message bytes not yet complete
         self.admitted = False  # the message in ``buffer`` was admitted (its prefix read)
         self.skip = 0  # bytes of a message refused in its stream, still to drop
-        self.call: Any = None  # the call serving it (grpc_calls): set by Handler.open
+        self.call: Any = None  # the call serving it (grpc.calls): set by Handler.open
         self.ended = False  # the client sent END_STREAM
         self.closed = False  # we sent END_STREAM (or it was reset)
         self.send_window = window

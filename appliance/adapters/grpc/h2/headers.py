@@ -110,3 +110,13 @@ class HeaderDecoder:
         else:  # the block may have changed the dynamic table: indexes mean other things now
             self._indexed.clear()
         return decoded
+
+
+class PendingBlock:
+    """A header block being received in HEADERS + CONTINUATION frames."""
+
+    __slots__ = ("block", "flags", "frames", "looped", "sid", "started")
+
+    def __init__(self, sid: int, flags: int, block: memoryview, looped: bool, now: float):
+        self.sid, self.flags, self.block, self.looped = sid, flags, bytearray(block), looped
+        self.frames, self.started = 1, now
