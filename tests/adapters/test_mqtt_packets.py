@@ -221,7 +221,7 @@ def test_repeatable_properties_may_repeat() -> None:
     assert msg.user_properties == {"a": "2"}  # the last of a name, as the bridge reads them
 
 
-# ---- the one paho method the bridge hooks -------------------------------------------------
+# ---- the two paho methods the bridge hooks ------------------------------------------------
 
 
 def test_paho_still_builds_its_socket_in_create_socket() -> None:
@@ -234,6 +234,14 @@ def test_paho_still_builds_its_socket_in_create_socket() -> None:
 
     assert _Client._create_socket is not mqtt.Client._create_socket
     assert hasattr(BufferedSocket, "hand")
+
+
+def test_paho_still_takes_its_subscribe_ids_from_mid_generate() -> None:
+    """paho's SUBSCRIBE draws its packet id from ``Client._mid_generate``, which the bridge
+    points at its one allocator (``Outbound.take_id``, MQTT v5 2.2.1). If a paho release
+    draws ids elsewhere, two packets in flight could share one: this fails first."""
+    assert callable(getattr(mqtt.Client, "_mid_generate", None))
+    assert "self._mid_generate()" in _source(mqtt.Client._send_subscribe)
 
 
 def _source(function: object) -> str:

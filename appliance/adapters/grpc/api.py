@@ -188,8 +188,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
     @_guarded
     async def ModelInfer(self, held: Held, context: Any) -> Any:
         """Bytes in, bytes out, through the one exchange (:mod:`exchange`): the message
-        is parsed once (:mod:`appliance.adapters.grpc.wire`), its raw inputs are views of the wire, its
-        outputs joined once behind gRPC's message prefix, written by the call
+        is parsed once (:mod:`appliance.adapters.grpc.wire`), its raw inputs are views of
+        the wire, its outputs joined once behind gRPC's message prefix, written by the call
         (``context.answer``) before the queued bytes held since its length prefix are
         released."""
         wire, hold = held
