@@ -123,6 +123,14 @@ class ReportsMemory(Protocol):
     def memory_usage(self) -> MemoryUsage: ...
 
 
+class ReleasesMemory(Protocol):
+    """Optional: a backend whose engine keeps working memory after a big batch (ONNX
+    Runtime's CPU arena) and can hand what it does not use now back. Called on the
+    instance's thread, between batches, after a burst of requests; must not raise."""
+
+    def release_memory(self) -> None: ...
+
+
 class BatchLimited(Protocol):
     """Optional: a backend whose engine caps the batch size (TensorRT profiles)."""
 
@@ -136,6 +144,13 @@ def memory_usage(backend: object) -> MemoryUsage | None:
         return None
     usage: MemoryUsage = report()
     return usage
+
+
+def release_memory(backend: object) -> None:
+    """Ask the backend to hand back the working memory it does not use now, if it can."""
+    release = getattr(backend, "release_memory", None)
+    if release is not None:
+        release()
 
 
 def batch_limit(backend: object) -> int | None:

@@ -34,6 +34,7 @@ from appliance.backends import model_check, sealed
 from appliance.backends.base import BackendOptions, TensorSpec, check_inputs
 from appliance.backends.parameters import Parameters
 from appliance.backends.shared import Lease, SharedCache, file_identity
+from appliance.datatypes import to_numpy_dtype
 from appliance.errors import invalid
 
 log = logging.getLogger(__name__)
@@ -229,6 +230,12 @@ class OnnxRuntimeBackend:
         self.outputs = [_spec(a, model) for a in self._session.get_outputs()]
         self._string_inputs = {s.name for s in self.inputs if s.datatype == "BYTES"}
         self._output_names = {s.name for s in self.outputs}
+        # the CPU arena keeps the memory of the largest batch run: after a burst one
+        # smallest run with arena shrinkage hands the rest back (release_memory)
+        self._shrinkable = (
+            "CPUExecutionProvider" in self._session.get_providers() and not self._string_inputs
+        )
+        self._shrink_run: tuple[ort.RunOptions, dict[str, np.ndarray]] | None = None
 
     def infer(self, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
         check_inputs(self._model, self.inputs, inputs)
@@ -243,6 +250,30 @@ class OnnxRuntimeBackend:
             }
         results = self._session.run(outputs, feed)
         return dict(zip(outputs, results, strict=True))
+
+    def release_memory(self) -> None:
+        """One run of the smallest input (every dynamic dim 1, zeros) with ONNX Runtime's
+        arena shrinkage: the CPU arena frees what that run does not use, which is what
+        the burst's big batches left. A model that refuses such an input keeps its
+        arena as it is (logged once)."""
+        if not self._shrinkable:
+            return
+        try:
+            if self._shrink_run is None:
+                options = ort.RunOptions()
+                options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+                smallest = {
+                    s.name: np.zeros([max(d, 1) for d in s.shape], to_numpy_dtype(s.datatype))
+                    for s in self.inputs
+                    if not s.optional
+                }
+                self._shrink_run = (options, smallest)
+            options, smallest = self._shrink_run
+            self._session.run([self.outputs[0].name], smallest, options)
+            log.debug("model '%s': the CPU arena handed back what it does not use", self._model)
+        except Exception as exc:  # the model's own rule for its inputs: no shrinking
+            log.info("model '%s': its arena is not shrunk after bursts (%s)", self._model, exc)
+            self._shrinkable = False
 
     def close(self) -> None:
         # dropping the last reference frees the session's arena and weights

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures.thread
+import contextlib
 import logging
 import math
 import threading
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from appliance.backends.base import Backend
+from appliance.backends.base import Backend, release_memory
 from appliance.core.batching import (
     BatchPolicy,
     BatchResult,
@@ -103,6 +104,9 @@ class DynamicBatcher:
         self._undelivered: dict[int, float] = {}
         self._accepting = True
         self._halted = False  # stop() gave up: instances take nothing more
+        self._releasing: set[int] = set()  # instances asked to hand back working memory
+        self._release_busy = 0  # instances handing it back now
+        self._released: asyncio.Future[None] | None = None  # done when all have
         self._serving = [
             asyncio.wrap_future(instance.occupy(self._serve, index))
             for index, instance in enumerate(instances.instances)
@@ -221,6 +225,10 @@ class DynamicBatcher:
                     return None
                 if self._abandoned():
                     return None
+                if index in self._releasing and not self._queue:
+                    self._releasing.discard(index)
+                    self._release_busy += 1
+                    return []  # (an empty batch: hand back working memory)
                 wait_s = IDLE_CHECK_S
                 if self._queue:
                     # once stopping, waiting for fuller batches only delays the drain
@@ -267,6 +275,9 @@ class DynamicBatcher:
         """An instance's loop, on its own thread: take a batch, run it, deliver it."""
         batched = self.policy.max_batch_size > 0
         while (items := self._take(index)) is not None:
+            if not items:
+                self._release(backend)
+                continue
             start_ns = time.perf_counter_ns()
             outputs = list(dict.fromkeys(out for it in items for out in it.outputs))
             outcome: _Outcome
@@ -288,6 +299,18 @@ class DynamicBatcher:
             except RuntimeError:  # the event loop is gone: nobody is waiting any more
                 return
             del items, outcome  # the inputs are not held while waiting for the next batch
+
+    def _release(self, backend: Backend) -> None:
+        try:
+            release_memory(backend)
+        except Exception:  # a backend's bug: its memory stays, serving goes on
+            log.exception("model '%s': handing back working memory failed", self.model)
+        with self._ready:
+            self._release_busy -= 1
+            done = not self._releasing and not self._release_busy
+        if done:
+            with contextlib.suppress(RuntimeError):  # (the event loop is gone)
+                self._loop.call_soon_threadsafe(self._release_done)
 
     def _serving_done(self, serving: asyncio.Future[None]) -> None:
         """An instance loop that died of a bug must not strand the callers."""
@@ -344,13 +367,33 @@ class DynamicBatcher:
             if not it.future.done():
                 it.future.set_exception(why)
 
+    def release_memory(self) -> asyncio.Future[None]:
+        """Ask each instance to hand back the working memory its engine keeps
+        (:func:`appliance.backends.base.release_memory`), on its own thread between
+        batches; the future is done once every instance has (or the batcher stopped)."""
+        with self._ready:
+            if self._released is None or self._released.done():
+                self._released = self._loop.create_future()
+            if not self._accepting or self._halted:
+                self._released.set_result(None)
+                return self._released
+            self._releasing = set(range(len(self._serving)))
+            self._ready.notify_all()
+            return self._released
+
+    def _release_done(self) -> None:
+        if self._released is not None and not self._released.done():
+            self._released.set_result(None)
+
     async def stop(self, timeout_s: float) -> None:
         """Stop accepting, drain queued and running work for up to ``timeout_s``,
         then fail whatever is left with UNAVAILABLE; the instances take nothing more
         (a batch still running finishes on its thread, its answer dropped)."""
         with self._ready:
             self._accepting = False
+            self._releasing.clear()
             self._ready.notify_all()
+        self._release_done()
         if not self._serving:
             return
         _, late = await asyncio.wait(self._serving, timeout=timeout_s)

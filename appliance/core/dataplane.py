@@ -98,7 +98,19 @@ class DataPlane:
         self.queued = QueuedBytes(
             server.max_queued_bytes or default_limit(server.memory_limit),
             server.max_queued_bytes_per_model,
+            self._release_engine_memory,
         )
+
+    async def _release_engine_memory(self) -> None:
+        """After a burst: every loaded model's engines hand back the working memory
+        they keep (bounded: a model busy again is not waited for past 5 s)."""
+        waits = [
+            asyncio.ensure_future(release())
+            for servable in self.lifecycle.loaded()
+            if (release := getattr(servable, "release_memory", None)) is not None
+        ]
+        if waits:
+            await asyncio.wait(waits, timeout=5.0)
 
     # ---- health and metadata -----------------------------------------------------------
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from dataclasses import replace
 from typing import Any
 
@@ -157,6 +158,11 @@ class ModelVersion:
     def metadata(self, versions: list[str]) -> dict[str, Any]:
         """KServe v2 model metadata."""
         return tensor_metadata(self.config, versions)
+
+    def release_memory(self) -> Awaitable[Any]:
+        """After a burst: each instance's engine hands back the working memory it does
+        not use now (ONNX Runtime's arena), between batches."""
+        return self.scheduler.release_memory()
 
     async def unload(self, timeout_s: float) -> None:
         """Drain queued and running requests (up to ``timeout_s``), free the instances,

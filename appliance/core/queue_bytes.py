@@ -22,6 +22,8 @@ Rules:
 - When the total falls back to zero after a burst in which requests of at least
   :data:`TRIM_AFTER_BYTES` came and went (admitted or refused: a refused body still
   passes through the connection's buffers), and stays zero for :data:`IDLE_S`, the
+  engines first hand back the working memory they keep from the burst's big batches
+  (ONNX Runtime's CPU arena, on each instance's thread between batches), then the
   freed heap is handed back to the OS (``malloc_trim`` on a worker thread): glibc
   keeps freed request buffers in its arenas otherwise, and the RSS stays near the
   burst's peak.
@@ -33,7 +35,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -71,8 +74,14 @@ def default_limit(memory_limit: int | None) -> int:
 class QueuedBytes:
     """The server-wide counter and the per-model default limit; makes :class:`Hold`s."""
 
-    def __init__(self, limit: int, per_model_limit: int | None = None) -> None:
+    def __init__(
+        self,
+        limit: int,
+        per_model_limit: int | None = None,
+        engines: Callable[[], Awaitable[Any]] | None = None,
+    ) -> None:
         self.limit = limit
+        self._engines = engines  # the engines' working memory, handed back first
         self.per_model_limit = per_model_limit or limit
         self.held = 0
         self._seen = 0  # bytes of requests that came (admitted or not) since the last trim
@@ -107,7 +116,12 @@ class QueuedBytes:
             return
         log.debug("trimming the heap after a burst of %s of requests", memory.fmt(self._seen))
         self._seen = 0
-        self._trimming = asyncio.ensure_future(asyncio.to_thread(memory.trim))
+        self._trimming = asyncio.ensure_future(self._give_back())
+
+    async def _give_back(self) -> None:
+        if self._engines is not None:
+            await self._engines()
+        await asyncio.to_thread(memory.trim)
 
 
 class Hold:

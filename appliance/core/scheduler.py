@@ -11,7 +11,7 @@ validates, hands over and counts.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Hashable
-from typing import Protocol
+from typing import Any, Protocol
 
 from appliance.config.model_config import ModelConfig
 from appliance.core.batcher import DynamicBatcher
@@ -40,6 +40,11 @@ class Scheduler(Protocol):
     ) -> Awaitable[BatchResult]: ...
 
     async def stop(self, timeout_s: float) -> None: ...
+
+    def release_memory(self) -> Awaitable[Any]:
+        """Each instance hands back the working memory its engine keeps, between
+        batches; done when all have."""
+        ...
 
 
 def create(

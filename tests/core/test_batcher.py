@@ -617,3 +617,53 @@ def test_priority_levels_serve_the_urgent_first_and_keep_arrival_order_within_a_
         await shutdown(batcher, group)
 
     run(main())
+
+
+# ---- handing back working memory after a burst ------------------------------------------
+
+
+class Releasing(Doubler):
+    """A Doubler whose engine can hand back working memory; records on which thread,
+    and after which calls."""
+
+    def __init__(self, hold: bool = False) -> None:
+        super().__init__(hold=hold)
+        self.released: list[tuple[str, int]] = []  # (thread, calls made before it)
+
+    def release_memory(self) -> None:
+        self.released.append((threading.current_thread().name, len(self.calls)))
+
+
+def test_each_instance_hands_back_memory_on_its_own_thread_after_the_queue_is_done() -> None:
+    async def main() -> None:
+        backend = Releasing(hold=True)
+        batcher, group, _, tasks = await one_running_three_queued(backend)
+        released = batcher.release_memory()  # asked while one runs and three wait
+        await asyncio.sleep(0.05)
+        assert backend.released == []  # not between queued requests
+        backend.release.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), LIMIT_S)
+        await asyncio.wait_for(released, LIMIT_S)
+        assert backend.released == [(backend.threads[0], 4)]  # the instance's thread, after all
+        again = batcher.release_memory()
+        assert again is not released  # a new round
+        assert batcher.release_memory() is again  # one asked while a round is under way joins it
+        await asyncio.wait_for(again, LIMIT_S)
+        assert len(backend.released) == 2
+        await shutdown(batcher, group)
+
+    run(main())
+
+
+def test_two_instances_both_hand_back_and_a_stopped_batcher_answers_at_once() -> None:
+    async def main() -> None:
+        backend = Releasing()
+        batcher, group, _ = await make_batcher(backend, MERGE, count=2)
+        await asyncio.wait_for(batcher.release_memory(), LIMIT_S)
+        assert sorted(t for t, _ in backend.released) == ["m#0_0", "m#1_0"]
+        await shutdown(batcher, group)
+        done = batcher.release_memory()
+        assert done.done()  # nothing waits on a batcher that serves no more
+        assert len(backend.released) == 2
+
+    run(main())

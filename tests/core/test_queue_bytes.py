@@ -8,6 +8,7 @@ the test, not by timing.
 
 from __future__ import annotations
 
+import logging
 import socket
 import textwrap
 import threading
@@ -197,3 +198,45 @@ def test_readme_snippet_loads(tmp_path: Path) -> None:
     assert config.max_queued_bytes_per_model == 128 * 2**20
     assert config.mqtt is not None and config.mqtt.max_pending == 64
     assert config.mqtt.reconnect_max_s == 2.0 and config.mqtt.reconnect_min_s == 0.5
+
+
+def test_after_a_burst_the_engines_hand_back_their_working_memory(
+    run_appliance: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A burst of more than TRIM_AFTER_BYTES of requests, then a quiet second: the
+    classifier's ONNX Runtime instance runs its smallest input with arena shrinkage,
+    on its own thread (what the burst's big batches left is handed back before the
+    heap is trimmed), and the model answers the same afterwards."""
+    import shutil
+
+    from appliance.core.queue_bytes import IDLE_S, TRIM_AFTER_BYTES
+
+    shutil.copytree(Path(__file__).parents[2] / "appliance/demo_models/classifier", tmp_path / "c")
+    srv = run_appliance(tmp_path)
+    client = httpclient.InferenceServerClient(srv.url, concurrency=8)
+    image = np.random.default_rng(1).random((1, 3, 224, 224), dtype=np.float32)
+
+    def infer(batch: np.ndarray) -> np.ndarray:
+        tensor = httpclient.InferInput("input", list(batch.shape), "FP32")
+        tensor.set_data_from_numpy(batch, binary_data=True)
+        return client.infer("c", [tensor]).as_numpy("output")
+
+    before = infer(image)
+    burst = np.repeat(image, 8, axis=0)  # 4.6 MiB a request: batches of 8-32 rows
+    count = TRIM_AFTER_BYTES // burst.nbytes + 2
+    with caplog.at_level(logging.DEBUG, logger="appliance.backends.onnxruntime_backend"):
+        pending = [client.async_infer("c", [_input(burst)]) for _ in range(count)]
+        for request in pending:
+            assert request.get_result().as_numpy("output").shape == (8, 1000)
+        handed = "the CPU arena handed back what it does not use"
+        wait_until(lambda: handed in caplog.text, what="the arena handed back", timeout=20 * IDLE_S)
+    (record,) = [r for r in caplog.records if handed in r.getMessage()]
+    assert record.threadName.startswith("c#0")  # the instance's own thread
+    np.testing.assert_array_equal(infer(image), before)
+    client.close()
+
+
+def _input(batch: np.ndarray) -> Any:
+    tensor = httpclient.InferInput("input", list(batch.shape), "FP32")
+    tensor.set_data_from_numpy(batch, binary_data=True)
+    return tensor

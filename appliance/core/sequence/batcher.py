@@ -25,8 +25,10 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Hashable
+from collections.abc import Awaitable, Hashable
+from typing import Any
 
+from appliance.backends.base import release_memory
 from appliance.config.model_config import ModelConfig
 from appliance.core.batching import (
     BatchPolicy,
@@ -76,6 +78,7 @@ class SequenceBatcher:
         slots = max(1, config.batch_size)
         if sb.strategy == "oldest" and sb.max_candidate_sequences > 0:
             slots = sb.max_candidate_sequences
+        self._instances = instances.instances
         self._slots = SlotTable(
             config.name, instances.instances, slots, sb.max_sequence_idle_us / 1e6
         )
@@ -304,6 +307,13 @@ class SequenceBatcher:
                     q.future.set_exception(error)
             seq.queue.clear()
         self._count(-self._queued)
+
+    def release_memory(self) -> Awaitable[Any]:
+        """Each instance hands back the working memory its engine keeps, on its own
+        thread after the batch it runs now, if any
+        (:func:`appliance.backends.base.release_memory`)."""
+        runs = (i.run(release_memory) for i in self._instances)
+        return asyncio.gather(*runs, return_exceptions=True)
 
     async def stop(self, timeout_s: float) -> None:
         """Stop accepting, drain queued and running work for up to ``timeout_s``,
