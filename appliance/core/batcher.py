@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from appliance.backends.base import Backend, release_memory
+from appliance.backends.base import Backend
+from appliance.core import memory
 from appliance.core.batching import (
     BatchPolicy,
     BatchResult,
@@ -302,7 +303,7 @@ class DynamicBatcher:
 
     def _release(self, backend: Backend) -> None:
         try:
-            release_memory(backend)
+            memory.hand_back(backend)
         except Exception:  # a backend's bug: its memory stays, serving goes on
             log.exception("model '%s': handing back working memory failed", self.model)
         with self._ready:

@@ -30,10 +30,12 @@ import ctypes.util
 import gc
 import logging
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from appliance.backends.base import release_memory
 from appliance.errors import ApplianceError, Code
 
 log = logging.getLogger(__name__)
@@ -91,7 +93,12 @@ def _glibc() -> Any:
     except (OSError, TypeError):
         return None
     # glibc only: musl and macOS lack malloc_trim
-    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+    if not (hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt")):
+        return None
+    libc.malloc.restype = ctypes.c_void_p  # (a pointer, not ctypes' default int)
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    return libc
 
 
 _LIBC = _glibc()
@@ -101,16 +108,49 @@ _SERVING_MMAP = 32 * MiB  # what glibc's dynamic threshold grows to at most on 6
 _SERVING_TRIM = 2 * _SERVING_MMAP  # as glibc pairs them; trimming is explicit (trim())
 
 
+_STEERING = threading.Lock()  # the allocator's thresholds are changed under it
+_loading = False  # the thresholds are the loading ones
+
+
 def trim() -> None:
     """Return freed heap pages to the OS (blocking; run it on a worker thread)."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
 
 
+def trim_thread_heap() -> None:
+    """Return the free top of the calling thread's own heap to the OS.
+
+    glibc gives a busy thread an arena of its own (an instance's thread: its batches'
+    concatenated inputs and the engine's buffers live there), and ``malloc_trim``
+    trims the main heap's top only; another heap's top is trimmed when a block of at
+    least 64 KiB is freed on it while the top is over the trim threshold, which is
+    high while serving. So: the threshold lowered for one such free, on this thread."""
+    if _LIBC is None:
+        return
+    with _STEERING:
+        _LIBC.mallopt(_M_TRIM_THRESHOLD, _LOADING_MMAP)
+        try:
+            block = _LIBC.malloc(2 * _LOADING_MMAP)  # below the mmap threshold: this heap
+            _LIBC.free(block)
+        finally:
+            _LIBC.mallopt(_M_TRIM_THRESHOLD, _LOADING_MMAP if _loading else _SERVING_TRIM)
+
+
+def hand_back(backend: object) -> None:
+    """After a burst, on an instance's thread between batches: the engine's working
+    memory (:func:`appliance.backends.base.release_memory`), then the thread's heap."""
+    release_memory(backend)
+    trim_thread_heap()
+
+
 def _allocator(loading: bool) -> None:
+    global _loading
     if _LIBC is not None:
-        _LIBC.mallopt(_M_MMAP_THRESHOLD, _LOADING_MMAP if loading else _SERVING_MMAP)
-        _LIBC.mallopt(_M_TRIM_THRESHOLD, _LOADING_MMAP if loading else _SERVING_TRIM)
+        with _STEERING:
+            _loading = loading
+            _LIBC.mallopt(_M_MMAP_THRESHOLD, _LOADING_MMAP if loading else _SERVING_MMAP)
+            _LIBC.mallopt(_M_TRIM_THRESHOLD, _LOADING_MMAP if loading else _SERVING_TRIM)
 
 
 class _Nvml:

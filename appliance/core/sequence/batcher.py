@@ -28,8 +28,8 @@ import time
 from collections.abc import Awaitable, Hashable
 from typing import Any
 
-from appliance.backends.base import release_memory
 from appliance.config.model_config import ModelConfig
+from appliance.core import memory
 from appliance.core.batching import (
     BatchPolicy,
     BatchResult,
@@ -311,8 +311,8 @@ class SequenceBatcher:
     def release_memory(self) -> Awaitable[Any]:
         """Each instance hands back the working memory its engine keeps, on its own
         thread after the batch it runs now, if any
-        (:func:`appliance.backends.base.release_memory`)."""
-        runs = (i.run(release_memory) for i in self._instances)
+        (:func:`appliance.core.memory.hand_back`)."""
+        runs = (i.run(memory.hand_back) for i in self._instances)
         return asyncio.gather(*runs, return_exceptions=True)
 
     async def stop(self, timeout_s: float) -> None:
