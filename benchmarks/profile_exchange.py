@@ -22,13 +22,18 @@ import argparse
 import asyncio
 import collections
 import json
+import re
+import shutil
 import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "appliance" / "demo_models"
 sys.path.insert(0, str(ROOT))
 
 from appliance.adapters.http import infer  # noqa: E402
@@ -46,6 +51,7 @@ HAND_OFFS = (
     "run_in_executor",
 )
 
+timed: list[tuple[float, float]] = []  # (wall, CPU) µs per request, --no-count
 counts: collections.Counter[tuple[str, str]] = collections.Counter()
 counting = False
 
@@ -71,9 +77,18 @@ def _hook(frame: FrameType, event: str, arg: Any) -> None:
         counts[(kind, f"<C> {getattr(arg, '__qualname__', repr(arg))}")] += 1
 
 
-async def run(requests: int, model: str) -> None:
+async def run(requests: int, model: str, delay_us: int | None = None) -> None:
     global counting
-    config = load_server_config(None, {"http_port": -1, "grpc_port": -1, "metrics_port": -1})
+    options: dict[str, Any] = {"http_port": -1, "grpc_port": -1, "metrics_port": -1}
+    if delay_us is not None:  # the demo model, with another queue delay
+        repo = Path(tempfile.mkdtemp())
+        shutil.copytree(DEMO / model, repo / model)
+        text = (repo / model / "config.yaml").read_text()
+        delay = f"max_queue_delay_microseconds: {delay_us}"
+        text = re.sub(r"max_queue_delay_microseconds: \d+", delay, text)
+        (repo / model / "config.yaml").write_text(text)
+        options["model_repository"] = repo
+    config = load_server_config(None, options)
     server = Server(config)
     await server.start()
     body = json.dumps(
@@ -85,6 +100,7 @@ async def run(requests: int, model: str) -> None:
         }
     ).encode()
     dp = server.dataplane
+    started = [0.0, 0.0]
 
     async def one() -> None:
         ticket = dp.admit(model, "", len(body))
@@ -97,9 +113,12 @@ async def run(requests: int, model: str) -> None:
         for _ in range(200):  # warm: first-call caches, the batcher's steady state
             await one()
         counting = True
+        started[:] = [time.perf_counter(), time.process_time()]
         for _ in range(requests):
             await one()
         counting = False
+        wall, cpu = time.perf_counter() - started[0], time.process_time() - started[1]
+        timed.append((wall / requests * 1e6, cpu / requests * 1e6))
     finally:
         await server.stop()
 
@@ -143,19 +162,28 @@ def main() -> None:
     ap.add_argument("--model", default="simple")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument(
+        "--queue-delay-us",
+        type=int,
+        help="serve the model with this dynamic-batching queue delay (0: a lone request "
+        "is sent at once, and a cheap model runs it on the event loop)",
+    )
+    ap.add_argument(
         "--no-count",
         action="store_true",
-        help="no profile hook: the bare loop, for an instruction counter around it "
-        "(valgrind --tool=callgrind; the difference of two --requests gives a request's)",
+        help="no profile hook: the bare loop, timed (wall and CPU per request), and for "
+        "an instruction counter around it (valgrind --tool=callgrind; the difference of "
+        "two --requests gives a request's)",
     )
     a = ap.parse_args()
     if a.no_count:
-        asyncio.run(run(a.requests, a.model))
+        asyncio.run(run(a.requests, a.model, a.queue_delay_us))
+        wall, cpu = timed[0]
+        print(f"{wall:.1f} us wall, {cpu:.1f} us CPU (the whole process) per request")
         return
     threading.setprofile(_hook)  # threads started from now on: the instances'
     sys.setprofile(_hook)
     try:
-        asyncio.run(run(a.requests, a.model))
+        asyncio.run(run(a.requests, a.model, a.queue_delay_us))
     finally:
         sys.setprofile(None)
         threading.setprofile(None)  # type: ignore[arg-type]

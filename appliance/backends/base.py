@@ -123,6 +123,16 @@ class ReportsMemory(Protocol):
     def memory_usage(self) -> MemoryUsage: ...
 
 
+class InlineSafe(Protocol):
+    """Optional: ``inline_safe`` True amends the thread rule above for this backend:
+    its ``infer`` may also be called from the event loop's thread while its own thread
+    takes no batch (a cheap lone request run in place of two thread hand-offs;
+    ``core/batcher``). Only an engine whose run is thread-safe and needs no
+    thread-bound context opts in (ONNX Runtime on the CPU)."""
+
+    inline_safe: bool
+
+
 class ReleasesMemory(Protocol):
     """Optional: a backend whose engine keeps working memory after a big batch (ONNX
     Runtime's CPU arena) and can hand what it does not use now back. Called on the

@@ -232,6 +232,9 @@ class OnnxRuntimeBackend:
         self._output_names = {s.name for s in self.outputs}
         # the CPU arena keeps the memory of the largest batch run: after a burst one
         # smallest run with arena shrinkage hands the rest back (release_memory)
+        # InferenceSession.run may be called from any thread; a GPU provider's context
+        # may not: only a CPU session runs a cheap lone request on the event loop
+        self.inline_safe = self._session.get_providers() == ["CPUExecutionProvider"]
         self._shrinkable = (
             "CPUExecutionProvider" in self._session.get_providers() and not self._string_inputs
         )

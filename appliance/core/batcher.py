@@ -39,14 +39,17 @@ from appliance.core import memory
 from appliance.core.batching import (
     BatchPolicy,
     BatchResult,
+    InlineCost,
     answer,
     catch_up,
     decide,
     failed_batch,
     run_batch,
+    sends_alone,
     wake_rows,
 )
 from appliance.core.instances import InstanceGroup
+from appliance.core.queue_bytes import CONTENDED
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, FailureReason, internal, unavailable
 from appliance.request import InferenceRequest
@@ -108,6 +111,14 @@ class DynamicBatcher:
         self._releasing: set[int] = set()  # instances asked to hand back working memory
         self._release_busy = 0  # instances handing it back now
         self._released: asyncio.Future[None] | None = None  # done when all have
+        # the instances whose engine may run a cheap lone request on the event loop
+        # (Backend.inline_safe: ONNX Runtime on the CPU), and what their runs cost
+        self._inline_backends = [
+            i.backend if getattr(i.backend, "inline_safe", False) else None
+            for i in instances.instances
+        ]
+        self._inline = InlineCost() if any(self._inline_backends) else None
+        self._batched = policy.max_batch_size > 0
         self._serving = [
             asyncio.wrap_future(instance.occupy(self._serve, index))
             for index, instance in enumerate(instances.instances)
@@ -143,6 +154,16 @@ class DynamicBatcher:
                 f"({self.max_queue_size} requests waiting)",
                 FailureReason.REJECTED,
             )
+        if (
+            self._inline is not None
+            and self._inline.cheap()
+            and not CONTENDED.get()
+            and sends_alone(self.policy, rows)
+        ):
+            with self._ready:
+                index = self._claim()
+            if index is not None:
+                return self._run_inline(index, inputs, outputs, rows)
         item = _Pending(
             inputs,
             outputs,
@@ -179,6 +200,45 @@ class DynamicBatcher:
         except asyncio.CancelledError:
             self._withdraw(item)  # still queued: nobody will resolve it now
             raise
+
+    # ---- a cheap lone request, on the event loop --------------------------------------
+
+    def _claim(self) -> int | None:
+        """An idle instance whose engine may run on the loop, marked running (so its
+        thread takes nothing meanwhile: only the loop enqueues, and it is busy), or
+        None: something is queued, or no such instance is idle. Under the lock."""
+        if self._queue or self._releasing or self._release_busy or not self._accepting:
+            return None
+        for index, backend in enumerate(self._inline_backends):
+            idle = index not in self._running and index not in self._undelivered
+            if backend is not None and idle:
+                self._running[index] = []
+                return index
+        return None
+
+    def _run_inline(
+        self, index: int, inputs: dict[str, np.ndarray], outputs: tuple[str, ...], rows: int
+    ) -> BatchResult:
+        """Run one request on the claimed instance's engine here, on the event loop:
+        no queue entry, no thread hand-off either way (docs/benchmarks.md)."""
+        backend = self._inline_backends[index]
+        assert backend is not None and self._inline is not None  # (claimed: inline-safe)
+        start_ns = time.perf_counter_ns()
+        try:
+            parts, input_ns, infer_ns, output_ns = run_batch(
+                backend, [inputs], [rows], list(outputs), self._batched
+            )
+        except Exception as exc:
+            raise failed_batch(self.model, exc) from None
+        finally:
+            with self._ready:
+                self._running.pop(index, None)
+            self._inline.record(time.perf_counter_ns() - start_ns, inline=True)
+        self._stats.record_execution(rows, input_ns, infer_ns, output_ns)
+        part = parts[0]
+        return BatchResult(
+            {k: part[k] for k in outputs if k in part}, 0, input_ns, infer_ns, output_ns
+        )
 
     def enqueue(
         self,
@@ -274,7 +334,7 @@ class DynamicBatcher:
 
     def _serve(self, backend: Backend, index: int) -> None:
         """An instance's loop, on its own thread: take a batch, run it, deliver it."""
-        batched = self.policy.max_batch_size > 0
+        batched = self._batched
         while (items := self._take(index)) is not None:
             if not items:
                 self._release(backend)
@@ -340,6 +400,8 @@ class DynamicBatcher:
             return
         parts, input_ns, infer_ns, output_ns = outcome
         self._stats.record_execution(sum(it.rows for it in items), input_ns, infer_ns, output_ns)
+        if self._inline is not None and len(items) == 1:
+            self._inline.record(input_ns + infer_ns + output_ns, inline=False)
         for it, part in zip(items, parts, strict=True):
             answer(
                 it.future,

@@ -115,6 +115,48 @@ def decide(queue: Iterable[Queued], now: float, policy: BatchPolicy) -> Decision
     return Decision(wait_s=head.arrival + delay - now)
 
 
+def sends_alone(policy: BatchPolicy, rows: int) -> bool:
+    """Whether :func:`decide` sends a lone request of ``rows`` rows the moment it
+    arrives (no batching, no queue delay, or a preferred or the largest size alone)."""
+    limit = policy.max_batch_size
+    if not policy.dynamic or limit <= 0 or policy.max_queue_delay_s <= 0:
+        return True
+    preferred = policy.preferred_batch_sizes
+    largest = min(max(preferred), limit) if preferred else limit
+    return rows in preferred or rows >= largest
+
+
+# a run the event loop may take in place of two thread hand-offs (of the order of what
+# the offload rule lets it spend decoding a small payload)
+INLINE_BOUND_NS = 50_000
+INLINE_WARM = 8  # one-request executions on the instance's thread before any inline run
+
+
+class InlineCost:
+    """Whether a model's lone requests are cheap enough to run on the event loop: a
+    moving mean of its one-request executions under :data:`INLINE_BOUND_NS`, after
+    :data:`INLINE_WARM` of them. An inline run over four times the bound sets the mean
+    to it, which turns inline runs off until runs on the thread bring it back under."""
+
+    __slots__ = ("mean_ns", "samples")
+
+    def __init__(self) -> None:
+        self.mean_ns = 0.0
+        self.samples = 0
+
+    def cheap(self) -> bool:
+        return self.samples >= INLINE_WARM and self.mean_ns < INLINE_BOUND_NS
+
+    def record(self, ns: int, inline: bool) -> None:
+        if inline and ns > 4 * INLINE_BOUND_NS:
+            self.mean_ns = float(ns)
+        elif self.samples:
+            self.mean_ns += 0.2 * (ns - self.mean_ns)
+        else:
+            self.mean_ns = float(ns)
+        self.samples += 1
+
+
 def wake_rows(policy: BatchPolicy) -> int:
     """The queued rows (of any shape) from which an arrival can change the decision of
     an instance waiting out the oldest request's delay.

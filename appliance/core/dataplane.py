@@ -27,7 +27,7 @@ from appliance.core.admission import Ticket
 from appliance.core.cuda_shared_memory import CudaSharedMemory
 from appliance.core.lifecycle import ModelLifeCycle
 from appliance.core.log_settings import LogSettings
-from appliance.core.queue_bytes import Hold, QueuedBytes, default_limit, tensor_bytes
+from appliance.core.queue_bytes import CONTENDED, Hold, QueuedBytes, default_limit, tensor_bytes
 from appliance.core.servable import Servable, State
 from appliance.core.shared_memory import SharedMemoryRegistry
 from appliance.core.trace import Tracer
@@ -223,6 +223,7 @@ class DataPlane:
             except ApplianceError:
                 mv.stats.record_failure(FailureReason.REJECTED, 0)
                 raise
+            CONTENDED.set(self.queued.holding > 1)
             return await self._infer_one(mv, request, ticket.trusts(mv))
         finally:
             if own:

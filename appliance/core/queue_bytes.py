@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,11 @@ from appliance.core.stats import ModelStats
 from appliance.errors import FailureReason, unavailable
 
 log = logging.getLogger(__name__)
+
+# whether other requests than the one being served hold bytes now (set by the data plane
+# for the request's task): a batcher runs a cheap lone request on the event loop only
+# when nothing else is in flight, so concurrent requests still batch on the threads
+CONTENDED: ContextVar[bool] = ContextVar("appliance_contended", default=False)
 
 TRIM_AFTER_BYTES = 16 * memory.MiB  # a burst smaller than this leaves little to give back
 IDLE_S = 1.0  # quiet time before trimming: not between two requests of a steady stream
@@ -84,6 +90,7 @@ class QueuedBytes:
         self._engines = engines  # the engines' working memory, handed back first
         self.per_model_limit = per_model_limit or limit
         self.held = 0
+        self.holding = 0  # requests holding bytes now
         self._seen = 0  # bytes of requests that came (admitted or not) since the last trim
         self._taken = 0  # holds made so far: tells an idle spell from a busy one
         self._trim_timer: asyncio.TimerHandle | None = None
@@ -159,6 +166,10 @@ class Hold:
                     f"(max_queued_bytes)",
                     FailureReason.REJECTED,
                 )
+        if not self.nbytes and nbytes:
+            self._server.holding += 1
+        elif self.nbytes and not nbytes:
+            self._server.holding -= 1
         self.nbytes = nbytes
         if stats is not None:
             stats.pending_bytes += delta

@@ -23,11 +23,15 @@ import pytest
 from appliance.backends.base import TensorSpec
 from appliance.core.batcher import DynamicBatcher
 from appliance.core.batching import (
+    INLINE_BOUND_NS,
+    INLINE_WARM,
     BatchPolicy,
     BatchResult,
     Decision,
+    InlineCost,
     catch_up,
     decide,
+    sends_alone,
     wake_rows,
 )
 from appliance.core.instances import InstanceGroup
@@ -665,5 +669,120 @@ def test_two_instances_both_hand_back_and_a_stopped_batcher_answers_at_once() ->
         done = batcher.release_memory()
         assert done.done()  # nothing waits on a batcher that serves no more
         assert len(backend.released) == 2
+
+    run(main())
+
+
+# ---- a cheap lone request runs on the event loop ----------------------------------------
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("delay", [0.0, 0.001])
+@pytest.mark.parametrize("preferred", [(), (2,), (4, 8)])
+def test_sends_alone_is_what_decide_does_with_a_lone_request(
+    dynamic: bool, delay: float, preferred: tuple[int, ...]
+) -> None:
+    policy = BatchPolicy(8, preferred, delay, dynamic)
+    for rows in range(1, 9):
+        at_once = bool(decide([Item(rows=rows, arrival=5.0)], 5.0, policy).send)
+        assert sends_alone(policy, rows) == at_once, (policy, rows)
+
+
+def test_inline_cost_warms_up_then_turns_off_after_a_slow_run_and_back_on() -> None:
+    cost = InlineCost()
+    for _ in range(INLINE_WARM - 1):
+        cost.record(1_000, inline=False)
+    assert not cost.cheap()  # the first requests after a load go to the thread
+    cost.record(1_000, inline=False)
+    assert cost.cheap()
+    cost.record(5 * INLINE_BOUND_NS, inline=True)  # one inline run far over the bound
+    assert not cost.cheap()
+    runs = 0
+    while not cost.cheap():
+        cost.record(1_000, inline=False)
+        runs += 1
+    assert 5 <= runs <= 10  # a few runs on the thread bring it back
+
+
+class InlineDoubler(Doubler):
+    inline_safe = True
+
+
+def test_a_cheap_lone_request_runs_on_the_loop_once_its_model_is_measured_cheap() -> None:
+    async def main() -> None:
+        backend = InlineDoubler()
+        no_delay = BatchPolicy(max_batch_size=8, max_queue_delay_s=0.0, dynamic=True)
+        batcher, group, stats = await make_batcher(backend, no_delay)
+        for v in range(INLINE_WARM):  # measured on the instance's thread first
+            result = await asyncio.wait_for(submit(batcher, x(v)), LIMIT_S)
+            np.testing.assert_array_equal(result.outputs["y"], x(2 * v))
+        assert set(backend.threads) == {"m#0_0"}
+        loop_thread = threading.current_thread().name
+        result = await asyncio.wait_for(submit(batcher, x(21)), LIMIT_S)
+        np.testing.assert_array_equal(result.outputs["y"], x(42))
+        assert backend.threads[-1] == loop_thread  # no hand-off either way
+        assert stats.execution_count == INLINE_WARM + 1
+        await shutdown(batcher, group)
+
+    run(main())
+
+
+def test_no_inline_run_with_a_queue_delay_or_an_engine_that_is_not_inline_safe() -> None:
+    async def main() -> None:
+        delayed = BatchPolicy(max_batch_size=8, max_queue_delay_s=0.001, dynamic=True)
+        for backend, policy in ((InlineDoubler(), delayed), (Doubler(), MERGE)):
+            batcher, group, _ = await make_batcher(backend, policy)
+            for v in range(INLINE_WARM + 4):
+                await asyncio.wait_for(submit(batcher, x(v)), LIMIT_S)
+            assert set(backend.threads) == {"m#0_0"}, policy
+            await shutdown(batcher, group)
+    run(main())
+
+
+def test_a_request_finding_its_instance_busy_queues_behind_the_batch_it_runs() -> None:
+    async def main() -> None:
+        backend = InlineDoubler(hold=False)
+        # one row waits out the delay (on the thread); two rows are a preferred size,
+        # which a lone request reaches at once (inline when the instance is idle)
+        policy = BatchPolicy(8, (2,), 0.001, True)
+        batcher, group, _ = await make_batcher(backend, policy)
+        for v in range(INLINE_WARM):
+            await asyncio.wait_for(submit(batcher, x(v)), LIMIT_S)
+        await asyncio.wait_for(submit(batcher, x(3, rows=2)), LIMIT_S)
+        assert backend.threads[-1] == threading.current_thread().name  # idle: inline
+        backend.release.clear()
+        backend.started.clear()
+        held = submit(batcher, x(1))  # runs on the thread, held there
+        await until(backend.started.is_set)
+        behind = submit(batcher, x(5, rows=2))
+        await until(lambda: batcher.pending == 1)  # queued, not run on the loop
+        backend.release.set()
+        results = await asyncio.wait_for(asyncio.gather(held, behind), LIMIT_S)
+        np.testing.assert_array_equal(results[1].outputs["y"], x(10, rows=2))
+        assert backend.threads[-2:] == ["m#0_0", "m#0_0"]
+        await shutdown(batcher, group)
+
+    run(main())
+
+
+def test_a_request_while_others_are_in_flight_goes_to_the_thread_to_batch_with_them() -> None:
+    async def main() -> None:
+        from appliance.core.queue_bytes import CONTENDED
+
+        backend = InlineDoubler()
+        batcher, group, _ = await make_batcher(backend, MERGE)
+        for v in range(INLINE_WARM):
+            await asyncio.wait_for(submit(batcher, x(v)), LIMIT_S)
+
+        async def contended() -> BatchResult:
+            CONTENDED.set(True)  # (the data plane's word: other requests hold bytes)
+            return await batcher.submit({"x": x(4)}, ("y",), 1, (2,), None)
+
+        result = await asyncio.wait_for(contended(), LIMIT_S)
+        np.testing.assert_array_equal(result.outputs["y"], x(8))
+        assert set(backend.threads) == {"m#0_0"}
+        await asyncio.wait_for(submit(batcher, x(1)), LIMIT_S)  # alone again: inline
+        assert backend.threads[-1] == threading.current_thread().name
+        await shutdown(batcher, group)
 
     run(main())
