@@ -310,17 +310,20 @@ def converge(cfg: OtaConfig) -> str:
     return ""
 
 
-def rescue(cfg: OtaConfig) -> str:
+def rescue(cfg: OtaConfig) -> tuple[bool, str]:
     """The unit-level rule's action (``appliance ota rescue``, run by
     ``OnFailure=`` when the agent of the committed version cannot start): flip back
-    to the version it replaced, mark it bad, restart the server. What it did."""
+    to the version it replaced, mark it bad, restart the server. (Whether it rolled
+    back, what it did): with nothing to roll back to, the command fails, so the rescue
+    unit does not start the agent again (it would fail again, and the rule would run
+    the rescue again, in a loop)."""
     lay = Layout(cfg)
     doc = lay.load()
     job = doc.get("job")
     failing = str(job["version"]) if job else str(doc["committed"])
     back = str(doc["committed"]) if job else str(doc.get("previous", ""))
     if not back or back == failing or not lay.installed(back):
-        return f"nothing to roll back to from software {failing or 'none'}"
+        return False, f"nothing to roll back to from software {failing or 'none'}"
     if failing not in doc["bad"]:
         doc["bad"].append(failing)
     doc["committed"], doc["job"] = back, None
@@ -329,4 +332,4 @@ def rescue(cfg: OtaConfig) -> str:
     lay.save(doc)
     lay.flip(back)
     restart(cfg)
-    return f"software {failing} rolled back to {back}"
+    return True, f"software {failing} rolled back to {back}"

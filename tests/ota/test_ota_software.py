@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -156,3 +158,27 @@ def test_the_unit_rule_rolls_back_a_release_whose_agent_cannot_start(site: Site)
     assert f"software {failing} rolled back to {back}" in done.stdout
     site.agrees(back)
     assert failing in site.layout.load()["bad"]
+
+
+def test_a_rescue_with_nothing_to_roll_back_to_fails(tmp_path: Path) -> None:
+    """The image's first version, no previous one: the rescue changes nothing and exits
+    1, so its unit (ExecStartPost= runs only after a successful ExecStart=) does not
+    start the failing agent again, which would bring the rescue back, in a loop."""
+    (tmp_path / "models").mkdir()
+    software_dir = tmp_path / "ota" / "software"
+    (software_dir / "envs" / "0.1.0").mkdir(parents=True)
+    (software_dir / "envs" / "0.1.0" / ".installed").write_text("{}")
+    (software_dir / "current").symlink_to("envs/0.1.0")
+    state: dict[str, object] = {"committed": "0.1.0", "job": None, "bad": []}
+    (software_dir / "state.json").write_text(json.dumps(state))
+    config = tmp_path / "appliance.yaml"
+    config.write_text(
+        f"model_repository: {tmp_path}/models\n"
+        f"ota:\n  source: http://127.0.0.1:9/\n  trusted_root: {tmp_path}/root.json\n"
+        f"  state_dir: {tmp_path}/ota\n  restart_command: /bin/false\n"
+    )
+    done = appliance("ota", "rescue", "--config", str(config), check=False)
+    assert done.returncode == 1, done.stderr
+    assert "nothing to roll back to from software 0.1.0" in done.stdout
+    assert json.loads((software_dir / "state.json").read_text()) == state  # not marked bad
+    assert os.readlink(software_dir / "current") == "envs/0.1.0"
