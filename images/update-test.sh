@@ -262,12 +262,12 @@ write $work/bad.export /var/lib/update-test/bad.export
 write $work/update-test.service /etc/systemd/system/update-test.service
 symlink /etc/systemd/system/multi-user.target.wants/update-test.service /etc/systemd/system/update-test.service
 EOF
-debugfs -w -f "$work/debugfs.cmd" "$work/disk.img?offset=$offset" >/dev/null
+debugfs -w -f "$work/debugfs.cmd" "$work/disk.img?offset=$offset" >/dev/null 2>&1
 # readable by the service user whatever debugfs gave them
 for f in /etc/appliance/ota-root.json /var/lib/update-test/good.export /var/lib/update-test/bad.export; do
-    debugfs -w -R "set_inode_field $f mode 0100644" "$work/disk.img?offset=$offset" >/dev/null
+    debugfs -w -R "set_inode_field $f mode 0100644" "$work/disk.img?offset=$offset" >/dev/null 2>&1
 done
-debugfs -w -R "set_inode_field /var/lib/update-test mode 040755" "$work/disk.img?offset=$offset" >/dev/null
+debugfs -w -R "set_inode_field /var/lib/update-test mode 040755" "$work/disk.img?offset=$offset" >/dev/null 2>&1
 [ -n "$uid" ] || { say "no appliance user in the image"; exit 1; }
 
 # ---- 3. boot, and check from the host after each import ---------------------------
@@ -375,5 +375,7 @@ fi
 wait "$qemu_pid" || true
 qemu_pid=""
 total_s=$(elapsed)
+# the guest's own report (steps, agent units, the imports' log), for the record
+grep -a 'UPDATE-TEST' "$work/serial.log" | tr -d '\r' | sed 's/^.*UPDATE-TEST /guest: /' | cut -c1-400
 say "PASS  ready ${ready_s}s after power-on; import to committed ($committed -> $good) ${good_s}s;" \
     "bad release to rolled back ($bad -> $good) ${bad_s}s; powered off after ${total_s}s (TCG)"
