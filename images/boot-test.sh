@@ -10,7 +10,8 @@
 # 2. boots the copy with qemu-system-x86_64 -accel tcg (no KVM needed), the guest's
 #    port 8000 forwarded to a free port on the host's loopback only;
 # 3. waits for /v2/health/ready (boot-to-ready time), runs a demo inference (`simple`:
-#    a + 1), checks the unit was active with its watchdog armed and pinged, shows what
+#    a + 1), checks the unit was active with its watchdog armed and pinged and that the
+#    server runs from the A/B link (/var/lib/appliance/ota/software/current), shows what
 #    `appliance doctor` says on the device (no check may fail), and waits for the guest
 #    to power off.
 # Not part of the test suite (it takes minutes); needs qemu-system-x86 and e2fsprogs.
@@ -40,6 +41,7 @@ Type=oneshot
 StandardOutput=tty
 TTYPath=/dev/ttyS0
 ExecStart=/bin/sh -c 'echo "BOOT-TEST-REPORT $$(systemctl show appliance.service -p ActiveState -p SubState -p WatchdogUSec -p WatchdogTimestampMonotonic -p NRestarts | tr "\\n" " ")"'
+ExecStart=/bin/sh -c 'echo "BOOT-TEST-AB current=$$(readlink /var/lib/appliance/ota/software/current) server=$$(tr "\\0" " " < /proc/$$(systemctl show -p MainPID --value appliance.service)/cmdline)"'
 ExecStart=/opt/appliance/venv/bin/python /usr/local/lib/boot-test/wait-for-inference.py
 ExecStart=/bin/sh -c 'echo "BOOT-TEST-REPORT $$(systemctl show appliance.service -p ActiveState -p SubState -p WatchdogUSec -p WatchdogTimestampMonotonic -p NRestarts | tr "\\n" " ")"'
 ExecStart=-/bin/sh -c '/opt/appliance/venv/bin/appliance doctor --config /etc/appliance/appliance.yaml | sed "s/^/BOOT-TEST-DOCTOR /"'
@@ -127,6 +129,11 @@ case "$last" in *ActiveState=active*) ;; *) echo "boot-test: unit not active"; e
 case "$last" in *WatchdogUSec=0*|*WatchdogUSec=\ *) echo "boot-test: no watchdog"; exit 1 ;; esac
 case "$last" in *WatchdogUSec=*) ;; *) echo "boot-test: no watchdog"; exit 1 ;; esac
 case "$last" in *WatchdogTimestampMonotonic=0\ *) echo "boot-test: watchdog never pinged"; exit 1 ;; esac
+# the server runs from the A/B link (docs/ota.md, "Software updates"), not the image's venv
+ab=$(grep -a 'BOOT-TEST-AB' "$work/serial.log" | tr -d '\r' | tail -1)
+echo "boot-test: ${ab#*BOOT-TEST-AB }"
+case "$ab" in *"current=envs/"*"/var/lib/appliance/ota/software/current/bin/appliance serve"*) ;;
+    *) echo "boot-test: the server does not run from the A/B link"; exit 1 ;; esac
 grep -a "appliance-firstboot: device id" "$work/serial.log" | tr -d '\r' | tail -1 || true
 # `appliance doctor` on the booted device, as the engineer would run it
 grep -a "BOOT-TEST-DOCTOR" "$work/serial.log" | tr -d '\r' | sed 's/^.*BOOT-TEST-DOCTOR /doctor: /' || true

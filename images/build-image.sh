@@ -4,7 +4,8 @@
 #
 #   debootstrap          -> a root filesystem in a folder
 #   chroot               -> the appliance in /opt/appliance/venv, units enabled,
-#                           config in /etc/appliance, models under /var/lib/appliance
+#                           config in /etc/appliance, models under /var/lib/appliance,
+#                           laid out for A/B software updates (install-appliance.sh)
 #   mkfs.ext4 -d         -> an ext4 filesystem image made from that folder
 #   sfdisk + dd          -> an MBR disk with one partition holding it
 #   grub-mkimage + dd    -> GRUB's boot.img in the MBR and core.img behind it (core.img's
@@ -39,32 +40,35 @@ started=$(date +%s)
 
 # ---- 1. the root filesystem -----------------------------------------------------
 # minbase + what boots and serves: systemd as init, udev, a kernel (its initramfs
-# finds the root filesystem by UUID), Python 3.11 for the venv, CA certificates
+# finds the root filesystem by UUID), Python 3.11 for the venv, CA certificates, and
+# polkitd: the update agent (user appliance) restarts the server through systemd after
+# a software update (systemd/appliance-ota.polkit.rules allows that one unit)
 debootstrap --variant=minbase --arch=amd64 \
-    --include=systemd,systemd-sysv,udev,dbus,linux-image-amd64,initramfs-tools,python3,python3-venv,ca-certificates,iproute2,kmod \
+    --include=systemd,systemd-sysv,udev,dbus,polkitd,libpam-systemd,linux-image-amd64,initramfs-tools,python3,python3-venv,ca-certificates,iproute2,kmod \
     "$SUITE" "$ROOTFS"
 
 # ---- 2. the appliance's Python environment --------------------------------------
 # wheels are fetched here, on the build host, with its pip settings, then installed in
 # the chroot from that folder alone (the chroot needs no index access); the pins are
-# constraints.txt's (Python 3.11, as bookworm's python3)
+# constraints.txt's (Python 3.11, as bookworm's python3); the ota extra: the update
+# agent runs from this environment too (and its rescue always does)
 wheels=$WORK/wheels
 src=$WORK/src
 mkdir -p "$src"
 tar -C "$ROOT" --exclude=.git --exclude=images/out --exclude='*.egg-info' --exclude=build \
     --exclude=__pycache__ -cf - . | tar -xf - -C "$src"
 python3 -m pip wheel --quiet --disable-pip-version-check -w "$wheels" \
-    -c "$src/constraints.txt" "$src[grpc,uvloop]"
+    -c "$src/constraints.txt" "$src[grpc,uvloop,ota]"
 mkdir -p "$ROOTFS/tmp/wheels"
 cp "$wheels"/*.whl "$ROOTFS/tmp/wheels/"
 cp "$src/constraints.txt" "$ROOTFS/tmp/wheels/"
 chroot "$ROOTFS" python3 -m venv /opt/appliance/venv
 chroot "$ROOTFS" /opt/appliance/venv/bin/pip install --quiet --disable-pip-version-check \
-    --no-index --find-links /tmp/wheels -c /tmp/wheels/constraints.txt 'appliance[grpc,uvloop]'
+    --no-index --find-links /tmp/wheels -c /tmp/wheels/constraints.txt 'appliance[grpc,uvloop,ota]'
 chroot "$ROOTFS" /opt/appliance/venv/bin/python -m compileall -q /opt/appliance/venv
 rm -rf "$ROOTFS/tmp/wheels"
 mkdir -p "$ROOTFS/opt/appliance/docs"
-cp "$ROOT/docs/deployment.md" "$ROOTFS/opt/appliance/docs/" 2>/dev/null || true
+cp "$ROOT/docs/deployment.md" "$ROOT/docs/ota.md" "$ROOTFS/opt/appliance/docs/" 2>/dev/null || true
 
 # ---- 3. units, user, config, models, first boot ---------------------------------
 "$HERE/install-appliance.sh" "$ROOTFS"
@@ -112,7 +116,11 @@ EOF
 
 # ---- 6. filesystem image, disk image, boot loader --------------------------------
 used_mib=$(du -sm "$ROOTFS" | cut -f1)
-fs_mib=$((used_mib * 13 / 10 + 256))  # room for models, logs and updates
+venv_mib=$(du -sm "$ROOTFS/opt/appliance/venv" | cut -f1)
+# room for models, logs, and software updates: two more environments of the venv's size
+# (the new version, and a candidate while the committed one and its predecessor are
+# kept) plus the bundle and its unpacked wheels while one is installed
+fs_mib=$((used_mib * 13 / 10 + 256 + 2 * venv_mib + 512))
 fs=$WORK/root.ext4
 mkfs.ext4 -q -F -L appliance-root -U "$uuid" -d "$ROOTFS" "$fs" "${fs_mib}M"
 rm -f "$IMAGE"

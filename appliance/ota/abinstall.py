@@ -12,9 +12,10 @@ Steps of a software job (each saved before it acts):
 - flip: ``current`` replaced atomically (a temporary link renamed over it);
 - restart: the configured command (``systemctl restart appliance`` by default);
 - watch: the server must answer as the new version, READY, with every model that
-  was READY before the flip READY again, each answering a probe (its vectors are in
-  its bundle, long gone: a probe generated from its config, :mod:`appliance.ota.probes`),
-  within ``software_ready_timeout_s``;
+  was READY before the flip READY again, and each that answered a probe before the
+  flip answering one again (its vectors are in its bundle, long gone: a probe
+  generated from its config, :mod:`appliance.ota.probes`), within
+  ``software_ready_timeout_s``;
 - commit: one atomic state write (``committed`` = the new version, the job gone);
   envs beyond ``keep_versions`` removed, never the committed one nor the one before;
 - rollback: ``current`` flipped back to the committed version, the restart command
@@ -173,9 +174,11 @@ def _auth(cfg: OtaConfig) -> dict[str, str]:
     return {"Authorization": f"Bearer {cfg.admin_token}"} if cfg.admin_token else {}
 
 
-def watch(cfg: OtaConfig, version: str, models: list[str]) -> str:
-    """Why the server does not come up as ``version`` with ``models`` answering within
-    the timeout, or ""."""
+def watch(cfg: OtaConfig, version: str, models: list[str],
+          probed: list[str] | None = None) -> str:  # fmt: skip
+    """Why the server does not come up as ``version`` with ``models`` READY and those
+    of ``probed`` (default: all of them) answering a generated probe within the
+    timeout, or ""."""
     http = urllib3.PoolManager(maxsize=1)
     deadline = time.monotonic() + cfg.software_ready_timeout_s
     why = f"the server did not answer as version {version}"
@@ -189,7 +192,7 @@ def watch(cfg: OtaConfig, version: str, models: list[str]) -> str:
             missing = [m for m in models if m not in have]
             why = f"version {version} runs, but not READY with {missing or 'its models'}"
             if not missing:
-                failed = _probe_all(cfg, models)
+                failed = _probe_all(cfg, models if probed is None else probed)
                 if not failed:
                     return ""
                 why = failed
@@ -198,18 +201,36 @@ def watch(cfg: OtaConfig, version: str, models: list[str]) -> str:
 
 
 def _probe_all(cfg: OtaConfig, models: list[str]) -> str:
-    """Why a model READY before the flip does not answer a generated probe now ("")."""
-    api = ServerApi(cfg.server, cfg.admin_token, cfg.request_timeout_s)
+    """Why a model that answered a generated probe before the flip does not answer
+    one now ("")."""
     for m in models:
-        config = install.on_disk(cfg.model_repository, m)
-        if config is None or probes.inputs_of(config)[1]:
-            continue  # not one the agent can probe: READY is what it has
-        versions = api.ready_versions(m)
-        try:
-            probes.check(api, m, versions[-1], config, 0, cfg.probe_timeout_s)
-        except (OtaError, IndexError) as exc:
-            return f"model {m} does not answer on the new version: {exc}"
+        why = _probe(cfg, m)
+        if why:
+            return f"model {m} does not answer on the new version: {why}"
     return ""
+
+
+def _probe(cfg: OtaConfig, model: str) -> str:
+    """Why ``model`` does not answer a generated probe ("", also for a model the agent
+    cannot probe: READY is what it has)."""
+    api = ServerApi(cfg.server, cfg.admin_token, cfg.request_timeout_s)
+    config = install.on_disk(cfg.model_repository, model)
+    if config is None or probes.inputs_of(config)[1]:
+        return ""
+    try:
+        probes.check(api, model, api.ready_versions(model)[-1], config, 0, cfg.probe_timeout_s)
+    except (OtaError, IndexError) as exc:
+        return str(exc)
+    return ""
+
+
+def answering(cfg: OtaConfig, models: list[str]) -> list[str]:
+    """The models that answer a generated probe on the running version, before the
+    flip: only those must answer one after it. A probe is zeros of each input's
+    declared type and shape, which some models refuse on any version (an image
+    decoder's BYTES input gets empty bytes: the demo ``image_classifier``); such a
+    model must come back READY, as one the agent cannot probe."""
+    return [m for m in models if not _probe(cfg, m)]
 
 
 def run_job(cfg: OtaConfig, lay: Layout, doc: dict[str, Any]) -> str:
@@ -235,7 +256,8 @@ def run_job(cfg: OtaConfig, lay: Layout, doc: dict[str, Any]) -> str:
     job["phase"] = "watch"
     lay.save(doc)
     faults.point("software:watch")
-    why = watch(cfg, v, list(job.get("models", [])))
+    probed = job.get("probed")  # (a job saved before the agent recorded them: all)
+    why = watch(cfg, v, list(job.get("models", [])), None if probed is None else list(probed))
     if why:
         return _rollback(cfg, lay, doc, why)
     doc["committed"], doc["previous"], doc["job"] = v, old, None  # the commit point
@@ -310,17 +332,20 @@ def converge(cfg: OtaConfig) -> str:
     return ""
 
 
-def rescue(cfg: OtaConfig) -> str:
+def rescue(cfg: OtaConfig) -> tuple[bool, str]:
     """The unit-level rule's action (``appliance ota rescue``, run by
     ``OnFailure=`` when the agent of the committed version cannot start): flip back
-    to the version it replaced, mark it bad, restart the server. What it did."""
+    to the version it replaced, mark it bad, restart the server. (Whether it rolled
+    back, what it did): with nothing to roll back to, the command fails, so the rescue
+    unit does not start the agent again (it would fail again, and the rule would run
+    the rescue again, in a loop)."""
     lay = Layout(cfg)
     doc = lay.load()
     job = doc.get("job")
     failing = str(job["version"]) if job else str(doc["committed"])
     back = str(doc["committed"]) if job else str(doc.get("previous", ""))
     if not back or back == failing or not lay.installed(back):
-        return f"nothing to roll back to from software {failing or 'none'}"
+        return False, f"nothing to roll back to from software {failing or 'none'}"
     if failing not in doc["bad"]:
         doc["bad"].append(failing)
     doc["committed"], doc["job"] = back, None
@@ -329,4 +354,4 @@ def rescue(cfg: OtaConfig) -> str:
     lay.save(doc)
     lay.flip(back)
     restart(cfg)
-    return f"software {failing} rolled back to {back}"
+    return True, f"software {failing} rolled back to {back}"

@@ -171,8 +171,9 @@ def _ota(args: argparse.Namespace) -> int:
         return 0
     logging.basicConfig(level="INFO", format="%(levelname)s %(name)s: %(message)s")
     if args.ota_command == "rescue":
-        print(abinstall.rescue(cfg))
-        return 0
+        rolled_back, what = abinstall.rescue(cfg)
+        print(what)
+        return 0 if rolled_back else 1  # 1: its unit does not start the agent again
     if args.ota_command == "import":
         ok, done = offline.import_file(cfg, args.file)
         for entry in done:

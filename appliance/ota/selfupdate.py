@@ -100,8 +100,9 @@ def run(ctx: Context, fresh: check.Fresh) -> str:
         if why:
             raise OtaError(why)
         doc = lay.load()
-        doc["job"] = {"version": version, "phase": "install",
-                      "models": abinstall.ready_models(cfg, ctx.http)}  # fmt: skip
+        ready = abinstall.ready_models(cfg, ctx.http)
+        doc["job"] = {"version": version, "phase": "install", "models": ready,
+                      "probed": abinstall.answering(cfg, ready)}  # fmt: skip
         lay.save(doc)
         faults.point("software:install")
         abinstall.install_env(lay, path, manifest)

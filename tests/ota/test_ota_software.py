@@ -15,15 +15,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import shutil
 import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
+import urllib3
 
-from appliance.ota import OtaError, controls, devicekey, report, software
+from appliance.ota import OtaError, abinstall, controls, devicekey, report, software
 from appliance.ota.agent import Agent
+from appliance.ota.config import OtaConfig
 from appliance.ota.state import StateFile
-from tests.ota_device import appliance, cli
+from appliance.version import __version__
+from tests.ota_device import ROOT, appliance, cli
 from tests.ota_software import Site
 
 PAYLOAD = ("constraints.txt", "sbom.cdx.json", "wheels/appliance-1.2.3-py3-none-any.whl")
@@ -156,3 +164,56 @@ def test_the_unit_rule_rolls_back_a_release_whose_agent_cannot_start(site: Site)
     assert f"software {failing} rolled back to {back}" in done.stdout
     site.agrees(back)
     assert failing in site.layout.load()["bad"]
+
+
+def test_a_rescue_with_nothing_to_roll_back_to_fails(tmp_path: Path) -> None:
+    """The image's first version, no previous one: the rescue changes nothing and exits
+    1, so its unit (ExecStartPost= runs only after a successful ExecStart=) does not
+    start the failing agent again, which would bring the rescue back, in a loop."""
+    (tmp_path / "models").mkdir()
+    software_dir = tmp_path / "ota" / "software"
+    (software_dir / "envs" / "0.1.0").mkdir(parents=True)
+    (software_dir / "envs" / "0.1.0" / ".installed").write_text("{}")
+    (software_dir / "current").symlink_to("envs/0.1.0")
+    state: dict[str, object] = {"committed": "0.1.0", "job": None, "bad": []}
+    (software_dir / "state.json").write_text(json.dumps(state))
+    config = tmp_path / "appliance.yaml"
+    config.write_text(
+        f"model_repository: {tmp_path}/models\n"
+        f"ota:\n  source: http://127.0.0.1:9/\n  trusted_root: {tmp_path}/root.json\n"
+        f"  state_dir: {tmp_path}/ota\n  restart_command: /bin/false\n"
+    )
+    done = appliance("ota", "rescue", "--config", str(config), check=False)
+    assert done.returncode == 1, done.stderr
+    assert "nothing to roll back to from software 0.1.0" in done.stdout
+    assert json.loads((software_dir / "state.json").read_text()) == state  # not marked bad
+    assert os.readlink(software_dir / "current") == "envs/0.1.0"
+
+
+def test_the_watch_probes_only_models_that_answered_a_probe_before_the_flip(
+    tmp_path: Path, run_appliance: Callable[..., Any]
+) -> None:
+    """The device image's demo models: ``image_classifier`` takes an encoded image
+    (BYTES), which a generated probe (empty bytes) cannot make, on any version. Probed
+    after the flip like the others, it rolled a good release back in the booted image
+    (images/update-test.sh); now only the models that answered a probe before the flip
+    must answer one after it, and the others must be READY."""
+    models = tmp_path / "models"
+    shutil.copytree(ROOT / "appliance" / "demo_models", models)
+    running = run_appliance(models)
+    cfg = OtaConfig(
+        source="http://127.0.0.1:9/", trusted_root=tmp_path / "root.json",
+        state_dir=tmp_path / "ota", server=f"http://{running.url}", model_repository=models,
+        device_id="cam-1", software_ready_timeout_s=3,
+    )  # fmt: skip
+    ready = abinstall.ready_models(cfg, urllib3.PoolManager())
+    assert {"image_classifier", "simple", "classifier"} <= set(ready), ready
+    probed = abinstall.answering(cfg, ready)
+    assert "simple" in probed and "classifier" in probed
+    assert "image_classifier" not in probed
+    assert abinstall.watch(cfg, __version__, ready, probed) == ""
+    every = abinstall.watch(cfg, __version__, ready)  # what the watch asked before
+    assert every.startswith("model image_classifier does not answer on the new version")
+    assert abinstall.watch(cfg, "9.9.9", ready, probed).startswith(
+        "the server did not answer as version 9.9.9"
+    )
