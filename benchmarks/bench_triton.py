@@ -303,6 +303,11 @@ def main() -> int:
         "onnxruntime_backend sources): also measure Triton with its native ONNX Runtime "
         "backend",
     )
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also measure the Python floor (floor_server.py) on the HTTP points",
+    )
     ap.add_argument("--label", default="", help="a name for this tree in the report")
     ap.add_argument("--py-spy", type=Path, help="record py-spy profiles of the appliance here")
     args = ap.parse_args()
@@ -313,7 +318,8 @@ def main() -> int:
     pa = args.perf_analyzer.split() if args.perf_analyzer else triton_layout.perf_analyzer()
     triton = triton_layout.Triton()
     native = triton_layout.native_backends(args.triton_backend_dir)
-    wanted = [n for n in LABELS if (args.only or n) == n and (n != "triton-ort" or native)]
+    optional = {"triton-ort": bool(native), "floor": args.floor or args.only == "floor"}
+    wanted = [n for n in LABELS if (args.only or n) == n and optional.get(n, True)]
     if not wanted:
         raise SystemExit("--only triton-ort needs --triton-backend-dir")
     idle: dict[str, tuple[float, float]] = {}
@@ -344,6 +350,11 @@ def main() -> int:
                 ]  # fmt: skip
                 env = {**os.environ, "PYTHONPATH": str(ROOT)}
                 servers.append(start("appliance", cmd, env, h, g, work / "appliance.log"))
+            if "floor" in wanted:
+                h = free_port()
+                cmd = [sys.executable, str(ROOT / "benchmarks" / "floor_server.py"), str(ours),
+                       "--http-port", str(h), "--threads", str(args.threads)]  # fmt: skip
+                servers.append(start("floor", cmd, dict(os.environ), h, 0, work / "floor.log"))
             time.sleep(3.0)  # idle, then each server's resident memory
             idle.update({s.name: (s.ready_s, tree_cpu(s.proc.pid, rss=True)) for s in servers})
             for point in points:
@@ -351,6 +362,8 @@ def main() -> int:
                 for r in range(args.repeats):
                     order += servers if r % 2 == 0 else servers[::-1]
                 for server in order:
+                    if server.name == "floor" and point[1] != "http":
+                        continue  # the floor answers HTTP only
                     others = [s for s in servers if s is not server]
                     got = run_point(pa, server, others, point, args)
                     results.setdefault(point, []).append(got)

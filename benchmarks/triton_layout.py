@@ -68,6 +68,15 @@ class Triton:
         self.binary.chmod(0o755)
         self.backends = dist / "backends"
         self.libs = root / "nvidia_pytriton.libs"
+        # a backend built from Triton's sources links ``libtritonserver.so``, which the
+        # wheel ships renamed (``libtritonserver-<hash>.so``): a link under that name,
+        # on the library path of a server with a native backend
+        self.core = root / "core"
+        link = self.core / "libtritonserver.so"
+        if not link.exists():
+            (core,) = self.libs.glob("libtritonserver-*.so")
+            self.core.mkdir(exist_ok=True)
+            link.symlink_to(core)
         version = f"{sys.version_info[0]}.{sys.version_info[1]}"
         stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
         if not stub.exists():
@@ -100,7 +109,7 @@ class Triton:
         ``backends``: a native backend directory, whose ``onnxruntime`` folder (the
         backend and the ``libonnxruntime.so`` it was built with) joins the library path."""
         libdir = sysconfig.get_config_var("LIBDIR") or ""
-        own = [str(backends / "onnxruntime")] if backends else []
+        own = [str(backends / "onnxruntime"), str(self.core)] if backends else []
         paths = [*own, str(self.libs), libdir, os.environ.get("LD_LIBRARY_PATH", "")]
         site = [p for p in sys.path if p.endswith("site-packages")]
         return {

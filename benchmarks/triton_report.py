@@ -16,6 +16,7 @@ LABELS = {
     "triton-ort": "Triton (native ONNX Runtime backend)",
     "triton": "Triton (Python backend)",
     "appliance": "appliance",
+    "floor": "Python floor (floor_server.py)",
 }
 
 
@@ -29,7 +30,7 @@ def report(
     """``idle``: per server, (seconds from start to ready, RSS MiB of its process tree
     at idle)."""
     names = [n for n in LABELS if any(r["server"] == n for rows in results.values() for r in rows)]
-    tritons = [n for n in names if n != "appliance"]
+    tritons = [n for n in names if n != "appliance"]  # the ratios' denominators
     native = (
         f"the same tritonserver 2.51 with `libtriton_onnxruntime.so` from "
         f"`{args.triton_backend_dir}` (built by the user from Triton's onnxruntime_backend "
@@ -59,7 +60,9 @@ def report(
         "Medians over the runs of each point (every run is listed below). Each server's "
         "cell: infer/s, p50 ms, p99 ms, server CPU ms per request (utime+stime of its "
         "process tree), batch (inferences per execution). Ratios: appliance infer/s over "
-        "each Triton's. Others: the load of every other process on the machine during the "
+        "each other server's. The Python floor (`floor_server.py`: the least a Python "
+        "server on this stack does per request, HTTP only) shows what Python itself costs "
+        "on this path. Others: the load of every other process on the machine during the "
         "runs, in cores.",
         "",
         "| model / protocol / concurrency | "
@@ -84,7 +87,7 @@ def report(
                 f"{med(mine, 'p99_ms'):.2f}, {med(mine, 'cpu_ms'):.3f}, {med(mine, 'batch'):.2f}"
             )  # fmt: skip
         if "appliance" in names:
-            cells += [f"{by['appliance'] / by[t]:.2f}" for t in tritons]
+            cells += [f"{by['appliance'] / by[t]:.2f}" if by[t] > 0 else "-" for t in tritons]
         others = max(r["others_cores"] for r in rows)
         lines.append(
             f"| {model}, {protocol.upper() if protocol == 'http' else 'gRPC'}, {c} "

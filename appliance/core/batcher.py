@@ -37,6 +37,7 @@ import numpy as np
 from appliance.backends.base import Backend
 from appliance.core import memory
 from appliance.core.batching import (
+    INLINE_BOUND_NS,
     BatchPolicy,
     BatchResult,
     InlineCost,
@@ -223,7 +224,7 @@ class DynamicBatcher:
         no queue entry, no thread hand-off either way (docs/benchmarks.md)."""
         backend = self._inline_backends[index]
         assert backend is not None and self._inline is not None  # (claimed: inline-safe)
-        start_ns = time.perf_counter_ns()
+        start_ns, cpu0_ns = time.perf_counter_ns(), time.thread_time_ns()
         try:
             parts, input_ns, infer_ns, output_ns = run_batch(
                 backend, [inputs], [rows], list(outputs), self._batched
@@ -233,7 +234,11 @@ class DynamicBatcher:
         finally:
             with self._ready:
                 self._running.pop(index, None)
-            self._inline.record(time.perf_counter_ns() - start_ns, inline=True)
+            wall_ns = time.perf_counter_ns() - start_ns
+            cpu_ns = None
+            if wall_ns > 4 * INLINE_BOUND_NS:  # slow, or the thread lost the CPU?
+                cpu_ns = time.thread_time_ns() - cpu0_ns
+            self._inline.record(wall_ns, inline=True, cpu_ns=cpu_ns)
         self._stats.record_execution(rows, input_ns, infer_ns, output_ns)
         part = parts[0]
         return BatchResult(

@@ -136,7 +136,13 @@ class InlineCost:
     """Whether a model's lone requests are cheap enough to run on the event loop: a
     moving mean of its one-request executions under :data:`INLINE_BOUND_NS`, after
     :data:`INLINE_WARM` of them. An inline run over four times the bound sets the mean
-    to it, which turns inline runs off until runs on the thread bring it back under."""
+    to it, which turns inline runs off until runs on the thread bring it back under.
+
+    An inline run's time is its wall time, unless that is over four times the bound
+    and the loop's thread spent under the bound of CPU on it (``cpu_ns``): then the
+    thread was preempted or waited (a busy machine), which says nothing of the model,
+    and the CPU time is what counts. A model that does take long keeps the loop's
+    thread busy that long, so it is still caught at its first run."""
 
     __slots__ = ("mean_ns", "samples")
 
@@ -147,10 +153,14 @@ class InlineCost:
     def cheap(self) -> bool:
         return self.samples >= INLINE_WARM and self.mean_ns < INLINE_BOUND_NS
 
-    def record(self, ns: int, inline: bool) -> None:
+    def record(self, ns: int, inline: bool, cpu_ns: int | None = None) -> None:
         if inline and ns > 4 * INLINE_BOUND_NS:
-            self.mean_ns = float(ns)
-        elif self.samples:
+            if cpu_ns is None or cpu_ns >= INLINE_BOUND_NS:
+                self.mean_ns = float(ns)
+                self.samples += 1
+                return
+            ns = cpu_ns  # preempted, not slow
+        if self.samples:
             self.mean_ns += 0.2 * (ns - self.mean_ns)
         else:
             self.mean_ns = float(ns)

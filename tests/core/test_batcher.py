@@ -704,6 +704,20 @@ def test_inline_cost_warms_up_then_turns_off_after_a_slow_run_and_back_on() -> N
     assert 5 <= runs <= 10  # a few runs on the thread bring it back
 
 
+def test_an_inline_run_slow_only_because_its_thread_lost_the_cpu_keeps_inline_on() -> None:
+    cost = InlineCost()
+    for _ in range(INLINE_WARM):
+        cost.record(10_000, inline=False)
+    # 5x the bound of wall time, of which the loop's thread spent 12 us on the CPU:
+    # preempted on a busy machine, not a slow model
+    cost.record(5 * INLINE_BOUND_NS, inline=True, cpu_ns=12_000)
+    assert cost.cheap()
+    assert cost.mean_ns < 2 * 10_000
+    # the same wall time with the CPU spent on it: the model is slow, inline turns off
+    cost.record(5 * INLINE_BOUND_NS, inline=True, cpu_ns=5 * INLINE_BOUND_NS)
+    assert not cost.cheap()
+
+
 class InlineDoubler(Doubler):
     inline_safe = True
 
