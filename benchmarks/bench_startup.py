@@ -35,6 +35,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from probes import installed_env
+
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
 
@@ -65,7 +67,7 @@ sys.exit(main())
 
 
 def _start(root: Path, serve_args: list[str], prefix: list[str]) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = installed_env(root)
     args = ["serve", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"]
     return subprocess.Popen(
         [sys.executable, *prefix, *args, *serve_args],

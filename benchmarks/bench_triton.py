@@ -56,7 +56,7 @@ from typing import Any
 
 import triton_layout
 from machine import describe
-from probes import free_port
+from probes import free_port, installed_env
 from triton_report import LABELS, report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -348,7 +348,7 @@ def main() -> int:
                     "--http-port", str(h), "--grpc-port", str(g), "--metrics-port", str(m),
                     "--log-level", "warning",
                 ]  # fmt: skip
-                env = {**os.environ, "PYTHONPATH": str(ROOT)}
+                env = installed_env(ROOT)  # its bytecode compiled, as installed
                 servers.append(start("appliance", cmd, env, h, g, work / "appliance.log"))
             if "floor" in wanted:
                 h = free_port()
