@@ -12,15 +12,16 @@ import pytest
 from tests.ota_device import appliance
 from tests.ota_software import Site
 
-POINTS = [
-    ("software:install", False),
-    ("software:flip", False),
-    ("software:restart", False),
-    ("software:watch", False),
-    ("software:watch", True),
-    ("software:committed", False),
-    ("software:rollback", False),
+PHASES = [
+    "software:install",
+    "software:flip",
+    "software:restart",
+    "software:watch",
+    "software:committed",
+    "software:rollback",
 ]
+# each phase killed alone, and with the server killed too (a power cut)
+POINTS = [(phase, power_cut) for phase in PHASES for power_cut in (False, True)]
 
 
 @pytest.mark.parametrize(("point", "power_cut"), POINTS,
