@@ -10,6 +10,7 @@ import pytest
 from docs_examples import DOCS, ROOT, marked
 
 DOCS_FILES = sorted(p.name for p in DOCS.glob("*.md"))
+RESULTS_FILES = sorted(p.name for p in (ROOT / "benchmarks" / "results").glob("*.md"))
 
 
 @pytest.mark.parametrize("doc", DOCS_FILES)
@@ -34,7 +35,12 @@ INTERNAL = re.compile(
 
 @pytest.mark.parametrize(
     "doc",
-    ["README.md", "benchmarks/README.md", *(f"docs/{name}" for name in DOCS_FILES)],
+    [
+        "README.md",
+        "benchmarks/README.md",
+        *(f"docs/{name}" for name in DOCS_FILES),
+        *(f"benchmarks/results/{name}" for name in RESULTS_FILES),
+    ],
 )
 def test_the_docs_name_no_internal_tracker(doc: str) -> None:
     text = (ROOT / doc).read_text(encoding="utf-8")
