@@ -8,7 +8,7 @@ with pip and cached by ``tests/real_models.py``). Each round measures, in turn:
   ``--runs`` calls at concurrency 1;
 - one server per arrangement, served over HTTP binary (tritonclient):
   ``no config`` (what auto-complete gives: one instance), ``2 inst, shared pool`` (two
-  instances on one session whose pool has every core: the rule since issue 20) and
+  instances on one session whose pool has every core: the rule since 2026-12-01) and
   ``2 inst, cores/2 each`` (``intra_op_thread_count`` = half the cores: the rule before);
   p10/p50/p90 at concurrency 1 (p10: the quiet moments on a shared machine), then
   throughput at ``--concurrency`` (default 2,4) closed-loop clients for ``--seconds``.

@@ -7,7 +7,7 @@ unversioned requests. Reports the time from publish to the new version serving
 (probation excluded and included), request latency before and during the update,
 failed requests, and the server's peak RSS during the update against before.
 
-Then what the additions of issue 19's section 6 cost and save (benchmarks/ota_costs.py):
+Then what the sealed loads, deltas and shadow traffic cost and save (benchmarks/ota_costs.py):
 loading a model sealed at rest against plain, the bytes a delta bundle saves for a
 model with one layer retrained, and what shadow traffic costs the live requests.
 

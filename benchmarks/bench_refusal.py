@@ -6,7 +6,7 @@ Starts ``python -m appliance serve`` (the demo models) as a subprocess on free
 loopback ports and sends, one at a time, while a second client asks
 ``/v2/health/live`` every 10 ms:
 
-1. the BYTES flood of issue 10: ``image_classifier`` IMAGE declared
+1. the BYTES flood the wire-safety hardening closed: ``image_classifier`` IMAGE declared
    ``[15000000, 1]`` with a 60 MB body of zero-length strings;
 2. ``Content-Length: 2147483648`` followed by 2 bytes;
 3. a JSON request with ``shape [0, 4611686018427387904]``.
