@@ -107,6 +107,11 @@ def register(sub: Any) -> None:
     p.add_argument("--model", help="the model to watch (default: every model)")
     p.add_argument("--duration-s", type=float, default=0.0, help="stop after (0: never)")
     p.add_argument("--exit-on-halt", action="store_true", help="exit once it halted a rollout")
+    p.add_argument(
+        "--devices",
+        action="store_true",
+        help="also print each device: its software version and SBOM, its model versions",
+    )
 
     b = sub.add_parser("bundle", help="build and inspect model bundles")
     bs = b.add_subparsers(dest="bundle_command", required=True)

@@ -25,6 +25,7 @@ import contextlib
 import json
 import math
 import queue
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -41,6 +42,17 @@ from appliance.ota.rollout import check_name
 FAILED = {"rolled_back", "refused", "error"}
 UNDER_WAY = ("check", "download", "verify", "waiting", "stage", "load", "self_test", "shadow",
              "switch", "probation", "commit", "rollback")  # fmt: skip
+
+
+_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def _named(value: Any) -> bool:
+    """A device id or model name as the fleet's names go (nothing else is printed)."""
+    try:
+        return isinstance(value, str) and bool(check_name(value, "name"))
+    except OtaError:
+        return False
 
 
 def _int(v: Any) -> bool:
@@ -122,6 +134,34 @@ class Tally:
                 out.setdefault(key, Counter())[kind] += 1
         return out
 
+
+    def devices(self, now: float) -> list[str]:
+        """One line per device: the software it runs (version and the first 12 hex
+        digits of its SBOM's SHA-256, as its report states them), the model versions it
+        serves, and how long ago it reported. Reports are the devices' own words (signed
+        when the watcher has their keys): every field is checked before it is shown."""
+        lines = []
+        for device in sorted(self.reports):
+            r = self.reports[device]
+            sw = r.get("software")
+            sw = sw if isinstance(sw, dict) else {}
+            version = sw.get("version")
+            shown = version if isinstance(version, str) and software.valid_version(version) else "?"
+            digest = sw.get("sbom_sha256")
+            sbom = digest[:12] if isinstance(digest, str) and _HEX.fullmatch(digest) else "none"
+            current = r.get("current")
+            current = current if isinstance(current, dict) else {}
+            models = ", ".join(
+                f"{m} v{v}"
+                for m, v in sorted(current.items())
+                if _named(m) and _int(v)
+            )
+            ago = max(0.0, now - self.seen[device])
+            lines.append(
+                f"device {device if _named(device) else '?'}: software {shown} (SBOM {sbom}); "
+                f"models {models or 'none'}; reported {ago:.0f} s ago"
+            )
+        return lines
 
     def shadow(self, model: str, version: int | str) -> str:
         """What the devices' shadow probations of ``model`` version ``version`` saw:
@@ -275,6 +315,9 @@ def main(args: argparse.Namespace, stop_after: int | None = None) -> int:
                 for (model, version), c in sorted(counts.items(), key=_order):
                     line = _line(model, version, c, args.min_reports)
                     print(line + tally.shadow(model, version), flush=True)
+                if args.devices:
+                    for line in tally.devices(time.time()):
+                        print(line, flush=True)
                 if any(skipped):
                     print(f"skipped: {skipped[0]} malformed report(s), {skipped[1]} "
                           "unauthenticated", flush=True)  # fmt: skip

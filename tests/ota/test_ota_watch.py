@@ -21,6 +21,7 @@ from appliance.ota import devicekey, repo, report
 from appliance.ota.agent import Agent
 from appliance.ota.report import Reporter
 from appliance.ota.state import AgentState
+from appliance.ota.watch import Tally
 from appliance.ota.watch import main as watch_main
 from tests.mosquitto import Broker, Client, require_mosquitto
 from tests.ota_helpers import Fleet, LocalDevice, retained_report
@@ -110,6 +111,9 @@ def test_a_late_watcher_reads_retained_reports_as_state(
         assert agent.run_once()  # a later check: nothing to do
         as_devices(mqtt, agent.state, [f"cam-{i}" for i in range(2, 6)])
         assert "simple v1: pending 0 updated 5 failed 0" in watch(broker, reports=5)
+        listing = watch(broker, "--devices", reports=5)
+        for d in range(2, 6):  # each device with the model version it serves
+            assert f"device cam-{d}: software ? (SBOM none); models simple v1;" in listing
 
         fleet.publish(2, delta=1)  # fails its self-test
         assert not agent.run_once()
@@ -261,3 +265,22 @@ def test_signed_reports_keep_fake_ones_from_halting_a_good_release(
     assert "5 unauthenticated" in out and "halting" not in out
     unsigned = watch(broker, "--min-reports", "1", reports=6)
     assert "rolled back 5" in unsigned  # without keys they would have counted
+
+
+def test_the_device_listing_shows_what_each_device_runs_and_only_checked_fields() -> None:
+    tally = Tally()
+    digest = "ab" * 32
+    good = {"software": {"version": "1.4.2", "sbom_sha256": digest},
+            "current": {"simple": 3, "classifier": 1}}  # fmt: skip
+    tally.add("cam-1", good, 100.0)
+    hostile = {"software": {"version": "1.4.2\x1b[2J", "sbom_sha256": "zz"},
+               "current": {"\x1b]0;owned": 2, "ok": "7", "simple": True}}  # fmt: skip
+    tally.add("cam-2", hostile, 90.0)
+    tally.add("bad device\x07", good, 95.0)
+    assert tally.devices(110.0) == [
+        "device ?: software 1.4.2 (SBOM abababababab); models classifier v1, simple v3; "
+        "reported 15 s ago",
+        "device cam-1: software 1.4.2 (SBOM abababababab); models classifier v1, simple v3; "
+        "reported 10 s ago",
+        "device cam-2: software ? (SBOM none); models none; reported 20 s ago",
+    ]
