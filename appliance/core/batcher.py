@@ -28,14 +28,14 @@ import logging
 import math
 import threading
 import time
-from collections import deque
-from collections.abc import Awaitable, Hashable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any
 
 import numpy as np
 
 from appliance.backends.base import Backend
 from appliance.core import memory
+from appliance.core.batch_queue import BatchQueue, Levels, Pending, queue_full, timed_out
 from appliance.core.batching import (
     BatchPolicy,
     BatchResult,
@@ -61,19 +61,6 @@ log = logging.getLogger(__name__)
 IDLE_CHECK_S = 1.0
 
 
-@dataclass(slots=True, eq=False)
-class _Pending:
-    inputs: dict[str, np.ndarray]
-    outputs: tuple[str, ...]
-    rows: int
-    signature: Hashable
-    arrival: float  # time.monotonic()
-    future: asyncio.Future[BatchResult] = field(repr=False)
-    enqueued_ns: int = 0
-    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
-    level: int = 0  # priority level: the queue is ordered by it, then by arrival
-
-
 # what a batch came to: (parts, input_ns, infer_ns, output_ns), or the error it raised
 _Outcome = tuple[list[dict[str, np.ndarray]], int, int, int] | Exception
 
@@ -93,17 +80,21 @@ class DynamicBatcher:
         policy: BatchPolicy,
         max_queue_size: int,
         stats: ModelStats,
+        levels: Levels | None = None,
+        call_later: Callable[..., Any] | None = None,
     ) -> None:
         self.model = model
         self.policy = policy
-        self.max_queue_size = max_queue_size
+        # each priority level's queue policy (bounded by max_queue_size where it sets none)
+        self.levels = levels or Levels(None, max_queue_size)
         self._stats = stats
         self._loop = asyncio.get_running_loop()
-        self._queue: deque[_Pending] = deque()
+        # arms a request's queue timeout (the loop's timers; a test may pass its own clock)
+        self._call_later = call_later or self._loop.call_later
+        self._queue = BatchQueue()
         self._wake_rows = wake_rows(policy)
         self._ready = threading.Condition(threading.Lock())  # guards everything below
-        self._queued_rows = 0  # the rows of every queued request
-        self._running: dict[int, list[_Pending]] = {}  # instance index -> its batch
+        self._running: dict[int, list[Pending]] = {}  # instance index -> its batch
         # instance index -> when it finished a batch whose answers the loop has not taken
         self._undelivered: dict[int, float] = {}
         self._accepting = True
@@ -138,22 +129,20 @@ class DynamicBatcher:
         signature: Hashable,
         timeout_s: float | None,
         level: int = 0,
+        request_id: str = "",
     ) -> BatchResult:
         """Queue one request and wait for its share of a batch, behind every queued
         request of its priority ``level`` or a more urgent one (a lower number).
 
-        Raises UNAVAILABLE (reason REJECTED) when the queue is full, the request
-        timed out in the queue, or the model is stopping; cancelling the await
-        removes the request from the queue if it has not started executing.
+        Raises UNAVAILABLE (reason REJECTED) when its level's queue is full, the
+        request timed out in the queue under REJECT (under DELAY it stays, behind its
+        level), or the model is stopping; cancelling the await removes the request
+        from the queue if it has not started executing.
         """
         if not self._accepting:
             raise unavailable(f"model '{self.model}' is unloading", FailureReason.REJECTED)
-        if len(self._queue) >= self.max_queue_size:
-            raise unavailable(
-                f"model '{self.model}' is overloaded: its queue is full "
-                f"({self.max_queue_size} requests waiting)",
-                FailureReason.REJECTED,
-            )
+        if self._queue.count(level) >= self.levels.bound(level):
+            raise queue_full(request_id)
         if (
             self._inline is not None
             and self._inline.cheap()
@@ -164,7 +153,7 @@ class DynamicBatcher:
                 index = self._claim()
             if index is not None:
                 return self._run_inline(index, inputs, outputs, rows)
-        item = _Pending(
+        item = Pending(
             inputs,
             outputs,
             rows,
@@ -175,15 +164,11 @@ class DynamicBatcher:
             level=level,
         )
         if timeout_s:
-            item.timer = self._loop.call_later(timeout_s, self._expire, item, timeout_s)
+            item.timer = self._call_later(timeout_s, self._expire, item)
         with self._ready:
             was_empty = not self._queue
-            ahead = bool(level and self._queue and self._queue[-1].level > level)
-            if ahead:  # ahead of less urgent requests: a new head may change the decision
-                _insert_by_level(self._queue, item)
-            else:
-                self._queue.append(item)
-            self._queued_rows += rows
+            # ahead of less urgent (or delayed) requests: a new head may change the decision
+            ahead = self._queue.push(item)
             self._stats.pending = len(self._queue)
             # an instance waiting out the delay is woken only when this arrival can
             # change its decision (batching.wake_rows, or another shape than the
@@ -191,7 +176,7 @@ class DynamicBatcher:
             if (
                 was_empty
                 or ahead
-                or self._queued_rows >= self._wake_rows
+                or self._queue.rows >= self._wake_rows
                 or signature != self._queue[0].signature
             ):
                 self._ready.notify()
@@ -249,36 +234,39 @@ class DynamicBatcher:
         timeout_s: float | None,
     ) -> Awaitable[BatchResult]:
         """The :class:`appliance.core.scheduler.Scheduler` entry: :meth:`submit` of
-        ``request``'s inputs (no extra coroutine frame on the hot path)."""
+        ``request``'s inputs (no extra coroutine frame on the hot path). The queue
+        timeout is the request's level's (:meth:`Levels.timeout_s`), not ``timeout_s``
+        (the model's default policy's, which the sequence batcher takes)."""
         level = self.policy.level(request.priority)
-        return self.submit(request.inputs, outputs, rows, signature, timeout_s, level)
+        timeout_s = self.levels.timeout_s(level, request.timeout_us)
+        return self.submit(request.inputs, outputs, rows, signature, timeout_s, level, request.id)
 
-    def _withdraw(self, item: _Pending) -> bool:
+    def _withdraw(self, item: Pending) -> bool:
         """Take ``item`` out of the queue if no instance took it yet."""
         if item.timer is not None:
             item.timer.cancel()
         with self._ready:
-            try:
-                self._queue.remove(item)
-            except ValueError:
+            if not self._queue.remove(item):
                 return False  # already executing: its delivery skips the done future
-            self._queued_rows -= item.rows
             self._stats.pending = len(self._queue)
         return True
 
-    def _expire(self, item: _Pending, timeout_s: float) -> None:
+    def _expire(self, item: Pending) -> None:
+        """A request's queue timeout passed (its timer, on the loop): REJECT answers it
+        now; DELAY moves it behind the rest of its level."""
+        item.timer = None
+        if self.levels.delays(item.level):
+            with self._ready:
+                was_head = bool(self._queue) and self._queue[0] is item
+                if self._queue.delay(item) and was_head:
+                    self._ready.notify()  # a new head may change the decision
+            return
         if self._withdraw(item) and not item.future.done():
-            item.future.set_exception(
-                unavailable(
-                    f"request to model '{self.model}' timed out after {timeout_s:.3f}s "
-                    "in the queue",
-                    FailureReason.REJECTED,
-                )
-            )
+            item.future.set_exception(timed_out())
 
     # ---- an instance's thread ------------------------------------------------------------
 
-    def _take(self, index: int) -> list[_Pending] | None:
+    def _take(self, index: int) -> list[Pending] | None:
         """Wait for the next batch (None: stop serving)."""
         with self._ready:
             while True:
@@ -318,14 +306,8 @@ class DynamicBatcher:
         interpreter is exiting (which joins every executor thread, this one too)."""
         return self._loop.is_closed() or getattr(concurrent.futures.thread, "_shutdown", False)
 
-    def _pop(self, index: int, positions: tuple[int, ...]) -> list[_Pending]:
-        if positions == (0,):
-            items = [self._queue.popleft()]
-        else:
-            chosen = set(positions)
-            items = [self._queue[i] for i in positions]
-            self._queue = deque(x for i, x in enumerate(self._queue) if i not in chosen)
-        self._queued_rows -= sum(it.rows for it in items)
+    def _pop(self, index: int, positions: tuple[int, ...]) -> list[Pending]:
+        items = self._queue.pop(positions)
         self._stats.pending = len(self._queue)
         self._running[index] = items
         if self._queue:
@@ -383,9 +365,7 @@ class DynamicBatcher:
 
     # ---- the event loop's side -----------------------------------------------------------
 
-    def _deliver(
-        self, items: list[_Pending], outcome: _Outcome, start_ns: int, index: int
-    ) -> None:
+    def _deliver(self, items: list[Pending], outcome: _Outcome, start_ns: int, index: int) -> None:
         with self._ready:
             if self._undelivered.pop(index, None) is not None:
                 self._ready.notify_all()  # the instance may hold a batch for this
@@ -417,8 +397,7 @@ class DynamicBatcher:
         """Fail every queued request with ``error`` (and, given ``running``, every
         request an instance is still running with that)."""
         with self._ready:
-            queued, self._queue = list(self._queue), deque()
-            self._queued_rows = 0
+            queued = self._queue.clear()
             busy = [it for items in self._running.values() for it in items]
             self._stats.pending = 0
         failed = [(it, error) for it in queued]
@@ -478,11 +457,3 @@ class DynamicBatcher:
         # one turn of the loop: the callers' wake-ups, scheduled as their futures
         # failed, run before stop() returns (so its caller sees them answered)
         await asyncio.sleep(0)
-
-
-def _insert_by_level(queue: deque[_Pending], item: _Pending) -> None:
-    """Put ``item`` behind the last queued request of its level or a more urgent one."""
-    at = len(queue)
-    while at and queue[at - 1].level > item.level:
-        at -= 1
-    queue.insert(at, item)

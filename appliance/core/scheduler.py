@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Hashable
 from typing import Any, Protocol
 
 from appliance.config.model_config import ModelConfig
+from appliance.core.batch_queue import Levels
 from appliance.core.batcher import DynamicBatcher
 from appliance.core.batching import BatchPolicy, BatchResult
 from appliance.core.instances import InstanceGroup
@@ -67,5 +68,5 @@ def create(
         priority_levels=db.priority_levels if db else 0,
         default_priority_level=db.default_priority_level if db else 0,
     )
-    size = db.max_queue_size if db and db.max_queue_size else default_max_queue_size
-    return DynamicBatcher(label, instances, policy, size, stats)
+    levels = Levels(db, default_max_queue_size)  # each priority level's queue policy
+    return DynamicBatcher(label, instances, policy, default_max_queue_size, stats, levels)

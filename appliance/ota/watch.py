@@ -122,7 +122,6 @@ class Tally:
                 out.setdefault(key, Counter())[kind] += 1
         return out
 
-
     def shadow(self, model: str, version: int | str) -> str:
         """What the devices' shadow probations of ``model`` version ``version`` saw:
         per output the lowest top-1 agreement and the largest difference ("": none
