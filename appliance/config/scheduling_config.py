@@ -159,10 +159,10 @@ def parse_resource_total(value: Any, source: str, key: str) -> ResourceTotal:
     if isinstance(value, dict):
         f = Fields(source, value, key)
         f.check_keys({"name", "count", "device"})
-        name, count = value.get("name"), f.integer("count", -1)
-        device = f.integer("device", 0) if "device" in value else None
         if "count" not in value:
             raise f.fail("count", "expected the resource's count")
+        name, count = value.get("name"), f.integer("count", 0)
+        device = f.integer("device", 0) if "device" in value else None
     elif isinstance(value, str):
         parts = value.split(":")
         if len(parts) not in (2, 3) or not all(p.strip().isdigit() for p in parts[1:]):

@@ -28,12 +28,13 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
 
 from appliance.backends.base import Backend
+from appliance.config.scheduling_config import RateLimiterConfig
 from appliance.core import memory
 from appliance.core.batch_queue import BatchQueue, Levels, Pending, queue_full, timed_out
 from appliance.core.batching import (
@@ -50,6 +51,7 @@ from appliance.core.batching import (
 )
 from appliance.core.instances import InstanceGroup
 from appliance.core.queue_bytes import CONTENDED
+from appliance.core.rate_limiter import RateLimiter, Ticket, take_turn, wake
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, FailureReason, internal, unavailable
 from appliance.request import InferenceRequest
@@ -82,6 +84,8 @@ class DynamicBatcher:
         stats: ModelStats,
         levels: Levels | None = None,
         call_later: Callable[..., Any] | None = None,
+        limiter: RateLimiter | None = None,
+        limits: Sequence[RateLimiterConfig | None] = (),
     ) -> None:
         self.model = model
         self.policy = policy
@@ -110,6 +114,15 @@ class DynamicBatcher:
         ]
         self._inline = InlineCost() if any(self._inline_backends) else None
         self._batched = policy.max_batch_size > 0
+        # the server's rate limiter (None: off): each instance's ticket, one per instance
+        self._limiter = limiter
+        self._tickets: list[Ticket] = []
+        if limiter is not None:
+            wants = [
+                limits[i] if i < len(limits) else None for i in range(len(instances.instances))
+            ]
+            self._tickets = limiter.register(model, wants, self._notify)
+            self._inline = None  # every run takes its turn with the limiter
         self._serving = [
             asyncio.wrap_future(instance.occupy(self._serve, index))
             for index, instance in enumerate(instances.instances)
@@ -268,28 +281,38 @@ class DynamicBatcher:
 
     def _take(self, index: int) -> list[Pending] | None:
         """Wait for the next batch (None: stop serving)."""
+        limiter, ticket = self._limiter, self._tickets[index] if self._tickets else None
         with self._ready:
             while True:
-                if self._halted or (not self._accepting and not self._queue):
-                    return None
-                if self._abandoned():
-                    return None
-                if index in self._releasing and not self._queue:
-                    self._releasing.discard(index)
-                    self._release_busy += 1
-                    return []  # (an empty batch: hand back working memory)
+                stop = self._halted or (not self._accepting and not self._queue)
+                stop = stop or self._abandoned()
+                send: tuple[int, ...] = ()
                 wait_s = IDLE_CHECK_S
-                if self._queue:
+                if self._queue and not stop:
                     # once stopping, waiting for fuller batches only delays the drain
                     now = time.monotonic() if self._accepting else math.inf
                     decision = decide(self._queue, now, self.policy)
                     if decision.send:
                         catch_up = self._catch_up_s(index, decision.send)
                         if catch_up <= 0:
-                            return self._pop(index, decision.send)
-                        wait_s = min(wait_s, catch_up)
+                            send = decision.send
+                        wait_s = min(wait_s, catch_up) if catch_up > 0 else wait_s
                     elif decision.wait_s is not None:
                         wait_s = min(wait_s, decision.wait_s)
+                if limiter and ticket and (send or ticket.wanting):
+                    # the rate limiter: send only holding the resources (else wait in line)
+                    turn = take_turn(limiter, ticket, bool(send), self._ready)
+                    if turn is None:
+                        continue  # the lock was let go: look again
+                    send = send if turn else ()
+                if stop:
+                    return None
+                if send:
+                    return self._pop(index, send)
+                if index in self._releasing and not self._queue:
+                    self._releasing.discard(index)
+                    self._release_busy += 1
+                    return []  # (an empty batch: hand back working memory)
                 self._ready.wait(wait_s)
 
     def _catch_up_s(self, index: int, send: tuple[int, ...]) -> float:
@@ -316,7 +339,7 @@ class DynamicBatcher:
 
     def _serve(self, backend: Backend, index: int) -> None:
         """An instance's loop, on its own thread: take a batch, run it, deliver it."""
-        batched = self._batched
+        batched, limiter = self._batched, self._limiter
         while (items := self._take(index)) is not None:
             if not items:
                 self._release(backend)
@@ -334,6 +357,8 @@ class DynamicBatcher:
                 )
             except Exception as exc:  # delivered as this batch's error
                 outcome = exc
+            if limiter:  # the resources go back (to the next instance in line)
+                wake(limiter.release(self._tickets[index]))
             with self._ready:
                 self._running.pop(index, None)
                 self._undelivered[index] = time.monotonic()
@@ -354,6 +379,11 @@ class DynamicBatcher:
         if done:
             with contextlib.suppress(RuntimeError):  # (the event loop is gone)
                 self._loop.call_soon_threadsafe(self._release_done)
+
+    def _notify(self) -> None:
+        """The rate limiter granted an instance its resources: its thread looks again."""
+        with self._ready:
+            self._ready.notify_all()
 
     def _serving_done(self, serving: asyncio.Future[None]) -> None:
         """An instance loop that died of a bug must not strand the callers."""
@@ -439,6 +469,8 @@ class DynamicBatcher:
         if not self._serving:
             return
         _, late = await asyncio.wait(self._serving, timeout=timeout_s)
+        if self._limiter is not None:  # (a batch still running keeps its resources)
+            wake(self._limiter.unregister(self._tickets))
         if not late:
             return
         with self._ready:

@@ -18,6 +18,7 @@ from appliance.core.batch_queue import Levels
 from appliance.core.batcher import DynamicBatcher
 from appliance.core.batching import BatchPolicy, BatchResult
 from appliance.core.instances import InstanceGroup
+from appliance.core.rate_limiter import RateLimiter
 from appliance.core.sequence.batcher import SequenceBatcher
 from appliance.core.stats import ModelStats
 from appliance.request import InferenceRequest
@@ -54,8 +55,10 @@ def create(
     instances: InstanceGroup,
     stats: ModelStats,
     default_max_queue_size: int,
+    limiter: RateLimiter | None = None,
 ) -> Scheduler:
-    """The scheduler ``config`` asks for, serving ``instances``."""
+    """The scheduler ``config`` asks for, serving ``instances`` (with the server's
+    rate ``limiter`` where it is on: the dynamic batcher's instances take turns)."""
     if config.sequence_batching is not None:
         return SequenceBatcher(label, config, instances, stats, default_max_queue_size)
     db = config.dynamic_batching
@@ -69,4 +72,15 @@ def create(
         default_priority_level=db.default_priority_level if db else 0,
     )
     levels = Levels(db, default_max_queue_size)  # each priority level's queue policy
-    return DynamicBatcher(label, instances, policy, default_max_queue_size, stats, levels)
+    # each instance's group's rate_limiter, in the order the groups made them
+    limits = [g.rate_limiter for g in config.instance_group for _ in range(g.count)]
+    return DynamicBatcher(
+        label,
+        instances,
+        policy,
+        default_max_queue_size,
+        stats,
+        levels,
+        limiter=limiter,
+        limits=limits,
+    )
