@@ -45,6 +45,7 @@ from appliance.core.batching import (
     catch_up,
     decide,
     failed_batch,
+    run_alone,
     run_batch,
     sends_alone,
     wake_rows,
@@ -223,20 +224,13 @@ class DynamicBatcher:
         assert backend is not None and self._inline is not None  # (claimed: inline-safe)
         start_ns = time.perf_counter_ns()
         try:
-            parts, input_ns, infer_ns, output_ns = run_batch(
-                backend, [inputs], [rows], list(outputs), self._batched
-            )
-        except Exception as exc:
-            raise failed_batch(self.model, exc) from None
+            result = run_alone(self.model, backend, inputs, outputs, rows, self._batched)
         finally:
             with self._ready:
                 self._running.pop(index, None)
             self._inline.record(time.perf_counter_ns() - start_ns, inline=True)
-        self._stats.record_execution(rows, input_ns, infer_ns, output_ns)
-        part = parts[0]
-        return BatchResult(
-            {k: part[k] for k in outputs if k in part}, 0, input_ns, infer_ns, output_ns
-        )
+        self._stats.record_execution(rows, result.input_ns, result.infer_ns, result.output_ns)
+        return result
 
     def enqueue(
         self,
