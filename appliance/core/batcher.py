@@ -119,10 +119,7 @@ class DynamicBatcher:
         self._limiter = limiter
         self._tickets: list[Ticket] = []
         if limiter is not None:
-            wants = [
-                limits[i] if i < len(limits) else None for i in range(len(instances.instances))
-            ]
-            self._tickets = limiter.register(model, wants, self._notify)
+            self._tickets = limiter.register(model, limits, len(instances.instances), self._notify)
             self._inline = None  # every run takes its turn with the limiter
         self._serving = [
             asyncio.wrap_future(instance.occupy(self._serve, index))
@@ -264,9 +261,8 @@ class DynamicBatcher:
         item.timer = None
         if self.levels.delays(item.level):
             with self._ready:
-                was_head = bool(self._queue) and self._queue[0] is item
-                if self._queue.delay(item) and was_head:
-                    self._ready.notify()  # a new head may change the decision
+                if self._queue.delay(item):  # (a new head may change the decision)
+                    self._ready.notify()
             return
         if self._withdraw(item) and not item.future.done():
             item.future.set_exception(timed_out())
@@ -332,6 +328,13 @@ class DynamicBatcher:
         return items
 
     def _serve(self, backend: Backend, index: int) -> None:
+        try:
+            self._serve_batches(backend, index)
+        finally:  # (a loop that died of a bug must not keep the rate limiter's resources)
+            if self._limiter:
+                wake(self._limiter.withdraw(self._tickets[index]))
+
+    def _serve_batches(self, backend: Backend, index: int) -> None:
         """An instance's loop, on its own thread: take a batch, run it, deliver it."""
         batched, limiter = self._batched, self._limiter
         while (items := self._take(index)) is not None:

@@ -126,14 +126,16 @@ class RateLimiter:
         self,
         model: str,
         configs: Sequence[RateLimiterConfig | None],
+        count: int,
         wake_model: Callable[[], None],
     ) -> list[Ticket]:
-        """Tickets for a model's instances (``configs``: each one's group's), or
-        INVALID_ARG naming what cannot be scheduled; nothing is registered then."""
-        tickets = [
-            Ticket(f"{model}_{i}", needs_of(c), c.priority if c else 1, wake_model)
-            for i, c in enumerate(configs)
-        ]
+        """Tickets for a model's ``count`` instances (``configs``: each one's group's
+        ``rate_limiter``; None or left out: it needs nothing), or INVALID_ARG naming
+        what cannot be scheduled; nothing is registered then."""
+        tickets = []
+        for i in range(count):
+            c = configs[i] if i < len(configs) else None
+            tickets.append(Ticket(f"{model}_{i}", needs_of(c), c.priority if c else 1, wake_model))
         with self._lock:
             everyone = [*self._tickets, *tickets]
             available = self._totals(everyone)

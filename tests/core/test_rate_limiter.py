@@ -40,7 +40,7 @@ def limits(*resources: Resource, priority: int = 1) -> RateLimiterConfig:
 
 def test_without_totals_a_resource_has_the_most_any_instance_needs() -> None:
     limiter = RateLimiter()
-    a, b = limiter.register("a", [limits(Resource("r", 2)), limits(Resource("r", 3))], nothing)
+    a, b = limiter.register("a", [limits(Resource("r", 2)), limits(Resource("r", 3))], 2, nothing)
     assert limiter.acquire(a) == (True, [])
     assert limiter.acquire(b) == (False, [])  # 2 + 3 > 3: in line
     granted = limiter.release(a)
@@ -51,34 +51,37 @@ def test_without_totals_a_resource_has_the_most_any_instance_needs() -> None:
 def test_totals_given_bound_each_resource_and_too_few_fails_the_load_with_tritons_text() -> None:
     limiter = RateLimiter([ResourceTotal("r", 1), ResourceTotal("npu", 1, device=3)])
     with pytest.raises(ApplianceError) as info:
-        limiter.register("m", [limits(Resource("r", 2))], nothing)
+        limiter.register("m", [limits(Resource("r", 2))], 1, nothing)
     assert info.value.code is Code.INVALID_ARG
     assert info.value.message == (
         'Resource count for "r" is limited to 1 which will prevent scheduling of one or '
         "more model instances, the minimum required count is 2"
     )
     with pytest.raises(ApplianceError, match='"other" is limited to 0'):
-        limiter.register("m", [limits(Resource("other", 1))], nothing)  # not named: none
+        limiter.register("m", [limits(Resource("other", 1))], 1, nothing)  # not named: none
     # a global resource takes the largest count given for its name, whatever the device
-    (t,) = limiter.register("m", [NPU], nothing)
+    (t,) = limiter.register("m", [NPU], 1, nothing)
     assert limiter.acquire(t) == (True, [])
 
 
 def test_a_name_both_global_and_per_device_is_refused_and_nothing_registered() -> None:
     limiter = RateLimiter()
-    limiter.register("a", [NPU], nothing)
+    limiter.register("a", [NPU], 1, nothing)
     with pytest.raises(ApplianceError, match='Resource "npu" is present as both global and'):
-        limiter.register("b", [limits(Resource("npu", 1))], nothing)
-    (ok,) = limiter.register("c", [limits(Resource("dsp", 1))], nothing)
+        limiter.register("b", [limits(Resource("npu", 1))], 1, nothing)
+    (ok,) = limiter.register("c", [limits(Resource("dsp", 1))], 1, nothing)
     assert limiter.acquire(ok)[0]
 
 
 def test_turns_go_by_executions_times_priority_and_the_first_in_line_is_not_passed() -> None:
     limiter = RateLimiter()
     fast, slow = limiter.register(
-        "m", [limits(Resource("r", 1), priority=1), limits(Resource("r", 1), priority=2)], nothing
+        "m",
+        [limits(Resource("r", 1), priority=1), limits(Resource("r", 1), priority=2)],
+        2,
+        nothing,
     )
-    (big,) = limiter.register("big", [limits(Resource("r", 1))], nothing)
+    (big,) = limiter.register("big", [limits(Resource("r", 1))], 1, nothing)
     assert limiter.acquire(fast)[0]  # fast: 1 execution
     assert not limiter.acquire(big)[0]  # in line first (0 executions)
     assert not limiter.acquire(slow)[0]
@@ -92,8 +95,8 @@ def test_turns_go_by_executions_times_priority_and_the_first_in_line_is_not_pass
 
 def test_an_unloaded_model_leaves_the_line_and_a_running_ticket_keeps_its_resources() -> None:
     limiter = RateLimiter()
-    a, b = limiter.register("m", [NPU, NPU], nothing)
-    (other,) = limiter.register("o", [NPU], nothing)
+    a, b = limiter.register("m", [NPU, NPU], 2, nothing)
+    (other,) = limiter.register("o", [NPU], 1, nothing)
     assert limiter.acquire(a)[0] and not limiter.acquire(b)[0] and not limiter.acquire(other)[0]
     assert limiter.unregister([a, b]) == []  # a still runs: the npu stays taken
     assert limiter.in_use() == {(None, "npu"): 1}
@@ -216,6 +219,35 @@ def test_instances_of_one_model_take_turns_and_a_stopped_model_frees_its_place()
         assert not other.calls
         await a.stop(LIMIT_S)
         for group in (group_a, group_b):
+            await group.close()
+
+    run(main())
+
+
+def test_a_request_cancelled_while_its_instance_waits_does_not_block_the_line() -> None:
+    first, second, third = Doubler(hold=True), Doubler(), Doubler()
+
+    async def main() -> None:
+        limiter = RateLimiter()
+        a, group_a = await batcher("a", first, limiter)
+        b, group_b = await batcher("b", second, limiter)
+        c, group_c = await batcher("c", third, limiter)
+        running = submit(a, x(1))
+        await until(first.started.is_set)
+        gone = submit(b, x(2))
+        await until(lambda: b._tickets[0].staged)  # first in line for the npu
+        later = submit(c, x(3))
+        await until(lambda: c._tickets[0].staged)
+        gone.cancel()  # b's queue empties while b stays first in line
+        await asyncio.gather(gone, return_exceptions=True)
+        first.release.set()
+        await running
+        # b is granted the npu for a batch it no longer has: it gives it back to c
+        assert (await later).outputs["y"][0, 0] == 6
+        assert not second.calls
+        await until(lambda: limiter.in_use() == {})
+        for made, group in ((a, group_a), (b, group_b), (c, group_c)):
+            await made.stop(LIMIT_S)
             await group.close()
 
     run(main())
