@@ -102,6 +102,13 @@ def queue_of(srv: Any, model: str) -> Any:
     return srv.server.lifecycle.get(model).scheduler
 
 
+def nothing_held(srv: Any) -> bool:
+    """Every request's queued-bytes hold was released: refused, timed out, delayed and
+    served requests alike (no bytes held, no request holding)."""
+    queued = srv.server.dataplane.queued
+    return queued.held == 0 and queued.holding == 0
+
+
 def http_infer(srv: Any, model: str, value: float, **params: Any) -> tuple[int, dict[str, Any]]:
     body: dict[str, Any] = {
         "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 1], "data": [value]}]
@@ -173,6 +180,7 @@ def test_http_a_full_queue_refuses_at_once_with_tritons_503(run_appliance, tmp_p
     results = calls.join()
     assert [results[k][0] for k in ("10", "1", "2")] == [200, 200, 200]
     assert model.ran() == [10.0, 1.0, 2.0]  # the refused one never ran
+    until(lambda: nothing_held(srv), "every hold released")
 
 
 def test_grpc_a_late_request_under_reject_is_unavailable_request_timeout_expired(
@@ -197,6 +205,7 @@ def test_grpc_a_late_request_under_reject_is_unavailable_request_timeout_expired
     assert model.ran() == [10.0]
     # the longer default stays a request's bound: it is served
     assert grpc_infer(srv, "gated", 2, timeout=120_000_000).tolist() == [[2.0]]
+    until(lambda: nothing_held(srv), "every hold released")
 
 
 DELAY_POLICY = """\
@@ -236,6 +245,7 @@ def test_delay_serves_a_late_request_after_its_level_and_priority_first(
     results = calls.join()
     assert not [r for r in results.values() if isinstance(r, Exception)], results
     assert model.ran() == [10.0, 3.0, 2.0, 1.0]  # level 1, level 2, then the late one
+    until(lambda: nothing_held(srv), "every hold released")
 
 
 RATE_LIMITED = """\
