@@ -10,6 +10,7 @@ validates, hands over and counts.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Hashable
 from typing import Any, Protocol
 
@@ -22,6 +23,8 @@ from appliance.core.rate_limiter import RateLimiter
 from appliance.core.sequence.batcher import SequenceBatcher
 from appliance.core.stats import ModelStats
 from appliance.request import InferenceRequest
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler(Protocol):
@@ -60,6 +63,12 @@ def create(
     """The scheduler ``config`` asks for, serving ``instances`` (with the server's
     rate ``limiter`` where it is on: the dynamic batcher's instances take turns)."""
     if config.sequence_batching is not None:
+        if limiter is not None and any(g.rate_limiter for g in config.instance_group):
+            log.warning(
+                "model '%s': the sequence batcher's instances do not take turns with the "
+                "rate limiter: its instance groups' rate_limiter is ignored",
+                label,
+            )
         return SequenceBatcher(label, config, instances, stats, default_max_queue_size)
     db = config.dynamic_batching
     policy = BatchPolicy(

@@ -5,10 +5,13 @@ backends the test holds and releases (outcomes, never timing margins)."""
 from __future__ import annotations
 
 import asyncio
+import threading
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from appliance.config.model_config import InstanceGroup as GroupConfig
 from appliance.config.model_config import parse_model_config
 from appliance.config.scheduling_config import (
     RateLimiterConfig,
@@ -16,6 +19,7 @@ from appliance.config.scheduling_config import (
     ResourceTotal,
 )
 from appliance.config.server_config import load_server_config
+from appliance.core import scheduler
 from appliance.core.batcher import DynamicBatcher
 from appliance.core.batching import BatchPolicy
 from appliance.core.instances import InstanceGroup
@@ -23,6 +27,8 @@ from appliance.core.rate_limiter import RateLimiter, from_settings
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, Code
 from tests.core.test_batcher import LIMIT_S, Doubler, run, submit, until, x
+from tests.core.test_sequence_scheduler import Recorder
+from tests.core.test_sequence_scheduler import config as sequence_config
 
 NPU = RateLimiterConfig((Resource("npu", 1, is_global=True),))
 
@@ -262,6 +268,24 @@ def test_off_no_tickets_and_batches_run_as_before() -> None:
         results = await asyncio.gather(*(submit(a, x(v)) for v in range(4)))
         assert [r.outputs["y"][0, 0] for r in results] == [0, 2, 4, 6]
         await a.stop(LIMIT_S)
+        await group.close()
+
+    run(main())
+
+
+def test_a_sequence_model_is_not_rate_limited_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    gate = threading.Event()
+    gate.set()
+    seq = replace(sequence_config(), instance_group=(GroupConfig(1, "KIND_CPU", NPU),))
+
+    async def main() -> None:
+        group = await InstanceGroup.create("seq", 1, lambda i: Recorder(i, [], gate))  # type: ignore[arg-type, return-value]
+        limiter = RateLimiter()
+        made = scheduler.create(seq, "seq:1", group, ModelStats("seq", "1"), 8, limiter)
+        assert "rate_limiter is ignored" in caplog.text
+        # it registered nothing: its global npu would clash with this per-device one
+        assert limiter.register("other", [limits(Resource("npu", 5))], 1, nothing)
+        await made.stop(LIMIT_S)
         await group.close()
 
     run(main())
