@@ -60,19 +60,27 @@ class Levels:
         self.default = db.default_queue_policy if db is not None else QueuePolicy()
         self.by_level = dict(db.priority_queue_policy) if db is not None else {}
         self._server_max = server_max_queue_size
+        # read per request: each level's bound, and whether any level has a timeout
+        self.default_bound = self.default.max_queue_size or server_max_queue_size
+        self.bounds = {
+            level: p.max_queue_size or server_max_queue_size for level, p in self.by_level.items()
+        }
+        self._timeouts = any(p.default_timeout_us for p in (self.default, *self.by_level.values()))
 
     def policy(self, level: int) -> QueuePolicy:
         return self.by_level.get(level, self.default)
 
     def bound(self, level: int) -> int:
         """How many requests of ``level`` may wait."""
-        return self.policy(level).max_queue_size or self._server_max
+        return self.bounds.get(level, self.default_bound)
 
     def timeout_s(self, level: int, requested_us: int | None) -> float | None:
         """The queue timeout of a request of ``level`` that asked for ``requested_us``
         (its ``timeout`` parameter): the policy's default, or the request's own where
         the policy allows an override and it is shorter (Triton's rule; with no default
         timeout the request's own applies, where Triton ignores it)."""
+        if not requested_us and not self._timeouts:
+            return None  # (the common case, at once)
         policy = self.policy(level)
         timeout_us = policy.default_timeout_us
         if (
@@ -102,12 +110,13 @@ def timed_out() -> ApplianceError:
 class BatchQueue:
     """The queued requests in batch order, with each level's count and the rows."""
 
-    __slots__ = ("_counts", "items", "rows")
+    __slots__ = ("_bounds", "_counts", "_default_bound", "items", "rows")
 
-    def __init__(self) -> None:
+    def __init__(self, levels: Levels) -> None:
         self.items: deque[Pending] = deque()
         self.rows = 0  # the rows of every queued request
         self._counts: dict[int, int] = {}
+        self._bounds, self._default_bound = levels.bounds, levels.default_bound
 
     def __len__(self) -> int:
         return len(self.items)
@@ -124,11 +133,20 @@ class BatchQueue:
     def count(self, level: int) -> int:
         return self._counts.get(level, 0)
 
+    def full(self, level: int) -> bool:
+        """Whether ``level`` holds as many requests as its queue policy lets wait."""
+        return self._counts.get(level, 0) >= self._bounds.get(level, self._default_bound)
+
     def push(self, item: Pending) -> bool:
         """Queue ``item`` behind its level's requests that have not timed out (and
         every more urgent one); True when it went ahead of another request."""
         items = self.items
-        if not items or items[-1].key() <= item.key():
+        last = items[-1] if items else None
+        if (
+            last is None
+            or last.level < item.level
+            or (last.level == item.level and (item.delayed or not last.delayed))
+        ):
             items.append(item)
             ahead = False
         else:
@@ -169,8 +187,14 @@ class BatchQueue:
             taken = [self.items[i] for i in positions]
             # a new deque: the old one's blocks go back after a burst
             self.items = deque(x for i, x in enumerate(self.items) if i not in chosen)
+        counts = self._counts
         for item in taken:
-            self._counted(item, -1)
+            self.rows -= item.rows
+            left = counts[item.level] - 1
+            if left:
+                counts[item.level] = left
+            else:
+                del counts[item.level]
         return taken
 
     def clear(self) -> list[Pending]:

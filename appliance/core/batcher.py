@@ -96,7 +96,7 @@ class DynamicBatcher:
         self._loop = asyncio.get_running_loop()
         # arms a request's queue timeout (the loop's timers; a test may pass its own clock)
         self._call_later = call_later or self._loop.call_later
-        self._queue = BatchQueue()
+        self._queue = BatchQueue(self.levels)
         self._wake_rows = wake_rows(policy)
         self._ready = threading.Condition(threading.Lock())  # guards everything below
         self._running: dict[int, list[Pending]] = {}  # instance index -> its batch
@@ -130,7 +130,7 @@ class DynamicBatcher:
 
     @property
     def pending(self) -> int:
-        return len(self._queue)
+        return len(self._queue.items)
 
     async def submit(
         self,
@@ -152,7 +152,7 @@ class DynamicBatcher:
         """
         if not self._accepting:
             raise unavailable(f"model '{self.model}' is unloading", FailureReason.REJECTED)
-        if self._queue.count(level) >= self.levels.bound(level):
+        if self._queue.full(level):
             raise queue_full(request_id)
         if (
             self._inline is not None
@@ -177,10 +177,10 @@ class DynamicBatcher:
         if timeout_s:
             item.timer = self._call_later(timeout_s, self._expire, item)
         with self._ready:
-            was_empty = not self._queue
+            was_empty = not self._queue.items
             # ahead of less urgent (or delayed) requests: a new head may change the decision
             ahead = self._queue.push(item)
-            self._stats.pending = len(self._queue)
+            self._stats.pending = len(self._queue.items)
             # an instance waiting out the delay is woken only when this arrival can
             # change its decision (batching.wake_rows, or another shape than the
             # batch's, which ends it), not for every request
@@ -188,7 +188,7 @@ class DynamicBatcher:
                 was_empty
                 or ahead
                 or self._queue.rows >= self._wake_rows
-                or signature != self._queue[0].signature
+                or signature != self._queue.items[0].signature
             ):
                 self._ready.notify()
         try:
@@ -203,7 +203,7 @@ class DynamicBatcher:
         """An idle instance whose engine may run on the loop, marked running (so its
         thread takes nothing meanwhile: only the loop enqueues, and it is busy), or
         None: something is queued, or no such instance is idle. Under the lock."""
-        if self._queue or self._releasing or self._release_busy or not self._accepting:
+        if self._queue.items or self._releasing or self._release_busy or not self._accepting:
             return None
         for index, backend in enumerate(self._inline_backends):
             idle = index not in self._running and index not in self._undelivered
@@ -252,7 +252,7 @@ class DynamicBatcher:
         with self._ready:
             if not self._queue.remove(item):
                 return False  # already executing: its delivery skips the done future
-            self._stats.pending = len(self._queue)
+            self._stats.pending = len(self._queue.items)
         return True
 
     def _expire(self, item: Pending) -> None:
@@ -274,14 +274,14 @@ class DynamicBatcher:
         limiter, ticket = self._limiter, self._tickets[index] if self._tickets else None
         with self._ready:
             while True:
-                stop = self._halted or (not self._accepting and not self._queue)
+                stop = self._halted or (not self._accepting and not self._queue.items)
                 stop = stop or self._abandoned()
                 send: tuple[int, ...] = ()
                 wait_s = IDLE_CHECK_S
-                if self._queue and not stop:
+                if self._queue.items and not stop:
                     # once stopping, waiting for fuller batches only delays the drain
                     now = time.monotonic() if self._accepting else math.inf
-                    decision = decide(self._queue, now, self.policy)
+                    decision = decide(self._queue.items, now, self.policy)
                     if decision.send:
                         catch_up = self._catch_up_s(index, decision.send)
                         if catch_up <= 0:
@@ -299,7 +299,7 @@ class DynamicBatcher:
                     return None
                 if send:
                     return self._pop(index, send)
-                if index in self._releasing and not self._queue:
+                if index in self._releasing and not self._queue.items:
                     self._releasing.discard(index)
                     self._release_busy += 1
                     return []  # (an empty batch: hand back working memory)
@@ -311,7 +311,7 @@ class DynamicBatcher:
         since = self._undelivered.get(index)
         if since is None or not self._accepting:
             return 0.0
-        rows = sum(self._queue[i].rows for i in send)
+        rows = sum(self._queue.items[i].rows for i in send)
         return catch_up(self.policy, rows, since, time.monotonic())
 
     def _abandoned(self) -> bool:
@@ -321,9 +321,9 @@ class DynamicBatcher:
 
     def _pop(self, index: int, positions: tuple[int, ...]) -> list[Pending]:
         items = self._queue.pop(positions)
-        self._stats.pending = len(self._queue)
+        self._stats.pending = len(self._queue.items)
         self._running[index] = items
-        if self._queue:
+        if self._queue.items:
             self._ready.notify()  # another idle instance may take what is left
         return items
 

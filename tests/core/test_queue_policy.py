@@ -39,7 +39,7 @@ def names(queue: BatchQueue) -> list[str]:
 
 
 def test_levels_first_then_arrival_then_the_delayed_in_the_order_they_timed_out() -> None:
-    q = BatchQueue()
+    q = BatchQueue(Levels(None, 64))
     a, b, c, d = item(2, name="a"), item(2, name="b"), item(1, name="c"), item(2, name="d")
     assert not q.push(a) and not q.push(b)
     assert q.push(c)  # ahead of level 2
@@ -52,7 +52,7 @@ def test_levels_first_then_arrival_then_the_delayed_in_the_order_they_timed_out(
 
 
 def test_remove_pop_and_clear_keep_the_counts_and_rows_exact() -> None:
-    q = BatchQueue()
+    q = BatchQueue(Levels(None, 64))
     items = [item(1 + i % 2, rows=i + 1, name=str(i)) for i in range(5)]
     for it in items:
         q.push(it)
