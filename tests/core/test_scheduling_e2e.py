@@ -163,7 +163,9 @@ def grpc_infer(srv: Any, model: str, value: float, **kwargs: Any) -> np.ndarray:
         client.close()
 
 
-def test_http_a_full_queue_refuses_at_once_with_tritons_503(run_appliance, tmp_path: Path) -> None:
+def test_a_full_queue_refuses_at_once_with_tritons_503_and_unavailable(
+    run_appliance, tmp_path: Path
+) -> None:
     model = Gated(
         tmp_path, "gated", "dynamic_batching: {default_queue_policy: {max_queue_size: 2}}\n"
     )
@@ -176,6 +178,10 @@ def test_http_a_full_queue_refuses_at_once_with_tritons_503(run_appliance, tmp_p
         until(lambda v=v: queue_of(srv, "gated").pending == v, f"{v} request(s) queued")
     status, doc = http_infer(srv, "gated", 3)  # answered while the others still wait
     assert status == 503 and doc == {"error": "Exceeds maximum queue size"}
+    with pytest.raises(InferenceServerException) as info:  # gRPC: Triton's status too
+        grpc_infer(srv, "gated", 4, request_id="r4")
+    assert info.value.status() == "StatusCode.UNAVAILABLE"
+    assert info.value.message() == "[request id: r4] Exceeds maximum queue size"
     model.open()
     results = calls.join()
     assert [results[k][0] for k in ("10", "1", "2")] == [200, 200, 200]
