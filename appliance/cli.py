@@ -159,6 +159,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory-limit", help="memory all loaded models may use, e.g. 1.5GiB or 60%% of RAM"
     )
     serve.add_argument(
+        "--rate-limit",
+        choices=["off", "execution_count"],
+        help="Triton's rate limiter: instances run holding their rate_limiter resources",
+    )
+    serve.add_argument(
+        "--rate-limit-resource",
+        action="append",
+        metavar="NAME:COUNT[:DEVICE]",
+        help="how many of a rate-limiter resource exist (repeatable; no DEVICE: each device)",
+    )
+    serve.add_argument(
         "--mqtt-broker", metavar="HOST:PORT", help="serve requests over MQTT from this broker"
     )
     ota_cli.register(sub)  # fleet, bundle, ota: see appliance/ota/cli.py
@@ -204,6 +215,8 @@ def _run(argv: list[str] | None) -> int:
                 "load_model": args.load_model,
                 "repository_poll_secs": args.repository_poll_secs,
                 "memory_limit": args.memory_limit,
+                "rate_limit": args.rate_limit,
+                "rate_limit_resources": args.rate_limit_resource,
                 "mqtt_broker": args.mqtt_broker,
             },
         )

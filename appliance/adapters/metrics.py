@@ -196,8 +196,11 @@ class ApplianceCollector(Collector):
                         family.add_sample(failure, labels, s.failures.get(reason, 0))
                 yield family
                 client = "appliance_inference_request_client_error"
-                family = _untyped(client, "Failed inference requests that were the caller's "
-                                  "fault (invalid, unknown or too large), of the failures above")
+                family = _untyped(
+                    client,
+                    "Failed inference requests that were the caller's "
+                    "fault (invalid, unknown or too large), of the failures above",
+                )
                 for s in stats:
                     family.add_sample(client, {"model": s.name, "version": s.version},
                                       s.client_errors)  # fmt: skip

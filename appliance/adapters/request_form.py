@@ -70,6 +70,8 @@ def own_parameters(params: Any) -> dict[str, str | int | float | bool]:
         if key not in SERVER_PARAMETERS and kind in _SCALARS:
             out[key] = getattr(value, kind)
     return out
+
+
 # the name of the one input of Triton's raw binary request (HTTP with an
 # Inference-Header-Content-Length of 0): declare() names it from the model's config
 RAW_INPUT = "raw_input"

@@ -20,6 +20,13 @@ from typing import Any
 from appliance import datatypes
 from appliance.config.ensemble_config import EnsembleStep, parse_ensemble_steps
 from appliance.config.fields import ConfigError, Fields, parse_limit, parse_size
+from appliance.config.scheduling_config import (
+    QueuePolicy,
+    RateLimiterConfig,
+    parse_priority_queue_policy,
+    parse_queue_policy,
+    parse_rate_limiter,
+)
 from appliance.config.sequence_config import (
     SequenceBatching,
     implicit_inputs,
@@ -56,16 +63,30 @@ class DynamicBatching:
     max_queue_size: int = 0  # 0 = the server's default bound (queues are never unbounded)
     default_timeout_us: int = 0  # 0 = no queue timeout
     allow_timeout_override: bool = True
+    timeout_action: str = "REJECT"  # or DELAY: a late request stays, served after the rest
     # Triton's priorities: levels 1 (first served) .. priority_levels; a request without
     # one (or with one out of range) gets default_priority_level; 0 levels: one queue
     priority_levels: int = 0
     default_priority_level: int = 0
+    # levels with their own queue policy (the rest follow default_queue_policy)
+    priority_queue_policy: tuple[tuple[int, QueuePolicy], ...] = ()
+
+    @property
+    def default_queue_policy(self) -> QueuePolicy:
+        return QueuePolicy(
+            self.max_queue_size,
+            self.default_timeout_us,
+            self.allow_timeout_override,
+            self.timeout_action,
+        )
 
 
 @dataclass(frozen=True, slots=True)
 class InstanceGroup:
     count: int = 1
     kind: str = "KIND_CPU"
+    # what each instance holds while it runs (used when the server's rate_limit is on)
+    rate_limiter: RateLimiterConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,25 +252,10 @@ def _dynamic_batching(f: Fields) -> DynamicBatching:
             "priority_queue_policy",
         }
     )
-    for key in ("preserve_ordering", "priority_queue_policy"):
-        if key in f.data:
-            log.warning("%s: %s: '%s' is not supported and is ignored", f.source, f.path, key)
+    if "preserve_ordering" in f.data:
+        log.warning("%s: %s: 'preserve_ordering' is not supported and is ignored", f.source, f.path)
     policy = f.sub("default_queue_policy")
-    size, timeout, override = 0, 0, True
-    if policy is not None:
-        policy.check_keys(
-            {
-                "max_queue_size",
-                "default_timeout_microseconds",
-                "allow_timeout_override",
-                "timeout_action",
-            }
-        )
-        size = policy.integer("max_queue_size", 0)
-        timeout = policy.integer("default_timeout_microseconds", 0)
-        override = policy.flag("allow_timeout_override", True)
-        if policy.text("timeout_action", "REJECT") != "REJECT":
-            raise policy.fail("timeout_action", "only REJECT is supported")
+    default = parse_queue_policy(policy) if policy is not None else QueuePolicy()
     levels = f.integer("priority_levels", 0, minimum=0)
     default_level = f.integer("default_priority_level", 0, minimum=0)
     if levels and not 1 <= default_level <= levels:
@@ -257,14 +263,19 @@ def _dynamic_batching(f: Fields) -> DynamicBatching:
             "default_priority_level",
             f"expected a level in 1..{levels} (priority_levels), got {default_level}",
         )
+    by_level = f.sub("priority_queue_policy")
     return DynamicBatching(
         preferred_batch_size=f.ints("preferred_batch_size", 1),
         max_queue_delay_us=f.integer("max_queue_delay_microseconds", 0),
-        max_queue_size=size,
-        default_timeout_us=timeout,
-        allow_timeout_override=override,
+        max_queue_size=default.max_queue_size,
+        default_timeout_us=default.default_timeout_us,
+        allow_timeout_override=default.allow_timeout_override,
+        timeout_action=default.timeout_action,
         priority_levels=levels,
         default_priority_level=default_level if levels else 0,
+        priority_queue_policy=(
+            parse_priority_queue_policy(by_level, levels) if by_level is not None else ()
+        ),
     )
 
 
@@ -319,7 +330,7 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
             {"name", "count", "kind", "gpus", "host_policy", "profile", "passive"}
             | {"rate_limiter", "secondary_devices"}
         )
-        for key in ("rate_limiter", "secondary_devices", "host_policy", "profile", "passive"):
+        for key in ("secondary_devices", "host_policy", "profile", "passive"):
             if key in g.data:
                 log.warning("%s: %s: '%s' is not supported and is ignored", source, g.path, key)
         kind = g.text("kind", "KIND_CPU")
@@ -327,7 +338,14 @@ def parse_model_config(data: Any, name: str, source: str) -> ModelConfig:
             raise g.fail(
                 "kind", f"expected KIND_CPU, KIND_GPU, KIND_AUTO or KIND_MODEL, got {kind!r}"
             )
-        groups.append(InstanceGroup(g.integer("count", 1, minimum=1), kind))
+        limiter = g.sub("rate_limiter")
+        groups.append(
+            InstanceGroup(
+                g.integer("count", 1, minimum=1),
+                kind,
+                parse_rate_limiter(limiter) if limiter is not None else None,
+            )
+        )
     db = f.sub("dynamic_batching")
     vp = f.sub("version_policy")
     params = f.sub("parameters")

@@ -21,6 +21,7 @@ from appliance.config.fields import (
     seconds,
 )
 from appliance.config.mqtt_config import MqttConfig, parse_mqtt
+from appliance.config.scheduling_config import ResourceTotal, parse_rate_limit
 from appliance.config.streams_config import StreamConfig, parse_streams
 from appliance.config.vision_config import VisionConfig, parse_vision
 from appliance.datatypes import DEFAULT_MAX_REQUEST_ELEMENTS
@@ -89,6 +90,11 @@ class ServerConfig:
     # Triton's response cache (--cache-config local,size=N): bytes of answers kept for
     # models whose config enables it, charged to the memory budget; 0: no cache
     response_cache_size: int = 0
+    # Triton's rate limiter (--rate-limit, --rate-limit-resource): off, or execution_count
+    # (an instance runs only holding its group's rate_limiter resources, of these totals;
+    # none given: the most any loaded instance needs)
+    rate_limit: str = "off"
+    rate_limit_resources: tuple[ResourceTotal, ...] = ()
 
 
 # fields of ServerConfig that are derived, never read from a file
@@ -145,6 +151,7 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         if not repo.is_dir():
             raise f.fail("model_repository", f"expected a directory, {str(repo)!r} is not one")
     mqtt, vision = parse_mqtt(f, path, broker), parse_vision(f, path)
+    rate_limit, rate_limit_resources = parse_rate_limit(f)
     return ServerConfig(
         model_repository=repo,
         host=f.text("host", "127.0.0.1"),
@@ -171,6 +178,8 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         trace_file=_trace_file(f, path),
         trace_settings=_trace_settings(f),
         response_cache_size=_optional_size(data, source, "response_cache_size") or 0,
+        rate_limit=rate_limit,
+        rate_limit_resources=rate_limit_resources,
         **_control(f, path),
         **_limits(f),
     )

@@ -21,7 +21,7 @@ from typing import Any
 
 from appliance import datatypes
 from appliance.config.fields import ConfigError
-from appliance.config.model_config import ModelConfig, TensorConfig
+from appliance.config.model_config import InstanceGroup, ModelConfig, TensorConfig
 from appliance.config.schema import model_config_pb2
 from appliance.config.warmup_config import WarmupInput, WarmupSample
 
@@ -122,8 +122,7 @@ def to_triton_json(config: ModelConfig) -> dict[str, Any]:
         "input": [tensor(t) for t in config.inputs],
         "output": [output(t) for t in config.outputs],
         "instance_group": [
-            {"name": f"{config.name}_{i}", "kind": g.kind, "count": g.count}
-            for i, g in enumerate(config.instance_group)
+            _group_json(config.name, i, g) for i, g in enumerate(config.instance_group)
         ],
         "default_model_filename": config.default_model_filename,
         "parameters": {k: {"string_value": v} for k, v in config.parameters.items()},
@@ -153,17 +152,29 @@ def to_triton_json(config: ModelConfig) -> dict[str, Any]:
         out["dynamic_batching"] = {
             "preferred_batch_size": list(db.preferred_batch_size),
             "max_queue_delay_microseconds": db.max_queue_delay_us,
-            "default_queue_policy": {
-                "timeout_action": "REJECT",
-                "default_timeout_microseconds": db.default_timeout_us,
-                "allow_timeout_override": db.allow_timeout_override,
-                "max_queue_size": db.max_queue_size,
-            },
+            "default_queue_policy": db.default_queue_policy.json(),
         }
         if db.priority_levels:
             out["dynamic_batching"]["priority_levels"] = db.priority_levels
             out["dynamic_batching"]["default_priority_level"] = db.default_priority_level
+        if db.priority_queue_policy:
+            out["dynamic_batching"]["priority_queue_policy"] = {
+                str(level): policy.json() for level, policy in db.priority_queue_policy
+            }
     return out
+
+
+def _group_json(model: str, index: int, group: InstanceGroup) -> dict[str, Any]:
+    doc: dict[str, Any] = {"name": f"{model}_{index}", "kind": group.kind, "count": group.count}
+    if group.rate_limiter is not None:
+        doc["rate_limiter"] = {
+            "resources": [
+                {"name": r.name, "global": r.is_global, "count": r.count}
+                for r in group.rate_limiter.resources
+            ],
+            "priority": group.rate_limiter.priority,
+        }
+    return doc
 
 
 def _warmup_json(w: WarmupSample) -> dict[str, Any]:

@@ -28,14 +28,15 @@ import logging
 import math
 import threading
 import time
-from collections import deque
-from collections.abc import Awaitable, Hashable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
 from appliance.backends.base import Backend
+from appliance.config.scheduling_config import RateLimiterConfig
 from appliance.core import memory
+from appliance.core.batch_queue import BatchQueue, Levels, Pending, queue_full, timed_out
 from appliance.core.batching import (
     INLINE_BOUND_NS,
     BatchPolicy,
@@ -45,12 +46,14 @@ from appliance.core.batching import (
     catch_up,
     decide,
     failed_batch,
+    run_alone,
     run_batch,
     sends_alone,
     wake_rows,
 )
 from appliance.core.instances import InstanceGroup
 from appliance.core.queue_bytes import CONTENDED
+from appliance.core.rate_limiter import RateLimiter, Ticket, take_turn, wake
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, FailureReason, internal, unavailable
 from appliance.request import InferenceRequest
@@ -60,19 +63,6 @@ log = logging.getLogger(__name__)
 # an idle instance thread looks up this often whether its batcher was abandoned
 # (never stopped); a batcher that is stopped is woken at once
 IDLE_CHECK_S = 1.0
-
-
-@dataclass(slots=True, eq=False)
-class _Pending:
-    inputs: dict[str, np.ndarray]
-    outputs: tuple[str, ...]
-    rows: int
-    signature: Hashable
-    arrival: float  # time.monotonic()
-    future: asyncio.Future[BatchResult] = field(repr=False)
-    enqueued_ns: int = 0
-    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
-    level: int = 0  # priority level: the queue is ordered by it, then by arrival
 
 
 # what a batch came to: (parts, input_ns, infer_ns, output_ns), or the error it raised
@@ -94,17 +84,23 @@ class DynamicBatcher:
         policy: BatchPolicy,
         max_queue_size: int,
         stats: ModelStats,
+        levels: Levels | None = None,
+        call_later: Callable[..., Any] | None = None,
+        limiter: RateLimiter | None = None,
+        limits: Sequence[RateLimiterConfig | None] = (),
     ) -> None:
         self.model = model
         self.policy = policy
-        self.max_queue_size = max_queue_size
+        # each priority level's queue policy (bounded by max_queue_size where it sets none)
+        self.levels = levels or Levels(None, max_queue_size)
         self._stats = stats
         self._loop = asyncio.get_running_loop()
-        self._queue: deque[_Pending] = deque()
+        # arms a request's queue timeout (the loop's timers; a test may pass its own clock)
+        self._call_later = call_later or self._loop.call_later
+        self._queue = BatchQueue(self.levels)
         self._wake_rows = wake_rows(policy)
         self._ready = threading.Condition(threading.Lock())  # guards everything below
-        self._queued_rows = 0  # the rows of every queued request
-        self._running: dict[int, list[_Pending]] = {}  # instance index -> its batch
+        self._running: dict[int, list[Pending]] = {}  # instance index -> its batch
         # instance index -> when it finished a batch whose answers the loop has not taken
         self._undelivered: dict[int, float] = {}
         self._accepting = True
@@ -120,6 +116,12 @@ class DynamicBatcher:
         ]
         self._inline = InlineCost() if any(self._inline_backends) else None
         self._batched = policy.max_batch_size > 0
+        # the server's rate limiter (None: off): each instance's ticket, one per instance
+        self._limiter = limiter
+        self._tickets: list[Ticket] = []
+        if limiter is not None:
+            self._tickets = limiter.register(model, limits, len(instances.instances), self._notify)
+            self._inline = None  # every run takes its turn with the limiter
         self._serving = [
             asyncio.wrap_future(instance.occupy(self._serve, index))
             for index, instance in enumerate(instances.instances)
@@ -129,7 +131,7 @@ class DynamicBatcher:
 
     @property
     def pending(self) -> int:
-        return len(self._queue)
+        return len(self._queue.items)
 
     async def submit(
         self,
@@ -139,22 +141,20 @@ class DynamicBatcher:
         signature: Hashable,
         timeout_s: float | None,
         level: int = 0,
+        request_id: str = "",
     ) -> BatchResult:
         """Queue one request and wait for its share of a batch, behind every queued
         request of its priority ``level`` or a more urgent one (a lower number).
 
-        Raises UNAVAILABLE (reason REJECTED) when the queue is full, the request
-        timed out in the queue, or the model is stopping; cancelling the await
-        removes the request from the queue if it has not started executing.
+        Raises UNAVAILABLE (reason REJECTED) when its level's queue is full, the
+        request timed out in the queue under REJECT (under DELAY it stays, behind its
+        level), or the model is stopping; cancelling the await removes the request
+        from the queue if it has not started executing.
         """
         if not self._accepting:
             raise unavailable(f"model '{self.model}' is unloading", FailureReason.REJECTED)
-        if len(self._queue) >= self.max_queue_size:
-            raise unavailable(
-                f"model '{self.model}' is overloaded: its queue is full "
-                f"({self.max_queue_size} requests waiting)",
-                FailureReason.REJECTED,
-            )
+        if self._queue.full(level):
+            raise queue_full(request_id)
         if (
             self._inline is not None
             and self._inline.cheap()
@@ -165,7 +165,7 @@ class DynamicBatcher:
                 index = self._claim()
             if index is not None:
                 return self._run_inline(index, inputs, outputs, rows)
-        item = _Pending(
+        item = Pending(
             inputs,
             outputs,
             rows,
@@ -176,24 +176,20 @@ class DynamicBatcher:
             level=level,
         )
         if timeout_s:
-            item.timer = self._loop.call_later(timeout_s, self._expire, item, timeout_s)
+            item.timer = self._call_later(timeout_s, self._expire, item)
         with self._ready:
-            was_empty = not self._queue
-            ahead = bool(level and self._queue and self._queue[-1].level > level)
-            if ahead:  # ahead of less urgent requests: a new head may change the decision
-                _insert_by_level(self._queue, item)
-            else:
-                self._queue.append(item)
-            self._queued_rows += rows
-            self._stats.pending = len(self._queue)
+            was_empty = not self._queue.items
+            # ahead of less urgent (or delayed) requests: a new head may change the decision
+            ahead = self._queue.push(item)
+            self._stats.pending = len(self._queue.items)
             # an instance waiting out the delay is woken only when this arrival can
             # change its decision (batching.wake_rows, or another shape than the
             # batch's, which ends it), not for every request
             if (
                 was_empty
                 or ahead
-                or self._queued_rows >= self._wake_rows
-                or signature != self._queue[0].signature
+                or self._queue.rows >= self._wake_rows
+                or signature != self._queue.items[0].signature
             ):
                 self._ready.notify()
         try:
@@ -208,7 +204,7 @@ class DynamicBatcher:
         """An idle instance whose engine may run on the loop, marked running (so its
         thread takes nothing meanwhile: only the loop enqueues, and it is busy), or
         None: something is queued, or no such instance is idle. Under the lock."""
-        if self._queue or self._releasing or self._release_busy or not self._accepting:
+        if self._queue.items or self._releasing or self._release_busy or not self._accepting:
             return None
         for index, backend in enumerate(self._inline_backends):
             idle = index not in self._running and index not in self._undelivered
@@ -226,11 +222,7 @@ class DynamicBatcher:
         assert backend is not None and self._inline is not None  # (claimed: inline-safe)
         start_ns, cpu0_ns = time.perf_counter_ns(), time.thread_time_ns()
         try:
-            parts, input_ns, infer_ns, output_ns = run_batch(
-                backend, [inputs], [rows], list(outputs), self._batched
-            )
-        except Exception as exc:
-            raise failed_batch(self.model, exc) from None
+            result = run_alone(self.model, backend, inputs, outputs, rows, self._batched)
         finally:
             with self._ready:
                 self._running.pop(index, None)
@@ -239,11 +231,8 @@ class DynamicBatcher:
             if wall_ns > 4 * INLINE_BOUND_NS:  # slow, or the thread lost the CPU?
                 cpu_ns = time.thread_time_ns() - cpu0_ns
             self._inline.record(wall_ns, inline=True, cpu_ns=cpu_ns)
-        self._stats.record_execution(rows, input_ns, infer_ns, output_ns)
-        part = parts[0]
-        return BatchResult(
-            {k: part[k] for k in outputs if k in part}, 0, input_ns, infer_ns, output_ns
-        )
+        self._stats.record_execution(rows, result.input_ns, result.infer_ns, result.output_ns)
+        return result
 
     def enqueue(
         self,
@@ -254,59 +243,71 @@ class DynamicBatcher:
         timeout_s: float | None,
     ) -> Awaitable[BatchResult]:
         """The :class:`appliance.core.scheduler.Scheduler` entry: :meth:`submit` of
-        ``request``'s inputs (no extra coroutine frame on the hot path)."""
+        ``request``'s inputs (no extra coroutine frame on the hot path). The queue
+        timeout is the request's level's (:meth:`Levels.timeout_s`), not ``timeout_s``
+        (the model's default policy's, which the sequence batcher takes)."""
         level = self.policy.level(request.priority)
-        return self.submit(request.inputs, outputs, rows, signature, timeout_s, level)
+        timeout_s = self.levels.timeout_s(level, request.timeout_us)
+        return self.submit(request.inputs, outputs, rows, signature, timeout_s, level, request.id)
 
-    def _withdraw(self, item: _Pending) -> bool:
+    def _withdraw(self, item: Pending) -> bool:
         """Take ``item`` out of the queue if no instance took it yet."""
         if item.timer is not None:
             item.timer.cancel()
         with self._ready:
-            try:
-                self._queue.remove(item)
-            except ValueError:
+            if not self._queue.remove(item):
                 return False  # already executing: its delivery skips the done future
-            self._queued_rows -= item.rows
-            self._stats.pending = len(self._queue)
+            self._stats.pending = len(self._queue.items)
         return True
 
-    def _expire(self, item: _Pending, timeout_s: float) -> None:
+    def _expire(self, item: Pending) -> None:
+        """A request's queue timeout passed (its timer, on the loop): REJECT answers it
+        now; DELAY moves it behind the rest of its level."""
+        item.timer = None
+        if self.levels.delays(item.level):
+            with self._ready:
+                if self._queue.delay(item):  # (a new head may change the decision)
+                    self._ready.notify()
+            return
         if self._withdraw(item) and not item.future.done():
-            item.future.set_exception(
-                unavailable(
-                    f"request to model '{self.model}' timed out after {timeout_s:.3f}s "
-                    "in the queue",
-                    FailureReason.REJECTED,
-                )
-            )
+            item.future.set_exception(timed_out())
 
     # ---- an instance's thread ------------------------------------------------------------
 
-    def _take(self, index: int) -> list[_Pending] | None:
+    def _take(self, index: int) -> list[Pending] | None:
         """Wait for the next batch (None: stop serving)."""
+        limiter, ticket = self._limiter, self._tickets[index] if self._tickets else None
         with self._ready:
             while True:
-                if self._halted or (not self._accepting and not self._queue):
-                    return None
-                if self._abandoned():
-                    return None
-                if index in self._releasing and not self._queue:
-                    self._releasing.discard(index)
-                    self._release_busy += 1
-                    return []  # (an empty batch: hand back working memory)
+                stop = self._halted or (not self._accepting and not self._queue.items)
+                stop = stop or self._abandoned()
+                send: tuple[int, ...] = ()
                 wait_s = IDLE_CHECK_S
-                if self._queue:
+                if self._queue.items and not stop:
                     # once stopping, waiting for fuller batches only delays the drain
                     now = time.monotonic() if self._accepting else math.inf
-                    decision = decide(self._queue, now, self.policy)
+                    decision = decide(self._queue.items, now, self.policy)
                     if decision.send:
                         catch_up = self._catch_up_s(index, decision.send)
                         if catch_up <= 0:
-                            return self._pop(index, decision.send)
-                        wait_s = min(wait_s, catch_up)
+                            send = decision.send
+                        wait_s = min(wait_s, catch_up) if catch_up > 0 else wait_s
                     elif decision.wait_s is not None:
                         wait_s = min(wait_s, decision.wait_s)
+                if limiter and ticket and (send or ticket.wanting):
+                    # the rate limiter: send only holding the resources (else wait in line)
+                    turn = take_turn(limiter, ticket, bool(send), self._ready)
+                    if turn is None:
+                        continue  # the lock was let go: look again
+                    send = send if turn else ()
+                if stop:
+                    return None
+                if send:
+                    return self._pop(index, send)
+                if index in self._releasing and not self._queue.items:
+                    self._releasing.discard(index)
+                    self._release_busy += 1
+                    return []  # (an empty batch: hand back working memory)
                 self._ready.wait(wait_s)
 
     def _catch_up_s(self, index: int, send: tuple[int, ...]) -> float:
@@ -315,7 +316,7 @@ class DynamicBatcher:
         since = self._undelivered.get(index)
         if since is None or not self._accepting:
             return 0.0
-        rows = sum(self._queue[i].rows for i in send)
+        rows = sum(self._queue.items[i].rows for i in send)
         return catch_up(self.policy, rows, since, time.monotonic())
 
     def _abandoned(self) -> bool:
@@ -323,23 +324,24 @@ class DynamicBatcher:
         interpreter is exiting (which joins every executor thread, this one too)."""
         return self._loop.is_closed() or getattr(concurrent.futures.thread, "_shutdown", False)
 
-    def _pop(self, index: int, positions: tuple[int, ...]) -> list[_Pending]:
-        if positions == (0,):
-            items = [self._queue.popleft()]
-        else:
-            chosen = set(positions)
-            items = [self._queue[i] for i in positions]
-            self._queue = deque(x for i, x in enumerate(self._queue) if i not in chosen)
-        self._queued_rows -= sum(it.rows for it in items)
-        self._stats.pending = len(self._queue)
+    def _pop(self, index: int, positions: tuple[int, ...]) -> list[Pending]:
+        items = self._queue.pop(positions)
+        self._stats.pending = len(self._queue.items)
         self._running[index] = items
-        if self._queue:
+        if self._queue.items:
             self._ready.notify()  # another idle instance may take what is left
         return items
 
     def _serve(self, backend: Backend, index: int) -> None:
+        try:
+            self._serve_batches(backend, index)
+        finally:  # (a loop that died of a bug must not keep the rate limiter's resources)
+            if self._limiter:
+                wake(self._limiter.withdraw(self._tickets[index]))
+
+    def _serve_batches(self, backend: Backend, index: int) -> None:
         """An instance's loop, on its own thread: take a batch, run it, deliver it."""
-        batched = self._batched
+        batched, limiter = self._batched, self._limiter
         while (items := self._take(index)) is not None:
             if not items:
                 self._release(backend)
@@ -357,6 +359,8 @@ class DynamicBatcher:
                 )
             except Exception as exc:  # delivered as this batch's error
                 outcome = exc
+            if limiter:  # the resources go back (to the next instance in line)
+                wake(limiter.release(self._tickets[index]))
             with self._ready:
                 self._running.pop(index, None)
                 self._undelivered[index] = time.monotonic()
@@ -378,6 +382,11 @@ class DynamicBatcher:
             with contextlib.suppress(RuntimeError):  # (the event loop is gone)
                 self._loop.call_soon_threadsafe(self._release_done)
 
+    def _notify(self) -> None:
+        """The rate limiter granted an instance its resources: its thread looks again."""
+        with self._ready:
+            self._ready.notify_all()
+
     def _serving_done(self, serving: asyncio.Future[None]) -> None:
         """An instance loop that died of a bug must not strand the callers."""
         if serving.cancelled() or serving.exception() is None:
@@ -388,9 +397,7 @@ class DynamicBatcher:
 
     # ---- the event loop's side -----------------------------------------------------------
 
-    def _deliver(
-        self, items: list[_Pending], outcome: _Outcome, start_ns: int, index: int
-    ) -> None:
+    def _deliver(self, items: list[Pending], outcome: _Outcome, start_ns: int, index: int) -> None:
         with self._ready:
             if self._undelivered.pop(index, None) is not None:
                 self._ready.notify_all()  # the instance may hold a batch for this
@@ -422,8 +429,7 @@ class DynamicBatcher:
         """Fail every queued request with ``error`` (and, given ``running``, every
         request an instance is still running with that)."""
         with self._ready:
-            queued, self._queue = list(self._queue), deque()
-            self._queued_rows = 0
+            queued = self._queue.clear()
             busy = [it for items in self._running.values() for it in items]
             self._stats.pending = 0
         failed = [(it, error) for it in queued]
@@ -465,6 +471,8 @@ class DynamicBatcher:
         if not self._serving:
             return
         _, late = await asyncio.wait(self._serving, timeout=timeout_s)
+        if self._limiter is not None:  # (a batch still running keeps its resources)
+            wake(self._limiter.unregister(self._tickets))
         if not late:
             return
         with self._ready:
@@ -483,11 +491,3 @@ class DynamicBatcher:
         # one turn of the loop: the callers' wake-ups, scheduled as their futures
         # failed, run before stop() returns (so its caller sees them answered)
         await asyncio.sleep(0)
-
-
-def _insert_by_level(queue: deque[_Pending], item: _Pending) -> None:
-    """Put ``item`` behind the last queued request of its level or a more urgent one."""
-    at = len(queue)
-    while at and queue[at - 1].level > item.level:
-        at -= 1
-    queue.insert(at, item)

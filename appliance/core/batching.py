@@ -280,6 +280,26 @@ def run_batch(
     return parts, t1 - t0, t2 - t1, t3 - t2
 
 
+def run_alone(
+    model: str,
+    backend: Backend,
+    inputs: dict[str, np.ndarray],
+    outputs: tuple[str, ...],
+    rows: int,
+    batched: bool,
+) -> BatchResult:
+    """One request on ``backend``, on the calling thread (no queue): its answer, or
+    the error its callers get (:func:`failed_batch`)."""
+    try:
+        parts, input_ns, infer_ns, output_ns = run_batch(
+            backend, [inputs], [rows], list(outputs), batched
+        )
+    except Exception as exc:
+        raise failed_batch(model, exc) from None
+    part = parts[0]
+    return BatchResult({k: part[k] for k in outputs if k in part}, 0, input_ns, infer_ns, output_ns)
+
+
 async def wind_down(
     scheduler: asyncio.Task[None],
     running: set[asyncio.Task[None]],

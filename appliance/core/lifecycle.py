@@ -39,7 +39,7 @@ from appliance import heap, names
 from appliance.config.fields import ConfigError
 from appliance.config.model_config import ModelConfig
 from appliance.config.server_config import ServerConfig
-from appliance.core import loader, repository
+from appliance.core import loader, rate_limiter, repository
 from appliance.core.memory import BudgetRefused, MemoryBudget, Usage
 from appliance.core.model import ModelVersion
 from appliance.core.response_cache import ResponseCache
@@ -64,6 +64,8 @@ class ModelLifeCycle:
         self.repository = repository_dir
         self.server = server
         self.budget = MemoryBudget(server.memory_limit)
+        # Triton's rate limiter, shared by every model (None: rate_limit off)
+        self.limiter = rate_limiter.from_settings(server.rate_limit, server.rate_limit_resources)
         # Triton's response cache, for models whose config enables it; its size is
         # charged to the memory budget for as long as the server runs
         self.cache: ResponseCache | None = None
@@ -263,6 +265,7 @@ class ModelLifeCycle:
                     self.budget,
                     required.get(version, 1),
                     self.get,
+                    self.limiter,
                 )
                 if self.server.metrics_summary_latencies:
                     new[version].stats.latencies = LatencyWindow()

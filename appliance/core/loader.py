@@ -35,6 +35,7 @@ from appliance.core import memory, warmup
 from appliance.core.ensemble.runner import EnsembleVersion, Resolver
 from appliance.core.instances import ModelInstance, Warm, cpu_share, start_within_budget
 from appliance.core.model import ModelVersion
+from appliance.core.rate_limiter import RateLimiter
 from appliance.core.sequence.feed import load_initial_states, warmup_inputs
 from appliance.core.servable import Servable
 from appliance.errors import invalid
@@ -57,11 +58,14 @@ async def load(
     budget: memory.MemoryBudget,
     required_instances: int,
     resolve: Resolver,
+    limiter: RateLimiter | None = None,
 ) -> Servable:
     """Build the servable for one version folder (see the module docstring)."""
     if loads_after_others(config):
         return EnsembleVersion.load_ensemble(config, version_dir, server, resolve)
-    return await load_model_version(config, version_dir, server, budget, required_instances)
+    return await load_model_version(
+        config, version_dir, server, budget, required_instances, limiter
+    )
 
 
 def resolve_backend(
@@ -224,6 +228,7 @@ async def load_model_version(
     server: ServerConfig,
     budget: memory.MemoryBudget | None = None,
     required_instances: int = 1,
+    limiter: RateLimiter | None = None,
 ) -> ModelVersion:
     """Build a READY model version: as many instances as the budget admits (at least
     ``required_instances``, see :func:`appliance.core.instances.start_within_budget`),
@@ -311,16 +316,22 @@ async def load_model_version(
             memory.fmt(admitted.held.total),
         )
     effective = replace(completed, instance_group=_trimmed(completed.instance_group, count))
-    served = ModelVersion(
-        effective,
-        version,
-        admitted.group,
-        server.default_max_queue_size,
-        admitted.held,
-        budget,
-        admitted.owner,
-        config.instance_count,
-    )
+    try:
+        served = ModelVersion(
+            effective,
+            version,
+            admitted.group,
+            server.default_max_queue_size,
+            admitted.held,
+            budget,
+            admitted.owner,
+            config.instance_count,
+            limiter,
+        )
+    except BaseException:  # (the rate limiter cannot schedule its instances)
+        budget.release(admitted.owner)
+        await admitted.group.close()
+        raise
     served.stats.memory_lower_bound = lower
     return served
 

@@ -22,6 +22,7 @@ from appliance.config.model_config import ModelConfig
 from appliance.core import memory, reshape, scheduler
 from appliance.core.instances import InstanceGroup
 from appliance.core.limits import RequestRules
+from appliance.core.rate_limiter import RateLimiter
 from appliance.core.response_cache import ResponseCache
 from appliance.core.servable import State, tensor_metadata
 from appliance.core.stats import ModelStats
@@ -52,6 +53,7 @@ class ModelVersion:
         budget: memory.MemoryBudget | None = None,
         owner: object = None,
         requested_instances: int = 0,
+        limiter: RateLimiter | None = None,
     ) -> None:
         self.config = config
         self.version = version
@@ -72,7 +74,7 @@ class ModelVersion:
         # reshape only when the config asks for it (most configs don't)
         self._reshapes = any(t.reshape is not None for t in (*config.inputs, *config.outputs))
         self.scheduler = scheduler.create(
-            config, f"{config.name}:{version}", instances, self.stats, max_queue_size
+            config, f"{config.name}:{version}", instances, self.stats, max_queue_size, limiter
         )
         # the server's response cache when the config enables it (set by the lifecycle)
         self.cache: ResponseCache | None = None

@@ -10,16 +10,21 @@ validates, hands over and counts.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Hashable
 from typing import Any, Protocol
 
 from appliance.config.model_config import ModelConfig
+from appliance.core.batch_queue import Levels
 from appliance.core.batcher import DynamicBatcher
 from appliance.core.batching import BatchPolicy, BatchResult
 from appliance.core.instances import InstanceGroup
+from appliance.core.rate_limiter import RateLimiter
 from appliance.core.sequence.batcher import SequenceBatcher
 from appliance.core.stats import ModelStats
 from appliance.request import InferenceRequest
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler(Protocol):
@@ -53,9 +58,17 @@ def create(
     instances: InstanceGroup,
     stats: ModelStats,
     default_max_queue_size: int,
+    limiter: RateLimiter | None = None,
 ) -> Scheduler:
-    """The scheduler ``config`` asks for, serving ``instances``."""
+    """The scheduler ``config`` asks for, serving ``instances`` (with the server's
+    rate ``limiter`` where it is on: the dynamic batcher's instances take turns)."""
     if config.sequence_batching is not None:
+        if limiter is not None and any(g.rate_limiter for g in config.instance_group):
+            log.warning(
+                "model '%s': the sequence batcher's instances do not take turns with the "
+                "rate limiter: its instance groups' rate_limiter is ignored",
+                label,
+            )
         return SequenceBatcher(label, config, instances, stats, default_max_queue_size)
     db = config.dynamic_batching
     policy = BatchPolicy(
@@ -67,5 +80,16 @@ def create(
         priority_levels=db.priority_levels if db else 0,
         default_priority_level=db.default_priority_level if db else 0,
     )
-    size = db.max_queue_size if db and db.max_queue_size else default_max_queue_size
-    return DynamicBatcher(label, instances, policy, size, stats)
+    levels = Levels(db, default_max_queue_size)  # each priority level's queue policy
+    # each instance's group's rate_limiter, in the order the groups made them
+    limits = [g.rate_limiter for g in config.instance_group for _ in range(g.count)]
+    return DynamicBatcher(
+        label,
+        instances,
+        policy,
+        default_max_queue_size,
+        stats,
+        levels,
+        limiter=limiter,
+        limits=limits,
+    )

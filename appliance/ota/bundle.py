@@ -49,6 +49,7 @@ _EXTENDED = (
     tarfile.SOLARIS_XHDTYPE,
 )
 
+
 def _member(name: str, size: int) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.size, info.mtime, info.mode = size, 0, 0o644

@@ -108,7 +108,6 @@ def check_claims(manifest_backend: str, config_backend: str, signed: Any) -> Non
         )
 
 
-
 def check_bundle(
     manifest: Manifest, config_data: bytes, signed_backend: str = ""
 ) -> dict[str, Any]:

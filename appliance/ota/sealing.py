@@ -39,9 +39,7 @@ def recipients(args: tuple[str, ...]) -> list[str]:
             raise OtaError(
                 f"--seal-to {arg}: not a public key line, nor a file of them: {exc}"
             ) from None
-        found = [
-            s for s in (line.split("#", 1)[0].strip() for line in text.splitlines()) if s
-        ]
+        found = [s for s in (line.split("#", 1)[0].strip() for line in text.splitlines()) if s]
         if not found:
             raise OtaError(f"--seal-to {arg}: the file holds no public key line")
         lines += found

@@ -203,9 +203,7 @@ def build(
         payload = [(f"wheels/{w.name}", w.read_bytes()) for w in wheels]
         payload += [("constraints.txt", constraints.read_bytes()), (SBOM, sbom)]
         payload.sort()
-        files = tuple(
-            FileEntry(p, hashlib.sha256(d).hexdigest(), len(d)) for p, d in payload
-        )
+        files = tuple(FileEntry(p, hashlib.sha256(d).hexdigest(), len(d)) for p, d in payload)
         manifest = SoftwareManifest(version, python, platform, tuple(extras),
                                     hashlib.sha256(sbom).hexdigest(), files)  # fmt: skip
         raw = json.dumps(manifest.to_json(), sort_keys=True, indent=1).encode()

@@ -134,7 +134,6 @@ class Tally:
                 out.setdefault(key, Counter())[kind] += 1
         return out
 
-
     def devices(self, now: float) -> list[str]:
         """One line per device: the software it runs (version and the first 12 hex
         digits of its SBOM's SHA-256, as its report states them), the model versions it

@@ -169,8 +169,8 @@ def test_int64_as_string_is_accepted() -> None:
             "dynamic_batching.preferred_batch_size: expected a list of integers >= 1",
         ),
         (
-            {"dynamic_batching": {"default_queue_policy": {"timeout_action": "DELAY"}}},
-            "dynamic_batching.default_queue_policy.timeout_action: only REJECT is supported",
+            {"dynamic_batching": {"default_queue_policy": {"timeout_action": "WAIT"}}},
+            "dynamic_batching.default_queue_policy.timeout_action: expected REJECT or DELAY",
         ),
         (
             {"dynamic_batching": {"default_queue_policy": {"max_queue_size": True}}},

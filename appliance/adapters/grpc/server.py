@@ -250,9 +250,7 @@ class GrpcEndpoint:
         methods = triton_methods(Servicer(self._dataplane))
         methods.update(self._health.methods())
         self._health.set(True)
-        dispatcher = dispatch.Dispatcher(
-            methods, authorizer(self._access), self._dataplane.reserve
-        )
+        dispatcher = dispatch.Dispatcher(methods, authorizer(self._access), self._dataplane.reserve)
         if self._tls is not None:
             self._tls.set_alpn_protocols(["h2"])
 

@@ -208,9 +208,7 @@ def routes(key: web.AppKey[DataPlane], post: Register) -> None:
         try:
             async for item in items:
                 if response is None:  # the first one sets the status
-                    status = (
-                        infer.STATUS[item.code] if isinstance(item, ApplianceError) else 200
-                    )
+                    status = infer.STATUS[item.code] if isinstance(item, ApplianceError) else 200
                     response = await sse.open_events(request, status)
                 if isinstance(item, ApplianceError):
                     await sse.event(response, _error_body(item))
