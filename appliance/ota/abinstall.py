@@ -12,10 +12,10 @@ Steps of a software job (each saved before it acts):
 - flip: ``current`` replaced atomically (a temporary link renamed over it);
 - restart: the configured command (``systemctl restart appliance`` by default);
 - watch: the server must answer as the new version, READY, with every model that
-  was READY before the flip READY again, and each that answered a probe before the
-  flip answering one again (its vectors are in its bundle, long gone: a probe
-  generated from its config, :mod:`appliance.ota.probes`), within
-  ``software_ready_timeout_s``;
+  was READY before the flip READY again, and each that passed its self-test before
+  the flip passing it again (the vectors of the bundle its version came in, kept at
+  its commit; else a probe generated from its config, :mod:`appliance.ota.probes`),
+  within ``software_ready_timeout_s``;
 - commit: one atomic state write (``committed`` = the new version, the job gone);
   envs beyond ``keep_versions`` removed, never the committed one nor the one before;
 - rollback: ``current`` flipped back to the committed version, the restart command
@@ -43,7 +43,7 @@ from typing import Any
 
 import urllib3
 
-from appliance.ota import OtaError, faults, install, probes, software
+from appliance.ota import OtaError, faults, install, probes, selftest, software
 from appliance.ota.config import OtaConfig
 from appliance.ota.server_api import ServerApi
 from appliance.ota.state import fsync_dir
@@ -211,25 +211,33 @@ def _probe_all(cfg: OtaConfig, models: list[str]) -> str:
 
 
 def _probe(cfg: OtaConfig, model: str) -> str:
-    """Why ``model`` does not answer a generated probe ("", also for a model the agent
-    cannot probe: READY is what it has)."""
+    """Why ``model`` does not pass its self-test: the vectors of the bundle its served
+    version came in (kept at its commit, :func:`selftest.keep`), else a probe generated
+    from its config ("", also for a model the agent cannot probe: READY is what it
+    has)."""
     api = ServerApi(cfg.server, cfg.admin_token, cfg.request_timeout_s)
-    config = install.on_disk(cfg.model_repository, model)
-    if config is None or probes.inputs_of(config)[1]:
-        return ""
     try:
-        probes.check(api, model, api.ready_versions(model)[-1], config, 0, cfg.probe_timeout_s)
+        version = api.ready_versions(model)[-1]
+        vectors = selftest.kept(cfg.state_dir, model, version)
+        if vectors:
+            selftest.run(api, model, version, vectors)
+            return ""
+        config = install.on_disk(cfg.model_repository, model)
+        if config is None or probes.inputs_of(config)[1]:
+            return ""
+        probes.check(api, model, version, config, 0, cfg.probe_timeout_s)
     except (OtaError, IndexError) as exc:
         return str(exc)
     return ""
 
 
 def answering(cfg: OtaConfig, models: list[str]) -> list[str]:
-    """The models that answer a generated probe on the running version, before the
-    flip: only those must answer one after it. A probe is zeros of each input's
-    declared type and shape, which some models refuse on any version (an image
-    decoder's BYTES input gets empty bytes: the demo ``image_classifier``); such a
-    model must come back READY, as one the agent cannot probe."""
+    """The models that pass their self-test (kept vectors, else a generated probe) on
+    the running version, before the flip: only those must pass it after. A generated
+    probe is zeros of each input's declared type and shape, which some models refuse
+    on any version (an image decoder's BYTES input gets empty bytes: the demo
+    ``image_classifier``); such a model must come back READY, as one the agent cannot
+    probe."""
     return [m for m in models if not _probe(cfg, m)]
 
 

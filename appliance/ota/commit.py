@@ -29,7 +29,7 @@ from __future__ import annotations
 import shutil
 import time
 
-from appliance.ota import OtaError, faults, install
+from appliance.ota import OtaError, bundle, faults, install, selftest
 from appliance.ota.config import OtaConfig
 from appliance.ota.context import Context, log
 from appliance.ota.server_api import ServerGone
@@ -88,8 +88,21 @@ def finish_commit(ctx: Context, job: Job) -> None:
             install.remove_version(repo, job.model, v)
     faults.point("commit:cleaned")
     candidate.unlink(missing_ok=True)
+    keep_vectors(ctx, job)
     log.info("ota: %s version %d committed", job.model, job.version)
     finish(ctx, job, "updated")
+
+
+def keep_vectors(ctx: Context, job: Job) -> None:
+    """The committed version's self-test vectors, kept past its bundle: a software
+    update runs them against the new server (idempotent, like the rest of the commit)."""
+    try:
+        vectors = bundle.first_manifest(ctx.bundle_path(job)).self_test
+        selftest.keep(ctx.cfg.state_dir, job.model, job.version, vectors)
+    except (OSError, OtaError) as exc:
+        log.warning("ota: %s version %d: its self-test vectors were not kept (a software "
+                    "update will probe it from its config instead): %s",
+                    job.model, job.version, exc)  # fmt: skip
 
 
 def rollback_step(ctx: Context, job: Job) -> str:

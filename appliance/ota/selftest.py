@@ -7,11 +7,15 @@ Numbers compare within the absolute tolerance, everything else exactly.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 from appliance.ota import OtaError
 from appliance.ota.server_api import ServerApi
+from appliance.ota.state import fsync_dir
 
 
 def _tensor(name: str, t: Any) -> dict[str, Any]:
@@ -77,3 +81,43 @@ def check(
                 f"self-test vector {i}: output {name!r} differs from the expected "
                 f"values (tolerance {tolerance})"
             )
+
+
+# A committed model version's vectors, kept after its bundle is gone: a software
+# update runs them against the new server (abinstall's watch). One file per model,
+# replaced atomically at each commit: ``<state_dir>/vectors/<model>.json``.
+KEPT = "vectors"
+
+
+def keep(state_dir: Path, model: str, version: int, vectors: tuple[dict[str, Any], ...]) -> None:
+    """Keep ``vectors`` as those of ``model`` version ``version`` (none: forget the
+    model's, so an older version's are never run against a newer one)."""
+    folder = state_dir / KEPT
+    path = folder / f"{model}.json"
+    if not vectors:
+        path.unlink(missing_ok=True)
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"model": model, "version": version, "vectors": list(vectors)}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(folder)
+
+
+def kept(state_dir: Path, model: str, version: int) -> tuple[dict[str, Any], ...]:
+    """The vectors kept for ``model`` version ``version`` (none when that version's
+    were not kept, or the file is unreadable: a probe generated from the config is
+    then what the caller has)."""
+    try:
+        doc = json.loads((state_dir / KEPT / f"{model}.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ()
+    if not isinstance(doc, dict) or doc.get("model") != model or doc.get("version") != version:
+        return ()
+    vectors = doc.get("vectors")
+    if not isinstance(vectors, list) or not all(isinstance(v, dict) for v in vectors):
+        return ()
+    return tuple(vectors)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import urllib3
 
+from appliance.ota import selftest
 from appliance.ota.repo import Expiry, refresh
 from appliance.ota.state import StateFile
 from tests.ota_helpers import BODY, Fleet, LocalDevice, files_under
@@ -57,6 +58,10 @@ def test_fresh_install_then_upgrade_under_load(fleet: Fleet, device: LocalDevice
     assert agent.run_once() and agent.state.history[-1]["result"] == "updated"
     config = (device.models / "simple" / "config.pbtxt").read_text()
     assert "versions: 2" in config
+    # the committed version's self-test vectors outlive its bundle: a software update
+    # runs them against the new server
+    assert selftest.kept(device.state_dir, "simple", 2)
+    assert selftest.kept(device.state_dir, "simple", 1) == ()
 
 
 def test_self_test_failure_rolls_back(fleet: Fleet, device: LocalDevice) -> None:

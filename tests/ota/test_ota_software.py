@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import urllib3
 
-from appliance.ota import OtaError, abinstall, controls, devicekey, report, software
+from appliance.ota import OtaError, abinstall, controls, devicekey, report, selftest, software
 from appliance.ota.agent import Agent
 from appliance.ota.config import OtaConfig
 from appliance.ota.state import StateFile
@@ -217,3 +217,44 @@ def test_the_watch_probes_only_models_that_answered_a_probe_before_the_flip(
     assert abinstall.watch(cfg, "9.9.9", ready, probed).startswith(
         "the server did not answer as version 9.9.9"
     )
+
+
+def test_the_watch_runs_the_vectors_kept_from_each_models_bundle(
+    tmp_path: Path, run_appliance: Callable[..., Any]
+) -> None:
+    """A model's committed version keeps its bundle's self-test vectors: the software
+    watch runs them (not a generated probe), so a new server that answers a model
+    wrongly is rolled back. Only a model whose vectors pass before the flip must pass
+    them after it; vectors kept for another version are never run."""
+    models = tmp_path / "models"
+    shutil.copytree(ROOT / "appliance" / "demo_models", models)
+    running = run_appliance(models)
+    cfg = OtaConfig(
+        source="http://127.0.0.1:9/", trusted_root=tmp_path / "root.json",
+        state_dir=tmp_path / "ota", server=f"http://{running.url}", model_repository=models,
+        device_id="cam-1", software_ready_timeout_s=2,
+    )  # fmt: skip
+    a, b = list(range(16)), [1] * 16
+
+    def vector(offset: int) -> dict[str, Any]:
+        tensor = {"datatype": "INT32", "shape": [1, 16]}
+        return {
+            "inputs": {"INPUT0": {**tensor, "data": a}, "INPUT1": {**tensor, "data": b}},
+            "outputs": {"OUTPUT0": {**tensor, "data": [x + 1 + offset for x in a]}},
+        }
+
+    selftest.keep(cfg.state_dir, "simple", 1, (vector(0),))
+    assert abinstall.answering(cfg, ["simple"]) == ["simple"]
+    assert abinstall.watch(cfg, __version__, ["simple"], ["simple"]) == ""
+    # the same server answering otherwise than the vectors say: what a bad release does
+    selftest.keep(cfg.state_dir, "simple", 1, (vector(1),))
+    why = abinstall.watch(cfg, __version__, ["simple"], ["simple"])
+    assert why.startswith("model simple does not answer on the new version: "), why
+    assert "OUTPUT0" in why
+    assert abinstall.answering(cfg, ["simple"]) == []  # (failing before the flip too)
+    # kept for version 2, the version served is 1: a generated probe, which passes
+    selftest.keep(cfg.state_dir, "simple", 2, (vector(1),))
+    assert selftest.kept(cfg.state_dir, "simple", 1) == ()
+    assert abinstall.watch(cfg, __version__, ["simple"], ["simple"]) == ""
+    selftest.keep(cfg.state_dir, "simple", 3, ())  # a version without vectors forgets them
+    assert not (cfg.state_dir / selftest.KEPT / "simple.json").exists()
