@@ -15,7 +15,9 @@ Steps of a software job (each saved before it acts):
   was READY before the flip READY again, and each that passed its self-test before
   the flip passing it again (the vectors of the bundle its version came in, kept at
   its commit; else a probe generated from its config, :mod:`appliance.ota.probes`),
-  within ``software_ready_timeout_s``;
+  within ``software_ready_timeout_s``; then probation: for ``software_probation_s``
+  it must keep answering so (a crash the service manager restarts is caught), and
+  pass the self-tests again at its end;
 - commit: one atomic state write (``committed`` = the new version, the job gone);
   envs beyond ``keep_versions`` removed, never the committed one nor the one before;
 - rollback: ``current`` flipped back to the committed version, the restart command
@@ -194,10 +196,41 @@ def watch(cfg: OtaConfig, version: str, models: list[str],
             if not missing:
                 failed = _probe_all(cfg, models if probed is None else probed)
                 if not failed:
-                    return ""
+                    return probation(cfg, version, models, probed, http)
                 why = failed
         time.sleep(0.2)
     return f"{why} within {cfg.software_ready_timeout_s:g} s"
+
+
+# a server that does not answer as its version, with its models READY, at this many
+# polls in a row (0.25 s apart) during probation has stopped (a crash and a restart by
+# the service manager take longer than that)
+PROBATION_MISSES = 2
+
+
+def probation(cfg: OtaConfig, version: str, models: list[str], probed: list[str] | None,
+              http: urllib3.PoolManager) -> str:  # fmt: skip
+    """Why the new server, READY and self-tested, did not stay so for
+    ``software_probation_s`` (""): polled every 0.25 s, it must keep answering as
+    ``version`` with ``models`` READY, and pass the self-tests again at the end."""
+    deadline = time.monotonic() + cfg.software_probation_s
+    misses = 0
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        try:
+            meta = _get(http, cfg.server + "/v2")
+        except (urllib3.exceptions.HTTPError, ValueError):
+            meta = None
+        up = isinstance(meta, dict) and meta.get("version") == version
+        missing = [m for m in models if m not in set(ready_models(cfg, http))] if up else models
+        misses = 0 if up and not missing else misses + 1
+        if misses >= PROBATION_MISSES:
+            what = f"lost {missing}" if up else "stopped answering"
+            return f"version {version} {what} during its probation"
+    if cfg.software_probation_s <= 0:
+        return ""
+    failed = _probe_all(cfg, models if probed is None else probed)
+    return f"{failed} (at the end of its probation)" if failed else ""
 
 
 def _probe_all(cfg: OtaConfig, models: list[str]) -> str:

@@ -64,6 +64,9 @@ class OtaConfig:
     # long it has to come up READY, and how the versioned venvs are made
     restart_command: tuple[str, ...] = ("systemctl", "restart", "appliance")
     software_ready_timeout_s: float = 120.0
+    # once READY and self-tested, how long the new server must keep answering as its
+    # version with its models READY before the commit (0: commit at once)
+    software_probation_s: float = 30.0
     system_site_packages: bool = False  # venvs see the image's packages (JetPack's)
     software_python: str = sys.executable
 
@@ -88,7 +91,8 @@ KEYS = {
     "keep_versions", "max_bandwidth", "min_download_rate", "download_rate_window_s",
     "job_deadline_s", "reserve_disk", "max_bundle_size", "max_load_attempts", "server_wait_s",
     "request_timeout_s", "metadata_timeout_s", "maintenance_windows", "maintenance_timezone",
-    "restart_command", "software_ready_timeout_s", "system_site_packages", "software_python",
+    "restart_command", "software_ready_timeout_s", "software_probation_s",
+    "system_site_packages", "software_python",
 }  # fmt: skip
 
 
@@ -183,6 +187,7 @@ def load(path: Path) -> OtaConfig:
         maintenance_timezone=timezone,
         restart_command=tuple(shlex.split(f.text("restart_command", RESTART))),
         software_ready_timeout_s=_number(f, "software_ready_timeout_s", 120.0, 1.0),
+        software_probation_s=_number(f, "software_probation_s", 30.0, 0.0),
         system_site_packages=f.flag("system_site_packages", False),
         software_python=f.text("software_python", sys.executable),
     )

@@ -89,7 +89,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
     device = Device(
         tmp, fleet.server.url, fleet.repo / "metadata" / "1.root.json",
         restart_command=Supervisor.command(tmp), system_site_packages=True,
-        software_ready_timeout_s=60,
+        software_ready_timeout_s=60, software_probation_s=1,
     )  # fmt: skip
     cfg = ota_config.load(device.config)
     supervisor = Supervisor(cfg.state_dir / "software", device.config, device.url)

@@ -13,6 +13,7 @@ the next version.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -204,7 +205,7 @@ def test_the_watch_probes_only_models_that_answered_a_probe_before_the_flip(
     cfg = OtaConfig(
         source="http://127.0.0.1:9/", trusted_root=tmp_path / "root.json",
         state_dir=tmp_path / "ota", server=f"http://{running.url}", model_repository=models,
-        device_id="cam-1", software_ready_timeout_s=3,
+        device_id="cam-1", software_ready_timeout_s=3, software_probation_s=0,
     )  # fmt: skip
     ready = abinstall.ready_models(cfg, urllib3.PoolManager())
     assert {"image_classifier", "simple", "classifier"} <= set(ready), ready
@@ -232,7 +233,7 @@ def test_the_watch_runs_the_vectors_kept_from_each_models_bundle(
     cfg = OtaConfig(
         source="http://127.0.0.1:9/", trusted_root=tmp_path / "root.json",
         state_dir=tmp_path / "ota", server=f"http://{running.url}", model_repository=models,
-        device_id="cam-1", software_ready_timeout_s=2,
+        device_id="cam-1", software_ready_timeout_s=2, software_probation_s=0,
     )  # fmt: skip
     a, b = list(range(16)), [1] * 16
 
@@ -258,3 +259,29 @@ def test_the_watch_runs_the_vectors_kept_from_each_models_bundle(
     assert abinstall.watch(cfg, __version__, ["simple"], ["simple"]) == ""
     selftest.keep(cfg.state_dir, "simple", 3, ())  # a version without vectors forgets them
     assert not (cfg.state_dir / selftest.KEPT / "simple.json").exists()
+
+
+def test_probation_catches_a_server_that_stops_after_it_came_up(
+    tmp_path: Path, run_appliance: Callable[..., Any]
+) -> None:
+    """Ready and self-tested is not the end: the new server must keep answering as its
+    version, with its models READY, for ``software_probation_s``; one that stops (a
+    crash the service manager would restart) fails probation and is rolled back."""
+    models = tmp_path / "models"
+    shutil.copytree(ROOT / "appliance" / "demo_models", models)
+    running = run_appliance(models)
+    cfg = OtaConfig(
+        source="http://127.0.0.1:9/", trusted_root=tmp_path / "root.json",
+        state_dir=tmp_path / "ota", server=f"http://{running.url}", model_repository=models,
+        device_id="cam-1", software_ready_timeout_s=5, software_probation_s=0.6,
+    )  # fmt: skip
+    http = urllib3.PoolManager()
+    assert abinstall.watch(cfg, __version__, ["simple"], ["simple"]) == ""  # stays up
+    cfg = dataclasses.replace(cfg, software_probation_s=60)
+    stopper = threading.Timer(0.5, running.stop)
+    stopper.start()
+    try:
+        why = abinstall.probation(cfg, __version__, ["simple"], ["simple"], http)
+    finally:
+        stopper.join(30)
+    assert why == f"version {__version__} stopped answering during its probation"
