@@ -24,7 +24,8 @@ Failure policy, per instance:
   count) back off: the 2nd waits ``process_restart_backoff_s`` (0.5 s), doubling
   up to 30 s; batches in that window fail fast with UNAVAILABLE. After
   ``process_max_failures`` (5) in a row the instance gives up: ``healthy`` turns
-  False (the model reports not ready) until the model is loaded again.
+  False (the model reports not ready) until the model is loaded again, which the
+  lifecycle does itself, with back-off (:mod:`appliance.core.recovery`).
 """
 
 from __future__ import annotations
@@ -305,7 +306,8 @@ class ProcessBackend:
             self.healthy = False
             then = (
                 f"; gave up after {self._failures} consecutive failures: "
-                "the model is not ready until it is loaded again"
+                "the model is not ready until it is loaded again (the server loads it "
+                "again itself, with back-off)"
             )
         else:
             delay = 0.0
@@ -338,7 +340,7 @@ class ProcessBackend:
         if not self.healthy:
             raise unavailable(
                 f"{self._where}: its process failed {self._failures} times in a row; "
-                "load the model again",
+                "the model is being loaded again",
                 FailureReason.BACKEND,
             )
         if self._worker is None:

@@ -39,7 +39,7 @@ from appliance import heap, names
 from appliance.config.fields import ConfigError
 from appliance.config.model_config import ModelConfig
 from appliance.config.server_config import ServerConfig
-from appliance.core import loader, rate_limiter, repository
+from appliance.core import loader, rate_limiter, recovery, repository
 from appliance.core.memory import BudgetRefused, MemoryBudget, Usage
 from appliance.core.model import ModelVersion
 from appliance.core.response_cache import ResponseCache
@@ -79,6 +79,8 @@ class ModelLifeCycle:
         self._retired: set[asyncio.Task[None]] = set()
         self._poller: repository.RepositoryPoller | None = None
         self._poll_task: asyncio.Task[None] | None = None
+        self._recovery = recovery.Recovery()
+        self._recover_task: asyncio.Task[None] | None = None
         self._started = False  # the server is not ready before the start-up loads ran
         self._stopping = False
 
@@ -106,6 +108,9 @@ class ModelLifeCycle:
             await self.load(name)
         self._started = True
         heap.settle()  # what start-up loaded is long-lived: out of the collector's walks
+        self._recover_task = asyncio.get_running_loop().create_task(
+            self._recover_forever(), name="model-recovery"
+        )
         if poll:
             self._poller = repository.RepositoryPoller(baseline)
             self._poll_task = asyncio.get_running_loop().create_task(
@@ -156,6 +161,7 @@ class ModelLifeCycle:
         async with self._locks.setdefault(name, asyncio.Lock()):
             entry = self._models.setdefault(name, ModelEntry(name))
             entry.busy, entry.unloaded = "loading", False
+            entry.override = override
             try:
                 await self._load(entry, model_dir, override, in_place, default_version)
             finally:
@@ -356,6 +362,28 @@ class ModelLifeCycle:
             finally:
                 entry.busy = ""
 
+    # ---- recovery (core/recovery.py) -------------------------------------------------------
+
+    async def _recover_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(recovery.CHECK_S)
+            for name, entry in list(self._models.items()):
+                if self._stopping or entry.busy or entry.unloaded:
+                    continue
+                lost = recovery.lost_versions(entry)
+                if not self._recovery.due(name, bool(lost), loop.time()):
+                    continue
+                log.warning(
+                    "model '%s' version(s) %s stopped serving (an engine process ended, "
+                    "or an instance gave up): loading it again (recovery %d in a row)",
+                    name, lost, self._recovery.tries(name),
+                )  # fmt: skip
+                try:  # the broken copy serves nothing: replaced in place, not beside
+                    await self.load(name, entry.override, True, entry.default)
+                except Exception:  # one model's failed recovery must not end the others'
+                    log.exception("recovering model '%s' failed", name)
+
     # ---- poll mode ----------------------------------------------------------------------
 
     async def _poll_forever(self) -> None:
@@ -445,6 +473,10 @@ class ModelLifeCycle:
     async def stop(self, timeout_s: float) -> None:
         """Stop polling, then drain and unload everything (used at shutdown)."""
         self._stopping = True  # no heap settles on the way out
+        if self._recover_task is not None:
+            self._recover_task.cancel()
+            await asyncio.gather(self._recover_task, return_exceptions=True)
+            self._recover_task = None
         if self._poll_task is not None:
             self._poll_task.cancel()
             await asyncio.gather(self._poll_task, return_exceptions=True)
@@ -457,3 +489,4 @@ class ModelLifeCycle:
         if self._retired:
             await asyncio.gather(*self._retired, return_exceptions=True)
         heap.release()  # what start-up froze is garbage now, or will be
+

@@ -89,6 +89,9 @@ class ModelEntry:
     # the shadow wrapping it while its traffic is mirrored to a candidate)
     routed: Servable | None = None
     shadow: Shadow | None = None  # the last shadow traffic started (core/shadow.py)
+    # the config mapping of the last load request that gave one (None: the
+    # repository's): what a recovery (core/recovery.py) loads the model with again
+    override: dict[str, Any] | None = None
 
     @property
     def state(self) -> State:

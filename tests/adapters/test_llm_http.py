@@ -460,11 +460,12 @@ def test_a_hot_swap_lets_a_running_stream_finish(server: Running) -> None:
     assert status == 200 and json.loads(answer)["num_output_tokens"] == 5
 
 
-def test_an_engine_that_dies_fails_its_requests_and_the_model_is_not_ready(
+def test_an_engine_that_dies_fails_its_requests_and_the_model_comes_back(
     server: Running,
 ) -> None:
     """Last in this module: it ends the model's engine process (one this test's server
-    started: the backend's own child) and reloads the model afterwards."""
+    started: the backend's own child). The running request fails, the model is not
+    ready, and the server loads it again on its own (core/recovery.py)."""
     dataplane = server.server.dataplane
     version = dataplane.lifecycle.get(MODEL, "")
     engine = version._instances.instances[0].backend._proc  # the engine process
@@ -486,6 +487,9 @@ def test_an_engine_that_dies_fails_its_requests_and_the_model_is_not_ready(
     assert not dataplane.model_ready(MODEL)
     status, _, body = _post(server, f"/v2/models/{MODEL}/generate", {"text_input": PROMPT})
     assert status == 503 and "smollm" in json.loads(body)["error"]
-    status, _, body = _post(server, f"/v2/repository/models/{MODEL}/load", {})
-    assert status == 200, body
+    deadline = time.monotonic() + 300  # a bound for a hang, not a timing assertion
+    while not dataplane.model_ready(MODEL):
+        assert time.monotonic() < deadline, "the model was not loaded again"
+        time.sleep(0.1)
+    assert dataplane.lifecycle.get(MODEL, "") is not version  # a new copy, a new engine
     assert _generate(server)["finish_reason"] == "length"
