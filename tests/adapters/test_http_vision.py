@@ -6,6 +6,7 @@ ONNX Runtime and a plain-loop decoding written here; and hostile uploads."""
 
 from __future__ import annotations
 
+import http.client
 import io
 import json
 import re
@@ -264,6 +265,23 @@ def test_oversize_part_is_refused_as_it_arrives(server: str) -> None:
     )
     assert answer.status_code == 413
     assert answer.json()["success"] is False
+
+
+def test_the_fronts_own_refusals_come_in_deepstacks_shape(server: str) -> None:
+    """A declared body over the server's max_request_size is refused by the front
+    before the route reads it: still in DeepStack's shape, which its clients read."""
+    host, port = server.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/v1/vision/detection")
+    conn.putheader("Content-Type", "multipart/form-data; boundary=b")
+    conn.putheader("Content-Length", str(2**40))
+    conn.endheaders()
+    answer = conn.getresponse()
+    doc = json.loads(answer.read())
+    conn.close()
+    assert answer.status == 413
+    assert doc["success"] is False and doc["code"] == 413
+    assert "max_request_size" in doc["error"]
 
 
 def test_wrong_or_missing_key_and_unknown_model(server: str) -> None:

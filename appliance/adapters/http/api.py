@@ -27,6 +27,7 @@ from appliance.adapters.http import generate as http_generate
 from appliance.adapters.http import infer as http_infer
 from appliance.adapters.http import limits as http_limits
 from appliance.adapters.http import openai, shadow
+from appliance.adapters.http.routing import Shape
 from appliance.core.dataplane import DataPlane
 from appliance.errors import ApplianceError, invalid
 
@@ -37,6 +38,8 @@ MAX_REQUEST_SIZE = web.AppKey("max_request_size", int)
 ACCESS = web.AppKey("access", AccessPolicy)
 # every registered route -> who may call it (declared with the route in create_app)
 SCOPES = web.AppKey("scopes", dict)
+# a route of another API than KServe -> the shape of its errors (adapters/http/routing)
+SHAPES = web.AppKey("shapes", dict)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -49,10 +52,16 @@ def _json(data: Any, status: int = 200) -> web.Response:
     )
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.Response(
-        body=kserve.error_body(message), status=status, content_type="application/json"
-    )
+def _error(status: int, message: str, request: web.Request | None = None) -> web.Response:
+    """An error in KServe's shape, or in that of ``request``'s route's API."""
+    shape = _shape(request) if request is not None else None
+    body = shape(status, message) if shape is not None else kserve.error_body(message)
+    return web.Response(body=body, status=status, content_type="application/json")
+
+
+def _shape(request: web.Request) -> Shape | None:
+    route = request.match_info.route
+    return request.app[SHAPES].get(route) if route is not None else None
 
 
 def _front(limits: http_limits.BodyLimits) -> Middleware:
@@ -67,37 +76,40 @@ def _front(limits: http_limits.BodyLimits) -> Middleware:
             denial = _denied(request)
             if denial is not None:
                 return denial
-            refusal = limits.refuse(request)
+            refusal = limits.refuse(request, _shape(request))
             if refusal is not None:
                 return refusal
             return await handler(request)
         except http_limits.BodyTimeout:
-            return limits.timed_out(request)
+            return limits.timed_out(request, _shape(request))
         except (ConnectionResetError, web_protocol.RequestPayloadError) as exc:
             # the client went away or broke off its body: its event, not a server error
             # (re-raised, aiohttp would log it as an error with a traceback)
             log.debug(
                 "client %s left: %s %s: %s", request.remote, request.method, request.path, exc
             )
-            return _error(400, f"the request body was cut off: {exc}")
+            return _error(400, f"the request body was cut off: {exc}", request)
         except ApplianceError as exc:
-            return _error(http_infer.STATUS[exc.code], exc.message)
+            return _error(http_infer.STATUS[exc.code], exc.message, request)
         except web.HTTPRequestEntityTooLarge as exc:
             return _error(
                 413,
                 f"request body exceeds the server's limit of "
                 f"{request.app[MAX_REQUEST_SIZE]} bytes ({exc.text})",
+                request,
             )
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            response = _error(exc.status, f"{exc.reason}: {request.method} {request.path}")
+            response = _error(
+                exc.status, f"{exc.reason}: {request.method} {request.path}", request
+            )
             if "Allow" in exc.headers:  # a 405 says which methods the route takes
                 response.headers["Allow"] = exc.headers["Allow"]
             return response
         except Exception as exc:  # a bug: answer 500 and keep serving
             log.exception("unhandled error on %s %s", request.method, request.path)
-            return _error(500, f"internal error: {exc}")
+            return _error(500, f"internal error: {exc}", request)
 
     return front
 
@@ -113,8 +125,8 @@ def _denied(request: web.Request) -> web.Response | None:
     if denial is None:
         return None
     if denial.forbidden:
-        return _error(403, denial.message)
-    response = _error(401, denial.message)
+        return _error(403, denial.message, request)
+    response = _error(401, denial.message, request)
     response.headers["WWW-Authenticate"] = "Bearer"
     return response
 
@@ -318,17 +330,24 @@ def create_app(
     app.on_response_prepare.append(_close_when_stopping)
     scopes: dict[web.AbstractRoute, Scope] = {}
     app[SCOPES] = scopes
-    expect = http_limits.expect_handler(max_request_size)
+    shapes: dict[web.AbstractRoute, Shape] = {}
+    app[SHAPES] = shapes
+    expect = http_limits.expect_handler(max_request_size, _shape)
     public, inference, admin = Scope.PUBLIC, Scope.INFERENCE, Scope.ADMIN
 
-    def get(path: str, handler: Handler, scope: Scope) -> None:
-        resource = app.router.add_resource(path)
-        scopes[resource.add_route("HEAD", handler)] = scope
-        scopes[resource.add_route("GET", handler)] = scope
+    def declare(route: web.AbstractRoute, scope: Scope, shape: Shape | None) -> None:
+        scopes[route] = scope
+        if shape is not None:
+            shapes[route] = shape
 
-    def post(path: str, handler: Handler, scope: Scope) -> None:
+    def get(path: str, handler: Handler, scope: Scope, shape: Shape | None = None) -> None:
         resource = app.router.add_resource(path)
-        scopes[resource.add_route("POST", handler, expect_handler=expect)] = scope
+        declare(resource.add_route("HEAD", handler), scope, shape)
+        declare(resource.add_route("GET", handler), scope, shape)
+
+    def post(path: str, handler: Handler, scope: Scope, shape: Shape | None = None) -> None:
+        resource = app.router.add_resource(path)
+        declare(resource.add_route("POST", handler, expect_handler=expect), scope, shape)
 
     # inference first: routes that share a prefix are tried in the order they were
     # added, and this is the one every request of the hot path takes

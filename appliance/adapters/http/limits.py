@@ -32,6 +32,7 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 
 from appliance.adapters.codec.kserve import error_body
+from appliance.adapters.http.routing import Shape
 from appliance.config.server_config import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -54,15 +55,14 @@ def runner_options(config: ServerConfig) -> dict[str, Any]:
     }
 
 
-def _refusal(status: int, message: str) -> web.Response:
-    response = web.Response(
-        body=error_body(message), status=status, content_type="application/json"
-    )
+def _refusal(status: int, message: str, shape: Shape | None = None) -> web.Response:
+    body = shape(status, message) if shape is not None else error_body(message)
+    response = web.Response(body=body, status=status, content_type="application/json")
     response.force_close()  # the rest of this connection's bytes are not worth reading
     return response
 
 
-def _too_large(request: web.Request, limit: int) -> web.Response | None:
+def _too_large(request: web.Request, limit: int, shape: Shape | None) -> web.Response | None:
     declared = request.content_length
     if declared is None or declared <= limit:
         return None
@@ -70,21 +70,26 @@ def _too_large(request: web.Request, limit: int) -> web.Response | None:
         413,
         f"request body of {declared} bytes (Content-Length) exceeds the server's limit of "
         f"{limit} bytes (max_request_size)",
+        shape,
     )
 
 
-def expect_handler(limit: int) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
+def expect_handler(
+    limit: int, shape_of: Callable[[web.Request], Shape | None] = lambda _: None
+) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
     """An ``Expect: 100-continue`` handler that refuses an oversized body before the
-    client sends it, instead of inviting it."""
+    client sends it, instead of inviting it (``shape_of``: the route's error shape)."""
 
     async def expect(request: web.Request) -> web.StreamResponse | None:
-        refusal = _too_large(request, limit)
+        refusal = _too_large(request, limit, shape_of(request))
         if refusal is not None:
             return refusal
         if request.version != HttpVersion11:
             return None
         if request.headers.get("Expect", "").lower() != "100-continue":
-            return _refusal(417, f"unsupported Expect: {request.headers.get('Expect')!r}")
+            return _refusal(
+                417, f"unsupported Expect: {request.headers.get('Expect')!r}", shape_of(request)
+            )
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the interim answer is not part of the response
         return None
@@ -156,16 +161,17 @@ class BodyLimits:
         self.limit = limit
         self.body_timeout_s = body_timeout_s
 
-    def refuse(self, request: web.Request) -> web.Response | None:
-        refusal = _too_large(request, self.limit)
+    def refuse(self, request: web.Request, shape: Shape | None = None) -> web.Response | None:
+        refusal = _too_large(request, self.limit, shape)
         if refusal is None:
             request[_BODY_TIMEOUT] = self.body_timeout_s
         return refusal
 
-    def timed_out(self, request: web.Request) -> web.Response:
+    def timed_out(self, request: web.Request, shape: Shape | None = None) -> web.Response:
         log.debug("body from %s not complete in %.1fs", request.remote, self.body_timeout_s)
         return _refusal(
             408,
             f"the request body did not arrive within {self.body_timeout_s:g}s "
             f"(http_body_timeout_s)",
+            shape,
         )

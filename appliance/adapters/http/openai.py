@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -36,27 +35,44 @@ from aiohttp import web
 
 from appliance.adapters.access import Scope
 from appliance.adapters.http import infer, limits, sse
+from appliance.adapters.http.routing import Register
 from appliance.config.model_config import ModelConfig
 from appliance.core.dataplane import DataPlane
 from appliance.core.servable import State
 from appliance.errors import ApplianceError, Code, invalid, not_found
 from appliance.request import InferenceRequest, InferenceResponse
 
-Register = Callable[[str, Callable[[web.Request], Any], Scope], None]
 OWNER = "appliance"
 ERROR_TYPES = {Code.NOT_FOUND: "not_found_error", Code.UNAVAILABLE: "server_error"}
 FINISH = {"stop": "stop", "length": "length"}
 SAMPLING_DEFAULTS = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0}
 
 
-def _error(
+def error_body(
     status: int, message: str, code: str | None = None, param: str | None = None
-) -> web.Response:
+) -> bytes:
+    """OpenAI's error document (also the shape of the front's refusals on these routes:
+    adapters/http/routing)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     if status == 404:
         kind = "not_found_error"
+    elif status == 401:
+        kind, code = "authentication_error", code or "invalid_api_key"
+    elif status == 403:
+        kind = "permission_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return web.Response(body=orjson.dumps(body), status=status, content_type=infer.JSON)
+    return orjson.dumps(body)
+
+
+def _refusal_body(status: int, message: str) -> bytes:
+    return error_body(status, message)
+
+
+def _error(
+    status: int, message: str, code: str | None = None, param: str | None = None
+) -> web.Response:
+    body = error_body(status, message, code, param)
+    return web.Response(body=body, status=status, content_type=infer.JSON)
 
 
 def _of(exc: ApplianceError) -> web.Response:
@@ -300,10 +316,11 @@ def routes(key: web.AppKey[DataPlane], get: Register, post: Register) -> None:
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await complete(request, chat=True)
 
-    get("/v1/models", models, Scope.INFERENCE)
-    get("/v1/models/{model}", models, Scope.INFERENCE)
-    post("/v1/completions", completions, Scope.INFERENCE)
-    post("/v1/chat/completions", chat_completions, Scope.INFERENCE)
+    shape = _refusal_body
+    get("/v1/models", models, Scope.INFERENCE, shape)
+    get("/v1/models/{model}", models, Scope.INFERENCE, shape)
+    post("/v1/completions", completions, Scope.INFERENCE, shape)
+    post("/v1/chat/completions", chat_completions, Scope.INFERENCE, shape)
 
 
 def _dumps(obj: Any) -> str:

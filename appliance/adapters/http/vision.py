@@ -62,8 +62,16 @@ def _answer(doc: dict[str, object], status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(doc), status=status, content_type="application/json")
 
 
+def _refusal_body(status: int, message: str) -> bytes:
+    """DeepStack's error document (also the shape of the front's refusals on these
+    routes: adapters/http/routing)."""
+    return orjson.dumps({"success": False, "error": message, "code": status})
+
+
 def _refuse(status: int, message: str) -> web.Response:
-    return _answer({"success": False, "error": message, "code": status}, status)
+    return web.Response(
+        body=_refusal_body(status, message), status=status, content_type="application/json"
+    )
 
 
 async def _part(part: BodyPartReader, limit: int, what: str) -> bytearray:
@@ -221,4 +229,6 @@ def register(
 
     for path in ("/v1/vision/detection", "/v1/vision/custom/{model}"):
         resource = app.router.add_resource(path)
-        scopes[resource.add_route("POST", detection)] = Scope.PUBLIC
+        route = resource.add_route("POST", detection)
+        scopes[route] = Scope.PUBLIC
+        app[api.SHAPES][route] = _refusal_body
