@@ -22,7 +22,11 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "tensorrt": ("appliance.backends.tensorrt_backend:TensorRtBackend", "tensorrt"),
     "python": ("appliance.backends.python_backend:PythonBackend", ""),
     "llm": ("appliance.backends.llm_backend:LlmBackend", "llm"),
+    "identity": ("appliance.backends.identity_backend:IdentityBackend", ""),
 }
+
+# backends that serve from the config alone, with no model file (Triton's identity)
+FILELESS = frozenset({"identity"})
 
 # Triton platform names -> backend names
 PLATFORMS: dict[str, str] = {
@@ -71,6 +75,8 @@ def auto_max_batch_size(backend: object, default: int) -> int:
 def estimate(name: str, path: Path, parameters: dict[str, str], source: str = "") -> int:
     """What one instance of backend ``name`` is expected to need before it is built:
     the model file's size (a language model: its weights plus its KV cache)."""
+    if name in FILELESS:
+        return 0
     if name == "llm":
         from appliance.backends import llm_settings  # no engine import: settings and file sizes
 

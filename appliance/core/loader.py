@@ -100,6 +100,8 @@ def resolve_backend(
             "backend",
             f"unknown backend {name!r}, expected one of {sorted(backends.BACKENDS)}",
         )
+    if name in backends.FILELESS:  # the config is the model: no file to find or confine
+        return name, version_dir / name
     path = version_dir / (filename or backends.DEFAULT_FILENAMES[name])
     if not path.exists():
         raise invalid(
