@@ -51,6 +51,7 @@ from appliance.core.batching import (
 from appliance.core.instances import InstanceGroup
 from appliance.core.queue_bytes import CONTENDED
 from appliance.core.stats import ModelStats
+from appliance.decoupled import cancel_of
 from appliance.errors import ApplianceError, FailureReason, internal, unavailable
 from appliance.request import InferenceRequest
 
@@ -198,7 +199,10 @@ class DynamicBatcher:
         try:
             return await item.future
         except asyncio.CancelledError:
-            self._withdraw(item)  # still queued: nobody will resolve it now
+            # still queued: nobody will resolve it now; already running: the model may
+            # see that its caller went away (a Python model's ``is_cancelled()``)
+            if not self._withdraw(item) and (flag := cancel_of(item.inputs)) is not None:
+                flag.set()
             raise
 
     # ---- a cheap lone request, on the event loop --------------------------------------
@@ -383,9 +387,7 @@ class DynamicBatcher:
 
     # ---- the event loop's side -----------------------------------------------------------
 
-    def _deliver(
-        self, items: list[_Pending], outcome: _Outcome, start_ns: int, index: int
-    ) -> None:
+    def _deliver(self, items: list[_Pending], outcome: _Outcome, start_ns: int, index: int) -> None:
         with self._ready:
             if self._undelivered.pop(index, None) is not None:
                 self._ready.notify_all()  # the instance may hold a batch for this

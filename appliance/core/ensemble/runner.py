@@ -208,6 +208,8 @@ class EnsembleVersion:
             sequence_id=outer.sequence_id,
             sequence_start=outer.sequence_start,
             sequence_end=outer.sequence_end,
+            # each step sees the ensemble request's own parameters (Triton's)
+            parameters=outer.parameters,
         )
         return (await model.infer(request)).outputs, made_by if batching else 0
 
