@@ -162,9 +162,7 @@ def test_the_servers_own_parameters_are_not_the_models(run_appliance, tmp_path: 
         "inputs": [{"name": "INPUT0", "shape": [1], "datatype": "FP32", "data": [1.0]}],
         "parameters": {"priority": 0, "timeout": 10_000_000, "mine": "yes"},
     }
-    status, _, answer = _post(
-        srv.url, "/v2/models/parameter/infer", json.dumps(body).encode(), {}
-    )
+    status, _, answer = _post(srv.url, "/v2/models/parameter/infer", json.dumps(body).encode(), {})
     assert status == 200, answer
     outputs = {o["name"]: o["data"] for o in json.loads(answer)["outputs"]}
     assert outputs == {"key": ["mine"], "value": ["yes"]}
