@@ -12,6 +12,7 @@ model: here a Python one with the same tensors)."""
 from __future__ import annotations
 
 import queue
+import time
 from pathlib import Path
 
 import numpy as np
@@ -469,3 +470,58 @@ def test_a_step_reading_two_decoupled_steps_is_refused_at_load(
         "'invalid_decoupled_branching_2' receives inputs originated from different "
         "decoupled models" in lifecycle.entry("invalid_decoupled_branching_2").reason
     )
+
+
+UNTIL_CANCELLED_PY = """\
+import os
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        request = requests[0]
+        sender = request.get_response_sender()
+        value = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+        for _ in range(1200):  # bounded: two minutes
+            if sender.is_cancelled():
+                open(os.path.join(os.environ["QA_GATE_DIR"], "cancelled"), "w").close()
+                break
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", value[:1])]))
+            time.sleep(0.1)
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+def test_a_closed_stream_reaches_the_decoupled_step_of_an_ensemble(
+    run_appliance, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    monkeypatch.setenv("QA_GATE_DIR", str(gate))
+    repo = decoupled_repository(tmp_path / "repo")
+    _model(repo, "until_cancelled", _DECOUPLED + _REPEAT_IO + _OUT, UNTIL_CANCELLED_PY)
+    _model(
+        repo,
+        "cancel_chain",
+        _ensemble(
+            'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ -1 ] } ]\n',
+            _step("until_cancelled", _REPEAT_IN, {"OUT": "step_out"}),
+            _step("identity_int32", {"INPUT0": "step_out"}, {"OUTPUT0": "OUT"}),
+        ),
+    )
+    srv = run_appliance(repo)
+    answers: queue.Queue[object] = queue.Queue()
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    client.start_stream(callback=lambda result, error: answers.put(error or result))
+    client.async_stream_infer("cancel_chain", _inputs([9], [0], 0))
+    assert _out(answers.get(timeout=120)) == 9
+    client.stop_stream(cancel_requests=True)
+    for _ in range(1200):  # bounded: two minutes
+        if (gate / "cancelled").exists():
+            break
+        time.sleep(0.1)
+    assert (gate / "cancelled").exists()
