@@ -22,6 +22,8 @@ import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from appliance.config.fields import ConfigError
+from appliance.config.server_config import load_server_config
 from tests.test_triton_qa_cases import _exchange, _post
 
 PARAMETER_PY = """\
@@ -379,3 +381,56 @@ def test_a_closed_stream_reaches_a_decoupled_model(
     assert first.as_numpy("OUTPUT0").tolist() == [3.0]  # type: ignore[union-attr]
     grpc.stop_stream(cancel_requests=True)
     _until((gate / "cancelled-stream").exists, "the model saw is_cancelled()")
+
+
+def test_headers_a_pattern_names_are_forwarded_as_parameters(run_appliance, tmp_path: Path) -> None:
+    # L0_parameters test_headers / test_grpc_header_forward_pattern_case_sensitive /
+    # test_headers_reserved_rejected (Triton's --*-header-forward-pattern)
+    repo = _parameter_repo(tmp_path)
+    headers = {"header_1": "value_1", "my_header_1": "my_value_1", "my_header_2": "x y"}
+    value = np.asarray([1], np.float32)
+
+    def infer(client: object, module: object, **kwargs: object) -> object:
+        tensor = module.InferInput("INPUT0", [1], "FP32")  # type: ignore[attr-defined]
+        tensor.set_data_from_numpy(value)
+        return client.infer("parameter", [tensor], headers=dict(headers), **kwargs)  # type: ignore[attr-defined]
+
+    srv = run_appliance(
+        repo, http_header_forward_pattern="MY_HEADER.*", grpc_header_forward_pattern="MY_HEADER.*"
+    )
+    wanted = {"my_header_1": "my_value_1", "my_header_2": "x y"}
+    http = httpclient.InferenceServerClient(srv.url)
+    grpc_client = grpcclient.InferenceServerClient(srv.grpc_url)
+    for client, module in ((http, httpclient), (grpc_client, grpcclient)):
+        _check(infer(client, module), wanted)
+        _check(infer(client, module, parameters={"key1": 1}), {**wanted, "key1": 1})
+    srv.stop()
+
+
+def test_a_case_sensitive_or_reserved_header_pattern(run_appliance, tmp_path: Path) -> None:
+    repo = _parameter_repo(tmp_path)
+    srv = run_appliance(repo, grpc_header_forward_pattern="(?-i)MY_HEADER.*")
+    grpc_client = grpcclient.InferenceServerClient(srv.grpc_url)
+    tensor = grpcclient.InferInput("INPUT0", [1], "FP32")
+    tensor.set_data_from_numpy(np.asarray([1], np.float32))
+    _check(grpc_client.infer("parameter", [tensor], headers={"my_header_1": "v"}), {})
+    srv.stop()
+    srv = run_appliance(repo, http_header_forward_pattern=".*", grpc_header_forward_pattern=".*")
+    status, _, answer = _post(
+        srv.url,
+        "/v2/models/parameter/infer",
+        json.dumps(
+            {"inputs": [{"name": "INPUT0", "shape": [1], "datatype": "FP32", "data": [1.0]}]}
+        ).encode(),
+        {"timeout": "dummy-value"},
+    )
+    assert status == 400
+    assert b"Header 'timeout' is reserved for Triton usage and cannot be forwarded." in answer
+    grpc_client = grpcclient.InferenceServerClient(srv.grpc_url)
+    with pytest.raises(InferenceServerException, match="Header 'priority' is reserved"):
+        grpc_client.infer("parameter", [tensor], headers={"priority": "1"})
+
+
+def test_a_header_pattern_that_is_no_regular_expression_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="http_header_forward_pattern: expected a regular"):
+        load_server_config(None, {"http_header_forward_pattern": "MY_(HEADER"})

@@ -149,6 +149,30 @@ CASES = [
         {},
     ),
     (
+        "L0_parameters",
+        "parameters_test.py",
+        ["InferenceParametersTest.test_headers"],
+        _parameters_models,
+        {
+            "http_header_forward_pattern": "MY_HEADER.*",
+            "grpc_header_forward_pattern": "MY_HEADER.*",
+        },
+    ),
+    (
+        "L0_parameters",
+        "parameters_test.py",
+        ["InferenceParametersTest.test_grpc_header_forward_pattern_case_sensitive"],
+        _parameters_models,
+        {"grpc_header_forward_pattern": "(?-i)MY_HEADER.*"},
+    ),
+    (
+        "L0_parameters",
+        "parameters_test.py",
+        ["InferenceParametersTest.test_headers_reserved_rejected"],
+        _parameters_models,
+        {"http_header_forward_pattern": ".*", "grpc_header_forward_pattern": ".*"},
+    ),
+    (
         "L0_decoupled",
         "decoupled_test.py",
         [

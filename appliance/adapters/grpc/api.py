@@ -21,7 +21,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from appliance import datatypes
-from appliance.adapters import exchange, offload, request_form
+from appliance.adapters import exchange, forwarding, offload, request_form
 from appliance.adapters.grpc import calls, codec
 from appliance.adapters.grpc import settings as grpc_settings
 from appliance.adapters.grpc import wire as grpc_wire
@@ -99,9 +99,13 @@ class _InferWire(exchange.Wire[bytes]):
     joins = True
 
     def read(self, payload: Any, ticket: Ticket | None) -> request_form.RequestForm:
-        message = grpc_wire.parse_request(payload)
-        raw = grpc_wire.raw_contents(payload) if len(payload) > offload.OFFLOAD_BYTES else None
-        return codec.parse_request(message, raw)
+        wire, forwarded = payload
+        message = grpc_wire.parse_request(wire)
+        raw = grpc_wire.raw_contents(wire) if len(wire) > offload.OFFLOAD_BYTES else None
+        form = codec.parse_request(message, raw)
+        if forwarded:  # the call's headers the server forwards as parameters
+            forwarding.apply(form, forwarded)
+        return form
 
     def encode(self, response: InferenceResponse, fmt: Any, shm: Any) -> bytes:
         return grpc_wire.encode_response(response, fmt.shared_memory, shm, True)
@@ -115,7 +119,11 @@ class _StreamWire(exchange.Wire[Any]):
     joins = True
 
     def read(self, payload: Any, ticket: Ticket | None) -> request_form.RequestForm:
-        return codec.parse_request(payload)
+        message, forwarded = payload
+        form = codec.parse_request(message)
+        if forwarded:  # the stream's headers the server forwards as parameters
+            forwarding.apply(form, forwarded)
+        return form
 
     def encode(self, response: InferenceResponse, fmt: Any, shm: Any) -> Any:
         return codec.encode_response(response, fmt.shared_memory, shm)
@@ -194,8 +202,19 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         released."""
         wire, hold = held
         size = len(wire)
-        await exchange.serve(self.dp, INFER, wire, size, hold=hold, deliver=context.answer)
+        forwarded = self._forwarded(context)
+        await exchange.serve(
+            self.dp, INFER, (wire, forwarded), size, hold=hold, deliver=context.answer
+        )
         return calls.ANSWERED
+
+    def _forwarded(self, context: Any) -> forwarding.Headers:
+        """The call's headers forwarded as request parameters (the server's
+        ``grpc_header_forward_pattern``; none without one)."""
+        pattern = self.dp.lifecycle.server.grpc_header_forward_pattern
+        if not pattern:
+            return ()
+        return forwarding.select(context.invocation_metadata(), pattern)
 
     def _stream_error(self, request: Any, message: str) -> Any:
         echo = service_pb2.ModelInferResponse(
@@ -203,7 +222,9 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         )
         return service_pb2.ModelStreamInferResponse(error_message=message, infer_response=echo)
 
-    async def _stream_one(self, held: Held, out: asyncio.Queue[Any]) -> None:
+    async def _stream_one(
+        self, held: Held, out: asyncio.Queue[Any], forwarded: forwarding.Headers = ()
+    ) -> None:
         """One stream request -> its responses, put on ``out`` then ``None``, through the
         one exchange (:func:`exchange.serve_stream`: its hold released once they are
         all on ``out``). A failure becomes ``error_message`` so the stream goes on
@@ -227,7 +248,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
                 request.parameters, "triton_enable_empty_final_response", "bool_param", "request"
             )
             size = hold.nbytes if hold is not None else _declared_bytes(request)
-            answers = exchange.serve_stream(self.dp, STREAM_INFER, request, size, hold)
+            payload = (request, forwarded)
+            answers = exchange.serve_stream(self.dp, STREAM_INFER, payload, size, hold)
             async for item, final, decoupled in answers:
                 if isinstance(item, ApplianceError):
                     out.put_nowait(self._stream_error(request, item.message))
@@ -258,6 +280,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         and every running task are cancelled.
         """
         window = asyncio.Semaphore(STREAM_WINDOW)
+        forwarded = self._forwarded(context)  # the stream's headers, for each request
         pending: asyncio.Queue[tuple[asyncio.Task[None], asyncio.Queue[Any]] | None]
         pending = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
@@ -271,7 +294,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
                         held.append(hold)
                     await window.acquire()
                     out: asyncio.Queue[Any] = asyncio.Queue()
-                    task = asyncio.create_task(self._stream_one(request, out))
+                    task = asyncio.create_task(self._stream_one(request, out, forwarded))
                     running.add(task)
                     task.add_done_callback(running.discard)
                     if hold is not None:  # (the exchange releases it; this, a task

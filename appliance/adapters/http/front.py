@@ -278,9 +278,7 @@ class Connection(asyncio.Protocol):
             self._arm(self.front.header_timeout_s, self._head_late)
         self.early = True  # _advance goes on with what follows (a loop, not a recursion)
 
-    async def _answer(
-        self, head: http_head.Head, ticket: Ticket, body: bytes | bytearray
-    ) -> None:
+    async def _answer(self, head: http_head.Head, ticket: Ticket, body: bytes | bytearray) -> None:
         """The request through the one exchange, which releases its ticket after
         :meth:`_answered` wrote the answer (or on a failure, answered here); then the
         next request, which is admitted only now."""
@@ -295,6 +293,7 @@ class Connection(asyncio.Protocol):
                 body,
                 head.header_length,
                 self._answered,
+                head.fields,
             )
         except ApplianceError as exc:
             status, parts = http_infer.STATUS[exc.code], [kserve.error_body(exc.message)]
