@@ -434,3 +434,35 @@ def test_a_case_sensitive_or_reserved_header_pattern(run_appliance, tmp_path: Pa
 def test_a_header_pattern_that_is_no_regular_expression_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="http_header_forward_pattern: expected a regular"):
         load_server_config(None, {"http_header_forward_pattern": "MY_(HEADER"})
+
+
+BLS_PARAMETER_PY = """\
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for request in requests:
+            call = pb_utils.InferenceRequest(
+                model_name="parameter",
+                inputs=[pb_utils.get_input_tensor_by_name(request, "INPUT0")],
+                requested_output_names=["key", "value"],
+                parameters={"bls": "yes", "n": 3, "flag": False},
+            )
+            response = call.exec()
+            if response.has_error():
+                raise pb_utils.TritonModelException(response.error().message())
+            out.append(pb_utils.InferenceResponse(response.output_tensors()))
+        return out
+"""
+
+
+def test_a_bls_requests_parameters_reach_the_called_model(run_appliance, tmp_path: Path) -> None:
+    repo = _parameter_repo(tmp_path)
+    _model(repo, "bls_parameter", BLS_PARAMETER_PY, _PARAMETER_CONFIG)
+    srv = run_appliance(repo)
+    http = httpclient.InferenceServerClient(srv.url)
+    tensor = httpclient.InferInput("INPUT0", [1], "FP32")
+    tensor.set_data_from_numpy(np.asarray([1], np.float32))
+    _check(http.infer("bls_parameter", [tensor]), {"bls": "yes", "n": 3, "flag": False})
