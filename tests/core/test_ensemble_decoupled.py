@@ -525,3 +525,70 @@ def test_a_closed_stream_reaches_the_decoupled_step_of_an_ensemble(
             break
         time.sleep(0.1)
     assert (gate / "cancelled").exists()
+
+
+GATED_PY = """\
+import os
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def out(value):
+    return pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([value], np.int32))])
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        sender = requests[0].get_response_sender()
+        value = int(pb_utils.get_input_tensor_by_name(requests[0], "IN").as_numpy()[0])
+        gate = os.path.join(os.environ["QA_GATE_DIR"], "open")
+
+        def answer():
+            sender.send(out(value))
+            if value == 0:  # the rest only once the test saw another request's answer
+                for _ in range(1200):  # bounded: two minutes
+                    if os.path.exists(gate):
+                        break
+                    time.sleep(0.1)
+                sender.send(out(100))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+        threading.Thread(target=answer, daemon=True).start()
+        return None
+"""
+
+
+def test_a_decoupled_models_responses_interleave_with_later_requests(
+    run_appliance, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # L0_decoupled test_response_order: Triton writes a decoupled model's responses as
+    # they come, whatever the request order on the stream (a regular model's keep it)
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    monkeypatch.setenv("QA_GATE_DIR", str(gate))
+    repo = tmp_path / "repo"
+    _model(
+        repo,
+        "gated",
+        _DECOUPLED + 'input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]\n' + _OUT,
+        GATED_PY,
+    )
+    srv = run_appliance(repo)
+    answers: queue.Queue[object] = queue.Queue()
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    client.start_stream(callback=lambda result, error: answers.put(error or result))
+    try:
+        for i, value in enumerate((0, 7)):
+            tensor = grpcclient.InferInput("IN", [1], "INT32")
+            tensor.set_data_from_numpy(np.array([value], np.int32))
+            client.async_stream_infer("gated", [tensor], request_id=str(i))
+        seen = [_out(answers.get(timeout=120)) for _ in range(2)]
+        assert sorted(seen) == [0, 7]  # request 1 answered while request 0 still runs
+        (gate / "open").touch()
+        assert _out(answers.get(timeout=120)) == 100
+    finally:
+        (gate / "open").touch()
+        client.stop_stream()
