@@ -148,23 +148,9 @@ CASES = [
         _parameters_models,
         {},
     ),
-    (
-        "L0_parameters",
-        "parameters_test.py",
-        ["InferenceParametersTest.test_headers"],
-        _parameters_models,
-        {
-            "http_header_forward_pattern": "MY_HEADER.*",
-            "grpc_header_forward_pattern": "MY_HEADER.*",
-        },
-    ),
-    (
-        "L0_parameters",
-        "parameters_test.py",
-        ["InferenceParametersTest.test_grpc_header_forward_pattern_case_sensitive"],
-        _parameters_models,
-        {"grpc_header_forward_pattern": "(?-i)MY_HEADER.*"},
-    ),
+    # test_headers and test_grpc_header_forward_pattern_case_sensitive send a gRPC
+    # header whose value ends with a space, which RFC 9113 calls malformed: the stream
+    # is reset (docs/triton-compatibility.md); tests/test_triton_python_api.py has them
     (
         "L0_parameters",
         "parameters_test.py",
