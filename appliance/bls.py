@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,7 +139,7 @@ async def call_async(request: InferenceRequest) -> InferenceResponse:
 
 def call_stream(
     request: InferenceRequest, timeout_s: float | None = None
-) -> Iterator[InferenceResponse | ApplianceError]:
+) -> Generator[InferenceResponse | ApplianceError]:
     """Run a (decoupled) model and yield its responses as they come (blocking); an
     error the model sent comes as an :class:`ApplianceError` item."""
     binding = _binding()
@@ -170,17 +170,57 @@ def call_stream(
     def more() -> bool:
         return len(results) > taken or future.done()
 
-    while True:
-        with ready:
-            if not ready.wait_for(more, timeout_s):
-                future.cancel()
-                raise unavailable(f"BLS: model '{request.model_name}' did not answer in time")
-            batch = results[taken:]
-        taken += len(batch)
-        for item, final in batch:
-            yield item  # as Triton: the final response may be empty, and is yielded too
+    try:
+        while True:
+            with ready:
+                if not ready.wait_for(more, timeout_s):
+                    raise unavailable(f"BLS: model '{request.model_name}' did not answer in time")
+                batch = results[taken:]
+            taken += len(batch)
+            for item, final in batch:
+                yield item  # as Triton: the final response may be empty, and is yielded too
+                if final:
+                    return
+            if future.done() and taken == len(results):
+                future.result()  # re-raise a failure of the pump itself
+                return
+    finally:
+        # the caller stopped reading early (or timed out): the called model's request
+        # is cancelled, which it sees
+        future.cancel()
+
+
+async def call_stream_async(
+    request: InferenceRequest,
+) -> AsyncIterator[InferenceResponse | ApplianceError]:
+    """:func:`call_stream` on the caller's own event loop (``async_exec(decoupled=True)``)."""
+    binding = _binding()
+    _check_thread(binding, request)
+    items: asyncio.Queue[tuple[InferenceResponse | ApplianceError, bool]] = asyncio.Queue()
+    caller = asyncio.get_running_loop()
+
+    async def pump() -> None:
+        try:
+            async for item in binding.executor.infer_stream(request):
+                caller.call_soon_threadsafe(items.put_nowait, item)
+        except ApplianceError as exc:
+            caller.call_soon_threadsafe(items.put_nowait, (exc, True))
+
+    future = asyncio.run_coroutine_threadsafe(pump(), binding.loop)
+    future.add_done_callback(
+        lambda f: (
+            f.cancelled()
+            or f.exception() is None
+            or caller.call_soon_threadsafe(
+                items.put_nowait, (unavailable(f"BLS: {f.exception()}"), True)
+            )
+        )
+    )
+    try:
+        while True:
+            item, final = await items.get()
+            yield item
             if final:
                 return
-        if future.done() and taken == len(results):
-            future.result()  # re-raise a failure of the pump itself
-            return
+    finally:
+        future.cancel()

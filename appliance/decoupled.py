@@ -140,25 +140,67 @@ class ResponseStream:
                 return
 
 
+class CancelFlag:
+    """Whether the caller of one request (or of every request of a batch) went away;
+    set on the event loop, read from any thread (the model's ``is_cancelled()``)."""
+
+    __slots__ = ("_parts", "_set")
+
+    def __init__(self, parts: tuple[CancelFlag, ...] = ()) -> None:
+        self._set = False
+        self._parts = parts
+
+    @classmethod
+    def all_of(cls, flags: list[CancelFlag]) -> CancelFlag:
+        """A batch's flag: set once every request in it was cancelled."""
+        return cls(tuple(flags))
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        if self._parts:
+            return all(p.is_set() for p in self._parts)
+        return self._set
+
+
 class RequestInputs(dict[str, np.ndarray]):
-    """A request's inputs plus the stream its responses go to and the request's own
-    parameters (Triton's generate extension passes them on)."""
+    """A request's inputs plus what travels with them to the model: the stream a
+    decoupled model answers to (None for a regular model), the request's own
+    parameters (Triton's ``request.parameters()``) and its cancel flag."""
 
     def __init__(
         self,
         inputs: dict[str, np.ndarray],
-        stream: ResponseStream,
+        stream: ResponseStream | None,
         parameters: dict[str, str | int | float | bool] | None = None,
+        cancel: CancelFlag | None = None,
     ) -> None:
         super().__init__(inputs)
         self.stream = stream
         self.parameters = parameters or {}
+        self.cancel = cancel or CancelFlag()
 
 
 def parameters_of(inputs: dict[str, np.ndarray]) -> dict[str, str | int | float | bool]:
-    """The request parameters that travel with a decoupled request's inputs."""
+    """The request parameters that travel with a request's inputs."""
     found = getattr(inputs, "parameters", None)
     return found if isinstance(found, dict) else {}
+
+
+def cancel_of(inputs: dict[str, np.ndarray]) -> CancelFlag | None:
+    """The cancel flag that travels with a request's inputs, if any."""
+    found = getattr(inputs, "cancel", None)
+    return found if isinstance(found, CancelFlag) else None
+
+
+def with_context(
+    inputs: dict[str, np.ndarray], parameters: dict[str, str | int | float | bool]
+) -> RequestInputs:
+    """``inputs`` as a :class:`RequestInputs` (as they are when they already are one)."""
+    if isinstance(inputs, RequestInputs):
+        return inputs
+    return RequestInputs(inputs, None, parameters)
 
 
 def stream_of(inputs: dict[str, np.ndarray], model: str) -> ResponseStream:

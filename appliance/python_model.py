@@ -18,53 +18,61 @@ A model that loops over ``requests`` and handles whole tensors works unchanged.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from appliance import bls, datatypes
+from appliance import bls
 from appliance.errors import ApplianceError, Code
+from appliance.python_helpers import (
+    TRITONSERVER_REQUEST_FLAG_SEQUENCE_END,
+    TRITONSERVER_REQUEST_FLAG_SEQUENCE_START,
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+    InferenceResponseSender,
+    Logger,
+    TritonError,
+    TritonModelException,
+    bls_parameters,
+    deserialize_bytes_tensor,
+    get_input_config_by_name,
+    get_input_tensor_by_name,
+    get_output_config_by_name,
+    get_output_tensor_by_name,
+    json_text,
+    model_config,
+    numpy_to_triton_type,
+    serialize_byte_tensor,
+    triton_string_to_numpy,
+    triton_to_numpy_type,
+    using_decoupled_model_transaction_policy,
+)
 from appliance.request import InferenceRequest as _Request
 from appliance.request import InferenceResponse as _Response
 
-TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
-TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
-TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
-_log = logging.getLogger("appliance.python_model")
-
-
-class TritonError(Exception):
-    """An error a model returns (``InferenceResponse(error=...)``) or raises.
-
-    ``INVALID_ARG`` becomes a client error (HTTP 400); every other code an
-    internal error counted as a backend failure.
-    """
-
-    UNKNOWN = 0
-    INTERNAL = 1
-    NOT_FOUND = 2
-    INVALID_ARG = 3
-    UNAVAILABLE = 4
-    UNSUPPORTED = 5
-    ALREADY_EXISTS = 6
-    CANCELLED = 7
-
-    def __init__(self, message: str, code: int = INTERNAL) -> None:
-        super().__init__(message)
-        self._message = message
-        self._code = code
-
-    def message(self) -> str:
-        return self._message
-
-    def code(self) -> int:
-        return self._code
-
-
-class TritonModelException(Exception):
-    """Raised by Triton's utilities on misuse; kept for models that catch it."""
+__all__ = [
+    "TRITONSERVER_REQUEST_FLAG_SEQUENCE_END",
+    "TRITONSERVER_REQUEST_FLAG_SEQUENCE_START",
+    "TRITONSERVER_RESPONSE_COMPLETE_FINAL",
+    "InferenceRequest",
+    "InferenceResponse",
+    "InferenceResponseSender",
+    "Logger",
+    "Tensor",
+    "TritonError",
+    "TritonModelException",
+    "deserialize_bytes_tensor",
+    "get_input_config_by_name",
+    "get_input_tensor_by_name",
+    "get_output_config_by_name",
+    "get_output_tensor_by_name",
+    "model_config",
+    "numpy_to_triton_type",
+    "serialize_byte_tensor",
+    "triton_string_to_numpy",
+    "triton_to_numpy_type",
+    "using_decoupled_model_transaction_policy",
+]
 
 
 class Tensor:
@@ -118,7 +126,7 @@ class InferenceResponse:
     ) -> None:
         self._outputs = output_tensors or []
         self._error = error
-        self._parameters = _json_text(parameters)
+        self._parameters = json_text(parameters)
 
     def output_tensors(self) -> list[Tensor]:
         return self._outputs
@@ -131,38 +139,6 @@ class InferenceResponse:
 
     def parameters(self) -> str:
         return self._parameters
-
-
-def _json_text(parameters: dict[str, Any] | str | None) -> str:
-    return parameters if isinstance(parameters, str) else json.dumps(parameters or {})
-
-
-# (response or None, final) -> delivered to the caller of a decoupled model
-Deliver = Callable[[InferenceResponse | None, bool], None]
-
-
-class InferenceResponseSender:
-    """A decoupled model's way to answer: ``send(response, flags)`` any number of
-    times, from any thread, the last one with ``flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL``
-    (with or without a response). Sending after the final response is an error."""
-
-    def __init__(self, deliver: Deliver, cancelled: Callable[[], bool] | None = None) -> None:
-        self._deliver = deliver
-        self._closed = False
-        self._cancelled = cancelled
-
-    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
-        if self._closed:
-            raise TritonError("the final response was already sent for this request")
-        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        if response is None and not final:
-            raise TritonError("send() needs a response unless flags mark the final one")
-        self._closed = final
-        self._deliver(response, final)
-
-    def is_cancelled(self) -> bool:
-        """True once the caller went away (a closed stream): the model may stop."""
-        return self._cancelled is not None and self._cancelled()
 
 
 def _error_of(exc: ApplianceError) -> TritonError:
@@ -210,8 +186,9 @@ class InferenceRequest:
         self._correlation_id = correlation_id
         self._flags = flags
         self._timeout = timeout
-        self._parameters = _json_text(parameters)
+        self._parameters = bls_parameters(parameters)
         self._sender = response_sender
+        self._cancelled: Callable[[], bool] | None = None  # set by the Python backend
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -235,17 +212,22 @@ class InferenceRequest:
         return self._timeout
 
     def parameters(self) -> str:
+        """The request's own parameters as a JSON object (Triton's): those the client
+        sent that are not the server's (``sequence_*``, ``priority``, ``timeout``,
+        ``binary_data_output``, ``headers``, ``triton_*`` are not in it)."""
         return self._parameters
 
     def is_cancelled(self) -> bool:
+        """True once the caller went away (a reset HTTP connection, a cancelled gRPC
+        call or stream): the model may stop and answer with an error."""
+        if self._cancelled is not None and self._cancelled():
+            return True
         return self._sender is not None and self._sender.is_cancelled()
 
     def get_response_sender(self) -> InferenceResponseSender:
         if self._sender is None:
-            raise TritonError(
-                "get_response_sender() is for decoupled models "
-                "(model_transaction_policy { decoupled: true })",
-                TritonError.UNSUPPORTED,
+            raise TritonModelException(
+                "get_response_sender() is for requests a model receives in execute()"
             )
         return self._sender
 
@@ -253,6 +235,7 @@ class InferenceRequest:
         if not self._model_name:
             raise TritonError("a BLS request needs model_name", TritonError.INVALID_ARG)
         version = "" if self._model_version in (-1, 0) else str(self._model_version)
+        parameters = json.loads(self._parameters)
         return _Request(
             model_name=self._model_name,
             inputs={t.name(): t.as_numpy() for t in self._inputs},
@@ -260,13 +243,15 @@ class InferenceRequest:
             outputs=tuple(self._outputs),
             id=self._id,
             timeout_us=self._timeout or None,
+            parameters=parameters if isinstance(parameters, dict) else {},
         )
 
     def exec(self, decoupled: bool = False) -> Any:
         """Run the request on its model and wait; errors come back in the response,
-        as in Triton. ``decoupled=True``: an iterator over the model's responses."""
+        as in Triton. ``decoupled=True``: an iterator over the model's responses (its
+        ``cancel()`` tells the model the caller went away)."""
         if decoupled:
-            return self._exec_stream()
+            return ResponseIterator(self._exec_stream())
         try:
             return _response_of(bls.call(self._as_request()))
         except ApplianceError as exc:
@@ -274,15 +259,21 @@ class InferenceRequest:
 
     def _exec_stream(self) -> Iterator[InferenceResponse]:
         try:
-            for item in bls.call_stream(self._as_request()):
+            items = bls.call_stream(self._as_request())
+        except ApplianceError as exc:
+            yield _response_of(exc)
+            return
+        try:
+            for item in items:
                 yield _response_of(item)
         except ApplianceError as exc:
             yield _response_of(exc)
+        finally:
+            items.close()  # early: the called model's request is cancelled
 
-    def async_exec(self, decoupled: bool = False) -> Awaitable[InferenceResponse]:
-        """:meth:`exec` as an awaitable, for ``async def execute``."""
-        if decoupled:
-            raise TritonError("async_exec(decoupled=True) is not supported; use exec()")
+    def async_exec(self, decoupled: bool = False) -> Awaitable[Any]:
+        """:meth:`exec` as an awaitable, for ``async def execute``; ``decoupled=True``
+        resolves to an iterator over every response of the called model."""
 
         async def run() -> InferenceResponse:
             try:
@@ -290,86 +281,32 @@ class InferenceRequest:
             except ApplianceError as exc:
                 return _response_of(exc)
 
-        return run()
+        async def run_stream() -> ResponseIterator:
+            responses: list[InferenceResponse] = []
+            try:
+                async for item in bls.call_stream_async(self._as_request()):
+                    responses.append(_response_of(item))
+            except ApplianceError as exc:
+                responses.append(_response_of(exc))
+            return ResponseIterator(iter(responses))
+
+        return run_stream() if decoupled else run()
 
 
-class Logger:
-    """``pb_utils.Logger.log_info(...)``: lines in the server's log."""
+class ResponseIterator:
+    """The responses of a BLS call to a decoupled model, as they come."""
 
-    @staticmethod
-    def log(message: str, level: int = logging.INFO) -> None:
-        _log.log(level, "%s", message)
+    def __init__(self, responses: Iterator[InferenceResponse]) -> None:
+        self._responses = responses
 
-    @staticmethod
-    def log_info(message: str) -> None:
-        _log.info("%s", message)
+    def __iter__(self) -> ResponseIterator:
+        return self
 
-    @staticmethod
-    def log_warn(message: str) -> None:
-        _log.warning("%s", message)
+    def __next__(self) -> InferenceResponse:
+        return next(self._responses)
 
-    @staticmethod
-    def log_error(message: str) -> None:
-        _log.error("%s", message)
-
-    @staticmethod
-    def log_verbose(message: str) -> None:
-        _log.debug("%s", message)
-
-
-def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
-    return next((t for t in request.inputs() if t.name() == name), None)
-
-
-def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:
-    return next((t for t in response.output_tensors() if t.name() == name), None)
-
-
-def get_input_config_by_name(model_config: dict[str, Any], name: str) -> dict[str, Any] | None:
-    return next((t for t in model_config.get("input", []) if t["name"] == name), None)
-
-
-def get_output_config_by_name(model_config: dict[str, Any], name: str) -> dict[str, Any] | None:
-    return next((t for t in model_config.get("output", []) if t["name"] == name), None)
-
-
-def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bool:
-    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
-
-
-def triton_string_to_numpy(config_type: str) -> Any:
-    """``TYPE_FP32`` -> ``numpy.float32`` (``TYPE_STRING`` -> ``numpy.object_``)."""
-    return datatypes.to_numpy_dtype(datatypes.from_config_type(config_type)).type
-
-
-def triton_to_numpy_type(datatype: str) -> Any:
-    """``FP32`` -> ``numpy.float32`` (KServe names, as Triton's helper takes them)."""
-    return datatypes.to_numpy_dtype(datatype).type
-
-
-def numpy_to_triton_type(dtype: Any) -> str:
-    return datatypes.from_numpy_dtype(np.dtype(dtype))
-
-
-def serialize_byte_tensor(array: np.ndarray) -> np.ndarray:
-    """BYTES elements -> Triton's wire form (4-byte little-endian length + bytes)."""
-    raw = datatypes.to_raw(np.asarray(array, dtype=object))
-    return np.frombuffer(bytes(raw), dtype=np.uint8)
-
-
-def deserialize_bytes_tensor(encoded: bytes) -> np.ndarray:
-    raw = bytes(encoded)
-    out, offset = [], 0
-    while offset < len(raw):
-        size = int.from_bytes(raw[offset : offset + 4], "little")
-        out.append(raw[offset + 4 : offset + 4 + size])
-        offset += 4 + size
-    arr = np.empty(len(out), dtype=object)
-    arr[:] = out
-    return arr
-
-
-def model_config(args: dict[str, str]) -> dict[str, Any]:
-    """The model config ``initialize`` received, parsed (``json.loads(args["model_config"])``)."""
-    parsed: dict[str, Any] = json.loads(args["model_config"])
-    return parsed
+    def cancel(self) -> None:
+        """Stop reading: the called model sees its request cancelled."""
+        close = getattr(self._responses, "close", None)
+        if close is not None:
+            close()

@@ -52,6 +52,7 @@ LAYERS: list[tuple[str, ...]] = [
         "appliance.decoupled",
         "appliance.bls",
         "appliance.python_model",
+        "appliance.python_helpers",
         "appliance.process_env",
         "appliance.heap",
     ),
@@ -80,6 +81,7 @@ BELOW_ADAPTERS = (
     "appliance.decoupled",
     "appliance.bls",
     "appliance.python_model",
+    "appliance.python_helpers",
     "appliance.process_env",
     "appliance.backends",
 )

@@ -223,12 +223,16 @@ ENSEMBLE_OF_DECOUPLED = """
 name: "ens"
 platform: "ensemble"
 max_batch_size: 0
-input [ { name: "X" data_type: TYPE_INT32 dims: [ -1 ] } ]
+input [ { name: "X" data_type: TYPE_INT32 dims: [ -1 ] },
+        { name: "D" data_type: TYPE_UINT32 dims: [ -1 ] },
+        { name: "W" data_type: TYPE_UINT32 dims: [ 1 ] } ]
 output [ { name: "Y" data_type: TYPE_INT32 dims: [ 1 ] } ]
 ensemble_scheduling { step [ {
   model_name: "repeat_int32"
   model_version: -1
   input_map { key: "IN" value: "X" }
+  input_map { key: "DELAY" value: "D" }
+  input_map { key: "WAIT" value: "W" }
   output_map { key: "OUT" value: "Y" }
 } ] }
 """
@@ -249,7 +253,7 @@ ensemble_scheduling { step [ {
 """
 
 
-def test_pbtxt_ensembles_without_batching_and_no_decoupled_steps(
+def test_pbtxt_ensembles_without_batching_and_with_decoupled_steps(
     run_appliance: Any, tmp_path: Path
 ) -> None:
     repo = write_triton_repository(tmp_path / "repo")
@@ -258,7 +262,21 @@ def test_pbtxt_ensembles_without_batching_and_no_decoupled_steps(
         (repo / name / "config.pbtxt").write_text(text)
     srv = run_appliance(repo, load_model=["repeat_int32", "add_sub"])
     client = httpclient.InferenceServerClient(srv.url)
-    _fails(lambda: client.load_model("ens"), "failed to load 'ens'", "is decoupled")
+    # a decoupled step makes the ensemble decoupled: streamed only (Triton's; the
+    # streaming itself: tests/core/test_ensemble_decoupled.py)
+    client.load_model("ens")
+    inputs = [
+        httpclient.InferInput(n, [1], t).set_data_from_numpy(np.array([1], d))
+        for n, t, d in (
+            ("X", "INT32", np.int32),
+            ("D", "UINT32", np.uint32),
+            ("W", "UINT32", np.uint32),
+        )
+    ]
+    _fails(
+        lambda: client.infer("ens", inputs),
+        "HTTP end point doesn't support models with decoupled transaction policy",
+    )
     # "max_batch_size: 0" is what protobuf text leaves out: an ensemble then does not batch
     client.load_model("ens_ok")
     result = client.infer("ens_ok", _http_inputs(A=X))

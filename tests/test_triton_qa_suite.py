@@ -70,6 +70,38 @@ def _http_models(qa: Path, repo: Path) -> None:
     )
 
 
+def _decoupled_models(qa: Path, repo: Path) -> None:
+    """L0_decoupled's ``python_models``: our own equivalents of the models its test.sh
+    and Triton's QA image put there (python_backend's ``examples/decoupled``), a Python
+    model in place of the libtorch one ``fan_repeat`` reads."""
+    from tests.core.test_ensemble_decoupled import decoupled_repository
+
+    decoupled_repository(repo)
+
+
+def _parameters_models(qa: Path, repo: Path) -> None:
+    """L0_parameters' ``model_repository`` (its ``parameter`` model and ``ensemble``),
+    with a Python ``identity`` for Triton's identity backend."""
+    for name in ("parameter", "ensemble"):
+        shutil.copytree(qa / "L0_parameters" / "model_repository" / name, repo / name)
+    (repo / "ensemble" / "1").mkdir(exist_ok=True)
+    identity = repo / "identity"
+    (identity / "1").mkdir(parents=True)
+    (identity / "1" / "model.py").write_text(
+        "import triton_python_backend_utils as pb_utils\n\n\n"
+        "class TritonPythonModel:\n"
+        "    def execute(self, requests):\n"
+        "        return [\n"
+        "            pb_utils.InferenceResponse(\n"
+        '                [pb_utils.Tensor("OUTPUT0", r.inputs()[0].as_numpy())]\n'
+        "            )\n"
+        "            for r in requests\n"
+        "        ]\n"
+    )
+    text = (qa / "L0_parameters" / "model_repository" / "identity" / "config.pbtxt").read_text()
+    (identity / "config.pbtxt").write_text(text.replace('"identity"', '"python"'))
+
+
 # suite folder, test file, unittest cases, how its models are made, server options
 CASES = [
     (
@@ -104,6 +136,41 @@ CASES = [
         "logging_endpoint_test.py",
         ["LogEndpointTest"],
         lambda qa, repo: None,  # no model needed
+        {},
+    ),
+    (
+        "L0_parameters",
+        "parameters_test.py",
+        [
+            "InferenceParametersTest.test_params",
+            "InferenceParametersTest.test_params_reserved_rejected",
+        ],
+        _parameters_models,
+        {},
+    ),
+    # test_headers and test_grpc_header_forward_pattern_case_sensitive send a gRPC
+    # header whose value ends with a space, which RFC 9113 calls malformed: the stream
+    # is reset (docs/triton-compatibility.md); tests/test_triton_python_api.py has them
+    (
+        "L0_parameters",
+        "parameters_test.py",
+        ["InferenceParametersTest.test_headers_reserved_rejected"],
+        _parameters_models,
+        {"http_header_forward_pattern": ".*", "grpc_header_forward_pattern": ".*"},
+    ),
+    (
+        "L0_decoupled",
+        "decoupled_test.py",
+        [
+            f"DecoupledTest.{case}"
+            for case in (
+                "test_one_to_none",
+                "test_one_to_one",
+                "test_no_streaming",
+                "test_wrong_shape",
+            )
+        ],
+        _decoupled_models,
         {},
     ),
     (

@@ -59,16 +59,57 @@ SERVER_PARAMETERS = frozenset(
         "triton_enable_empty_final_response",
     )
 )
-_SCALARS = ("bool_param", "int64_param", "uint64_param", "double_param", "string_param")
+# the kinds a custom parameter may have (Triton refuses uint64_param there)
+_SCALARS = ("bool_param", "int64_param", "double_param", "string_param")
+
+
+# the one ``triton_`` key a gRPC request may carry (Triton's list)
+GRPC_TRITON_PARAMETERS = ("triton_enable_empty_final_response",)
 
 
 def own_parameters(params: Any) -> dict[str, str | int | float | bool]:
-    """A gRPC request's parameters that are not the server's, as plain values."""
+    """A gRPC request's parameters that are not the server's, as plain values (the
+    model's ``request.parameters()``); a ``triton_`` key other than Triton's own is
+    refused with Triton's text."""
     out: dict[str, str | int | float | bool] = {}
     for key, value in params.items():
+        if key.startswith("triton_") and key not in GRPC_TRITON_PARAMETERS:
+            raise invalid(
+                "parameter keys starting with 'triton_' are reserved for Triton usage. "
+                "Only the following keys starting with 'triton_' are allowed: "
+                + " ".join(GRPC_TRITON_PARAMETERS)
+            )
         kind = value.WhichOneof("parameter_choice")
-        if key not in SERVER_PARAMETERS and kind in _SCALARS:
-            out[key] = getattr(value, kind)
+        if key in SERVER_PARAMETERS:
+            continue
+        if kind not in _SCALARS:
+            raise invalid(
+                f"invalid value type for '{key}' parameter, expected int64_param, "
+                "bool_param, or string_param."
+            )
+        out[key] = getattr(value, kind)
+    return out
+
+
+def json_parameters(params: dict[str, Any]) -> dict[str, str | int | float | bool]:
+    """A KServe JSON request's parameters that are not the server's (the model's
+    ``request.parameters()``): strings, numbers and booleans, as Triton takes them; a
+    ``triton_`` key or another type is refused with Triton's text."""
+    out: dict[str, str | int | float | bool] = {}
+    for key, value in params.items():
+        if key.startswith("triton_"):
+            raise invalid(
+                "parameter keys starting with 'triton_' are reserved for Triton usage "
+                "and should not be specified."
+            )
+        if key in SERVER_PARAMETERS:
+            continue
+        if not isinstance(value, (str, int, float, bool)):
+            raise invalid(
+                f"parameter '{key}' has invalid type. It should be either 'int', 'bool', "
+                "or 'string'."
+            )
+        out[key] = value
     return out
 
 

@@ -63,6 +63,7 @@ from appliance.backends.process_ipc import (
     write_tensors,
 )
 from appliance.config.fields import ConfigError
+from appliance.decoupled import CancelFlag, cancel_of, parameters_of
 from appliance.errors import ApplianceError, Code, FailureReason, internal, unavailable
 
 log = logging.getLogger(__name__)
@@ -205,6 +206,8 @@ class ProcessBackend:
         self._failures = 0  # consecutive
         self._retry_at = 0.0
         self.healthy = True  # False once the instance gave up (crash loop)
+        # a Python model reads its request's parameters and cancel flag: they cross too
+        self.request_context = backend == "python"
         self._spawn()
         try:
             reply = self._await_start()
@@ -258,15 +261,20 @@ class ProcessBackend:
         with contextlib.suppress(OSError):  # it died already: _await_start reports how
             send_frame(parent, self._init)
 
-    def _recv(self, deadline: float | None) -> dict[str, Any]:
+    def _recv(self, deadline: float | None, cancel: CancelFlag | None = None) -> dict[str, Any]:
         worker = self._worker
         assert worker is not None
+        told = False
 
         def idle() -> None:
+            nonlocal told
             if worker.proc.poll() is not None:
                 raise _Died
             if deadline is not None and time.monotonic() > deadline:
                 raise _TimedOut("no answer in time")
+            if cancel is not None and not told and cancel.is_set():
+                told = True  # the caller went away: the model's is_cancelled() turns True
+                send_frame(worker.sock, {"op": "cancel"})
 
         try:
             return recv_frame(worker.sock, idle)
@@ -375,10 +383,16 @@ class ProcessBackend:
         segment = worker.segment
         described = write_tensors(segment, inputs, 0)
         timeout = self._settings.execute_timeout_s
-        message = {"op": "infer", "size": segment.size, "inputs": described, "outputs": outputs}
+        message = {
+            "op": "infer",
+            "size": segment.size,
+            "inputs": described,
+            "outputs": outputs,
+            "parameters": parameters_of(inputs),
+        }
         try:
             send_frame(worker.sock, message)
-            reply = self._recv(time.monotonic() + timeout if timeout else None)
+            reply = self._recv(time.monotonic() + timeout if timeout else None, cancel_of(inputs))
         except (_Died, OSError):
             raise self._died() from None
         except _TimedOut:

@@ -4,7 +4,9 @@ Started by :mod:`appliance.backends.process_host` as a fresh interpreter (``pyth
 backends.process_worker SOCKET_FD SEGMENT_FD SEGMENT_SIZE PARENT_PID``), never
 forked from the threaded server. It hosts one instance of any backend by name
 and answers the server's control frames (see :mod:`appliance.backends.process_ipc`):
-``init`` (load the model), ``infer`` (tensors in the shared segment), ``close``.
+``init`` (load the model), ``infer`` (tensors in the shared segment, the request's
+parameters), ``cancel`` (the caller of the running request went away: a reader thread
+sets its flag, which a Python model's ``is_cancelled()`` reads), ``close``.
 
 Confinement: the process inherits only its two channels (every other descriptor
 of the server is closed at exec), runs in the model's folder, and refuses a model
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import resource
 import signal
 import socket
@@ -41,6 +44,7 @@ from appliance.backends.process_ipc import (
     specs_to_wire,
     write_tensors,
 )
+from appliance.decoupled import CancelFlag, RequestInputs
 from appliance.errors import invalid
 
 
@@ -61,19 +65,50 @@ def _options(message: dict[str, Any]) -> tuple[str, BackendOptions]:
     return str(message["backend"]), options_from_wire(message["options"])
 
 
-def _serve(sock: socket.socket, segment: Segment, backend: Backend) -> None:
+def _read(sock: socket.socket, work: queue.SimpleQueue[dict[str, Any] | None]) -> None:
+    """The reader thread: ``infer`` and ``close`` frames to the main thread, in order;
+    a ``cancel`` frame sets the cancel flag of the request running now (the server
+    sends one only while it waits for that request's answer)."""
     while True:
         try:
             message = recv_frame(sock)
-        except ChannelClosed:
+        except (ChannelClosed, ValueError, OSError):
+            work.put(None)
             return
+        if message.get("op") == "cancel":
+            flag = _running.get("cancel")
+            if flag is not None:
+                flag.set()
+            continue
+        if message.get("op") == "infer":
+            _running["cancel"] = CancelFlag()  # before the main thread sees the request
+        work.put(message)
+        if message.get("op") == "close":
+            return
+
+
+_running: dict[str, CancelFlag] = {}  # the cancel flag of the request running now
+
+
+def _serve(sock: socket.socket, segment: Segment, backend: Backend) -> None:
+    work: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+    threading.Thread(target=_read, args=(sock, work), daemon=True).start()
+    while (message := work.get()) is not None:
         if message.get("op") == "close":
             backend.close()
             send_frame(sock, {"ok": True})
             return
         try:
             segment.remap(int(message["size"]))
-            inputs = read_tensors(segment, message["inputs"], copy=False)
+            views = read_tensors(segment, message["inputs"], copy=False)
+            parameters = message.get("parameters")
+            inputs = RequestInputs(
+                views,
+                None,
+                parameters if isinstance(parameters, dict) else {},
+                _running.get("cancel"),
+            )
+            del views
             end = max((d[3] + d[4] for d in message["inputs"]), default=0)
             outputs = backend.infer(inputs, [str(n) for n in message["outputs"]])
             del inputs  # views of the segment: valid during this call only

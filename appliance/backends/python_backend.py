@@ -73,6 +73,9 @@ def _as_error(model: str, error: BaseException) -> ApplianceError:
 class PythonBackend:
     """One ``TritonPythonModel`` object; see the module docstring for the contract."""
 
+    # a request's parameters and cancel flag travel with its inputs (``RequestInputs``)
+    request_context = True
+
     def __init__(self, options: BackendOptions) -> None:
         self._name = options.model_name
         self.inputs: list[TensorSpec] = list(options.inputs)
@@ -148,9 +151,16 @@ class PythonBackend:
         tensors = [pb.Tensor(n, a) for n, a in inputs.items()]
         if self._decoupled:
             return self._infer_decoupled(tensors, outputs, inputs)
-        request = pb.InferenceRequest(tensors, outputs, model_name=self._name)
+        sent: list[pb.InferenceResponse | None] = []
+        # a regular model may answer through the sender too: one response, final
+        sender = pb.InferenceResponseSender(
+            lambda response, _final: sent.append(response), decoupled=False
+        )
+        request = self._request(tensors, outputs, inputs, sender)
         responses = self._execute([request])
-        if not isinstance(responses, list) or len(responses) != 1:
+        if responses is None and sent:
+            responses = sent[:1]
+        if not isinstance(responses, list) or len(responses) != 1 or responses[0] is None:
             raise internal(
                 f"model '{self._name}': execute must return one InferenceResponse per request",
                 FailureReason.BACKEND,
@@ -162,12 +172,32 @@ class PythonBackend:
         result = {t.name(): t.as_numpy() for t in response.output_tensors()}
         return {n: result[n] for n in outputs if n in result}
 
+    def _request(
+        self,
+        tensors: list[pb.Tensor],
+        outputs: list[str],
+        inputs: dict[str, np.ndarray],
+        sender: pb.InferenceResponseSender,
+    ) -> pb.InferenceRequest:
+        """The request ``execute`` sees, with the parameters and the cancel flag that
+        travel with ``inputs`` (:class:`appliance.decoupled.RequestInputs`)."""
+        request = pb.InferenceRequest(
+            tensors,
+            outputs,
+            model_name=self._name,
+            response_sender=sender,
+            parameters=json.dumps(decoupled.parameters_of(inputs)),
+        )
+        flag = decoupled.cancel_of(inputs)
+        if flag is not None:
+            request._cancelled = flag.is_set
+        return request
+
     def _infer_decoupled(
         self, tensors: list[pb.Tensor], outputs: list[str], stream_inputs: dict[str, np.ndarray]
     ) -> dict[str, np.ndarray]:
-        """Run ``execute`` for one request whose responses go to its stream (with its
-        parameters: Triton's generate extension passes them on); what this returns is
-        a placeholder (every response travelled through the stream)."""
+        """Run ``execute`` for one request whose responses go to its stream; what this
+        returns is a placeholder (every response travelled through the stream)."""
         stream = decoupled.stream_of(stream_inputs, self._name)
 
         def deliver(response: pb.InferenceResponse | None, final: bool) -> None:
@@ -183,13 +213,7 @@ class PythonBackend:
             stream.put({n: result[n] for n in wanted if n in result}, final)
 
         sender = pb.InferenceResponseSender(deliver, lambda: stream.cancelled)
-        request = pb.InferenceRequest(
-            tensors,
-            outputs,
-            model_name=self._name,
-            response_sender=sender,
-            parameters=decoupled.parameters_of(stream_inputs),
-        )
+        request = self._request(tensors, outputs, stream_inputs, sender)
         try:
             returned = self._execute([request])
         except ApplianceError as exc:

@@ -95,6 +95,11 @@ class ServerConfig:
     # none given: the most any loaded instance needs)
     rate_limit: str = "off"
     rate_limit_resources: tuple[ResourceTotal, ...] = ()
+    # Triton's --http-header-forward-pattern / --grpc-header-forward-pattern: the request
+    # headers whose names this regular expression finds (case-insensitively unless it
+    # starts with "(?-i)") become request parameters (strings); "": none
+    http_header_forward_pattern: str = ""
+    grpc_header_forward_pattern: str = ""
 
 
 # fields of ServerConfig that are derived, never read from a file
@@ -180,6 +185,8 @@ def load_server_config(path: Path | None, overrides: dict[str, Any]) -> ServerCo
         response_cache_size=_optional_size(data, source, "response_cache_size") or 0,
         rate_limit=rate_limit,
         rate_limit_resources=rate_limit_resources,
+        http_header_forward_pattern=_forward_pattern(f, "http_header_forward_pattern"),
+        grpc_header_forward_pattern=_forward_pattern(f, "grpc_header_forward_pattern"),
         **_control(f, path),
         **_limits(f),
     )
@@ -221,6 +228,25 @@ def _trace_settings(f: Fields) -> tuple[tuple[str, Any], ...]:
         ):
             raise f.fail(f"trace_settings.{key}", f"expected a string or a list, got {item!r}")
     return tuple((str(k), v) for k, v in value.items())
+
+
+def header_pattern(text: str) -> re.Pattern[str] | None:
+    """A header forward pattern compiled as Triton reads it: found anywhere in a
+    header's name, case-insensitively unless it starts with ``(?-i)``; None for ""."""
+    if not text:
+        return None
+    if text.startswith("(?-i)"):
+        return re.compile(text[len("(?-i)") :])
+    return re.compile(text, re.IGNORECASE)
+
+
+def _forward_pattern(f: Fields, key: str) -> str:
+    text = f.text(key, "")
+    try:
+        header_pattern(text)
+    except re.error as exc:
+        raise f.fail(key, f"expected a regular expression, got {text!r} ({exc})") from None
+    return text
 
 
 def _server_name(f: Fields) -> str:

@@ -55,6 +55,7 @@ from appliance.core.instances import InstanceGroup
 from appliance.core.queue_bytes import CONTENDED
 from appliance.core.rate_limiter import RateLimiter, Ticket, take_turn, wake
 from appliance.core.stats import ModelStats
+from appliance.decoupled import cancel_of
 from appliance.errors import ApplianceError, FailureReason, internal, unavailable
 from appliance.request import InferenceRequest
 
@@ -195,7 +196,10 @@ class DynamicBatcher:
         try:
             return await item.future
         except asyncio.CancelledError:
-            self._withdraw(item)  # still queued: nobody will resolve it now
+            # still queued: nobody will resolve it now; already running: the model may
+            # see that its caller went away (a Python model's ``is_cancelled()``)
+            if not self._withdraw(item) and (flag := cancel_of(item.inputs)) is not None:
+                flag.set()
             raise
 
     # ---- a cheap lone request, on the event loop --------------------------------------

@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from appliance.backends.base import Backend
+from appliance.decoupled import CancelFlag, RequestInputs, cancel_of
 from appliance.errors import ApplianceError, FailureReason, internal
 
 log = logging.getLogger(__name__)
@@ -257,6 +258,9 @@ def run_batch(
         batch = items[0]  # the common unbatched case: zero copies
     else:
         batch = {name: np.concatenate([it[name] for it in items]) for name in items[0]}
+        if isinstance(items[0], RequestInputs):  # requests with equal parameters
+            flags = [f for it in items if (f := cancel_of(it)) is not None]
+            batch = RequestInputs(batch, None, items[0].parameters, CancelFlag.all_of(flags))
     t1 = time.perf_counter_ns()
     result = backend.infer(batch, outputs)
     t2 = time.perf_counter_ns()

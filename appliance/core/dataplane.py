@@ -22,7 +22,7 @@ import numpy as np
 
 from appliance import names
 from appliance.config.triton_config import json_to_dict, to_triton_json
-from appliance.core import reshape
+from appliance.core import reshape, streaming
 from appliance.core.admission import Ticket
 from appliance.core.cuda_shared_memory import CudaSharedMemory
 from appliance.core.lifecycle import ModelLifeCycle
@@ -31,7 +31,7 @@ from appliance.core.queue_bytes import CONTENDED, Hold, QueuedBytes, default_lim
 from appliance.core.servable import Servable, State
 from appliance.core.shared_memory import SharedMemoryRegistry
 from appliance.core.trace import Tracer
-from appliance.decoupled import RequestInputs, ResponseStream, joined
+from appliance.decoupled import joined
 from appliance.errors import (
     ApplianceError,
     Code,
@@ -274,34 +274,14 @@ class DataPlane:
         if not mv.config.decoupled:
             yield await self._infer_one(mv, request, declared), True
             return
-        stream = ResponseStream(asyncio.get_running_loop(), mv.config.name)
-        request.inputs = RequestInputs(request.inputs, stream, request.parameters)
-        task = asyncio.get_running_loop().create_task(mv.infer(request, declared))
-
-        def ended(t: asyncio.Task[InferenceResponse]) -> None:
-            if not t.cancelled() and t.exception() is not None:
-                error = t.exception()
-                stream.fail(error if isinstance(error, ApplianceError) else unavailable(str(error)))
-
-        task.add_done_callback(ended)
-        finished = False
-        try:
-            async for item, final in stream:
-                finished = final
-                if isinstance(item, ApplianceError):
-                    yield item, final
-                    continue
-                outputs = reshape.outputs_for_client(mv.config, item or {})
-                response = InferenceResponse(mv.config.name, str(mv.version), outputs, request.id)
-                self._classify(request, response, mv.config)
-                yield response, final
-        finally:
-            if not task.done():
-                task.cancel()
-            if not finished:  # the caller went away: the model may stop generating
-                stream.cancel()
-            if stream.meter.output_tokens:
-                mv.stats.record_tokens(stream.meter)
+        async for item, final in streaming.responses(mv, request, declared):
+            if isinstance(item, ApplianceError):
+                yield item, final
+                continue
+            outputs = reshape.outputs_for_client(mv.config, item or {})
+            response = InferenceResponse(mv.config.name, str(mv.version), outputs, request.id)
+            self._classify(request, response, mv.config)
+            yield response, final
 
     async def infer_final(
         self, request: InferenceRequest, ticket: Ticket | None = None

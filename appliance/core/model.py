@@ -26,6 +26,7 @@ from appliance.core.rate_limiter import RateLimiter
 from appliance.core.response_cache import ResponseCache
 from appliance.core.servable import State, tensor_metadata
 from appliance.core.stats import ModelStats
+from appliance.decoupled import with_context
 from appliance.errors import ApplianceError, FailureReason
 from appliance.request import InferenceRequest, InferenceResponse
 
@@ -73,6 +74,10 @@ class ModelVersion:
         self.rules = RequestRules(config)
         # reshape only when the config asks for it (most configs don't)
         self._reshapes = any(t.reshape is not None for t in (*config.inputs, *config.outputs))
+        # engines that read a request's parameters and cancel flag (Python models)
+        self._context = any(
+            getattr(i.backend, "request_context", False) for i in instances.instances
+        )
         self.scheduler = scheduler.create(
             config, f"{config.name}:{version}", instances, self.stats, max_queue_size, limiter
         )
@@ -117,6 +122,10 @@ class ModelVersion:
                 inputs = reshape.inputs_for_model(self.config, request.inputs)
                 if inputs is not request.inputs:
                     request = replace(request, inputs=inputs)
+            if self._context:  # its parameters and cancel flag travel with the inputs
+                request = replace(request, inputs=with_context(request.inputs, request.parameters))
+                if request.parameters:  # only requests with equal parameters share a batch
+                    signature = (signature, tuple(sorted(request.parameters.items())))
             result = await self.scheduler.enqueue(request, outputs, rows, signature, timeout)
         except ApplianceError as exc:  # servable.failures_counted, inline on the hot path
             self.stats.record_error(exc, time.perf_counter_ns() - start)

@@ -36,7 +36,7 @@ def inputs_for_model(config: ModelConfig, inputs: dict[str, np.ndarray]) -> dict
         return inputs
     reshaped = _apply(inputs, config.inputs, config.batch_size > 0, True)
     if isinstance(inputs, RequestInputs):
-        return RequestInputs(reshaped, inputs.stream, inputs.parameters)
+        return RequestInputs(reshaped, inputs.stream, inputs.parameters, inputs.cancel)
     return reshaped
 
 

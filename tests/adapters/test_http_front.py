@@ -99,7 +99,10 @@ def test_pipelined_requests_are_answered_in_order(
         responses = Responses(sock)
         # four inferences, a route of aiohttp's in the middle of them, in one send
         sock.sendall(
-            _infer(_simple(1)) + _infer(_simple(2)) + GET_READY + _infer(_simple(3))
+            _infer(_simple(1))
+            + _infer(_simple(2))
+            + GET_READY
+            + _infer(_simple(3))
             + _infer(_simple(4))
         )
         answers = [responses.read() for _ in range(5)]
@@ -231,7 +234,8 @@ def test_the_front_takes_ordinary_heads() -> None:
         b"content-length: 17\r\nInference-Header-Content-Length: 9 \r\n"
         b"Authorization: Bearer a\r\nConnection: keep-alive, close\r\nAccept:\r\n\r\n"
     )
-    assert head == http_head.Head("my-model_2.onnx", "3", 17, "9", ("Bearer a",), False)
+    fields = (("host", "t"), ("Accept", ""))  # the others, as sent: to forward as parameters
+    assert head == http_head.Head("my-model_2.onnx", "3", 17, "9", ("Bearer a",), False, fields)
 
 
 def test_odd_heads_get_an_answer_and_the_server_keeps_serving(run_appliance: Any) -> None:

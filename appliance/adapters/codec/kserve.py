@@ -236,11 +236,7 @@ def parse_request(
         sequence_id=check_sequence_id(req_params.get("sequence_id", 0)),
         sequence_start=_flag(req_params, "sequence_start", "request"),
         sequence_end=_flag(req_params, "sequence_end", "request"),
-        parameters={
-            k: v
-            for k, v in req_params.items()
-            if k not in request_form.SERVER_PARAMETERS and isinstance(v, (str, int, float, bool))
-        },
+        parameters=request_form.json_parameters(req_params),
         priority=check_priority(req_params.get("priority", 0)),
     )
 

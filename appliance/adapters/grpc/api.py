@@ -9,10 +9,8 @@ any other exception is logged and answered INTERNAL. The listener that serves it
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -20,15 +18,13 @@ import grpc
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
-from appliance import datatypes
-from appliance.adapters import exchange, offload, request_form
-from appliance.adapters.grpc import calls, codec
+from appliance.adapters import exchange, forwarding, offload, request_form
+from appliance.adapters.grpc import calls, codec, stream
 from appliance.adapters.grpc import settings as grpc_settings
 from appliance.adapters.grpc import wire as grpc_wire
 from appliance.adapters.grpc.calls import Held
 from appliance.core.admission import Ticket
 from appliance.core.dataplane import DataPlane
-from appliance.core.queue_bytes import Hold
 from appliance.errors import ApplianceError, Code
 from appliance.request import InferenceResponse
 
@@ -43,9 +39,6 @@ STATUS = {
 }
 # messages above this are decoded/encoded on a worker thread: BYTES tensors and typed
 # contents are parsed element by element, which would stall every other call
-# requests of one stream in flight at once; past it the stream is not read further
-# (gRPC flow control then holds the client back)
-STREAM_WINDOW = 64
 
 R = TypeVar("R")
 S = TypeVar("S")
@@ -80,16 +73,6 @@ def _params(params: Any) -> dict[str, Any]:
     }
 
 
-def _declared_bytes(request: Any) -> int:
-    """What the request's inputs claim to weigh (BYTES counted as one byte an element)."""
-    total = 0
-    for tensor in request.inputs:
-        known = tensor.datatype in datatypes.DATATYPES
-        itemsize = datatypes.byte_size(tensor.datatype, [1]) if known else None
-        total += math.prod(tensor.shape) * (itemsize or 1)
-    return total
-
-
 class _InferWire(exchange.Wire[bytes]):
     """ModelInfer: the message's bytes -> the form (parsed once by protobuf's C parser;
     a big message's raw inputs as views of it); the answer -> the framed
@@ -99,34 +82,19 @@ class _InferWire(exchange.Wire[bytes]):
     joins = True
 
     def read(self, payload: Any, ticket: Ticket | None) -> request_form.RequestForm:
-        message = grpc_wire.parse_request(payload)
-        raw = grpc_wire.raw_contents(payload) if len(payload) > offload.OFFLOAD_BYTES else None
-        return codec.parse_request(message, raw)
+        wire, forwarded = payload
+        message = grpc_wire.parse_request(wire)
+        raw = grpc_wire.raw_contents(wire) if len(wire) > offload.OFFLOAD_BYTES else None
+        form = codec.parse_request(message, raw)
+        if forwarded:  # the call's headers the server forwards as parameters
+            forwarding.apply(form, forwarded)
+        return form
 
     def encode(self, response: InferenceResponse, fmt: Any, shm: Any) -> bytes:
         return grpc_wire.encode_response(response, fmt.shared_memory, shm, True)
 
 
-class _StreamWire(exchange.Wire[Any]):
-    """ModelStreamInfer: a parsed ``ModelInferRequest`` -> the form; the answer -> a
-    ``ModelInferResponse`` (the stream wraps it)."""
-
-    endpoint = "ModelStreamInfer RPC"
-    joins = True
-
-    def read(self, payload: Any, ticket: Ticket | None) -> request_form.RequestForm:
-        return codec.parse_request(payload)
-
-    def encode(self, response: InferenceResponse, fmt: Any, shm: Any) -> Any:
-        return codec.encode_response(response, fmt.shared_memory, shm)
-
-
-INFER, STREAM_INFER = _InferWire(), _StreamWire()
-
-
-def _releasing(hold: Hold) -> Callable[[Any], None]:
-    """A task's done callback that gives ``hold`` back."""
-    return lambda _: hold.release()
+INFER = _InferWire()
 
 
 class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
@@ -194,109 +162,23 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         released."""
         wire, hold = held
         size = len(wire)
-        await exchange.serve(self.dp, INFER, wire, size, hold=hold, deliver=context.answer)
+        forwarded = self._forwarded(context)
+        await exchange.serve(
+            self.dp, INFER, (wire, forwarded), size, hold=hold, deliver=context.answer
+        )
         return calls.ANSWERED
 
-    def _stream_error(self, request: Any, message: str) -> Any:
-        echo = service_pb2.ModelInferResponse(
-            model_name=request.model_name, model_version=request.model_version, id=request.id
-        )
-        return service_pb2.ModelStreamInferResponse(error_message=message, infer_response=echo)
+    def _forwarded(self, context: Any) -> forwarding.Headers:
+        """The call's headers forwarded as request parameters (the server's
+        ``grpc_header_forward_pattern``; none without one)."""
+        pattern = self.dp.lifecycle.server.grpc_header_forward_pattern
+        if not pattern:
+            return ()
+        return forwarding.select(context.invocation_metadata(), pattern)
 
-    async def _stream_one(self, held: Held, out: asyncio.Queue[Any]) -> None:
-        """One stream request -> its responses, put on ``out`` then ``None``, through the
-        one exchange (:func:`exchange.serve_stream`: its hold released once they are
-        all on ``out``). A failure becomes ``error_message`` so the stream goes on
-        (Triton's behaviour).
-
-        A decoupled model's responses each carry ``triton_final_response`` (true on
-        the last); a final flag sent without a response is answered with an empty
-        response only when the request sets ``triton_enable_empty_final_response``
-        (as Triton). A regular model's one response carries the flag only then.
-        """
-        request, hold = held
-        try:
-            if isinstance(request, (grpc_wire.Undecodable, calls.Refused)):
-                # a message that did not parse, or was refused before it was kept (its
-                # queued bytes did not fit): answered in the stream, which goes on
-                out.put_nowait(
-                    service_pb2.ModelStreamInferResponse(error_message=request.error.message)
-                )
-                return
-            empty_final = codec.param(
-                request.parameters, "triton_enable_empty_final_response", "bool_param", "request"
-            )
-            size = hold.nbytes if hold is not None else _declared_bytes(request)
-            answers = exchange.serve_stream(self.dp, STREAM_INFER, request, size, hold)
-            async for item, final, decoupled in answers:
-                if isinstance(item, ApplianceError):
-                    out.put_nowait(self._stream_error(request, item.message))
-                    continue
-                if decoupled and final and not item.outputs and not empty_final:
-                    continue  # only the final flag, and the client did not ask for it
-                if decoupled or empty_final:
-                    item.parameters["triton_final_response"].bool_param = final
-                out.put_nowait(service_pb2.ModelStreamInferResponse(infer_response=item))
-        except ApplianceError as exc:
-            out.put_nowait(self._stream_error(request, exc.message))
-        except Exception as exc:  # a bug: report it in-stream and keep serving
-            log.exception("unhandled error in gRPC ModelStreamInfer")
-            out.put_nowait(self._stream_error(request, f"internal error: {exc}"))
-        finally:
-            out.put_nowait(None)
-
-    async def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
-        """Bidirectional stream: requests run concurrently (up to ``STREAM_WINDOW``), and
-        responses go back grouped by request, in request order.
-
-        A reader task takes requests off the stream and starts one task per request,
-        which puts that request's responses (one, or 0..N for a decoupled model) on a
-        queue of its own; this generator drains the queues in request order. The
-        window semaphore is released by this generator once a request's responses are
-        all sent, so a slow model stops the reading, not the memory. When the call
-        ends (the client cancels, or the server stops after its grace), the reader
-        and every running task are cancelled.
-        """
-        window = asyncio.Semaphore(STREAM_WINDOW)
-        pending: asyncio.Queue[tuple[asyncio.Task[None], asyncio.Queue[Any]] | None]
-        pending = asyncio.Queue()
-        running: set[asyncio.Task[None]] = set()
-        held: list[Hold] = []  # the hold of a request read, not yet given to a task
-
-        async def read() -> None:
-            try:
-                async for request in request_iterator:
-                    hold = request.hold
-                    if hold is not None:  # given back however the request ends
-                        held.append(hold)
-                    await window.acquire()
-                    out: asyncio.Queue[Any] = asyncio.Queue()
-                    task = asyncio.create_task(self._stream_one(request, out))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
-                    if hold is not None:  # (the exchange releases it; this, a task
-                        held.pop()  # cancelled before it started)
-                        task.add_done_callback(_releasing(hold))
-                    pending.put_nowait((task, out))
-            finally:
-                pending.put_nowait(None)  # unbounded queue: never blocks
-
-        reader = asyncio.create_task(read())  # referenced until the finally below
-        try:
-            while (entry := await pending.get()) is not None:
-                _, out = entry
-                while (response := await out.get()) is not None:
-                    yield response
-                window.release()
-            await reader  # re-raises a broken read
-        finally:
-            reader.cancel()
-            # a read that broke after this generator stopped must not log "never retrieved"
-            reader.add_done_callback(lambda t: t.cancelled() or t.exception())
-            for task in list(running):
-                task.cancel()
-            for hold in held:
-                hold.release()
+    def ModelStreamInfer(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+        """Bidirectional stream (:func:`appliance.adapters.grpc.stream.serve`)."""
+        return stream.serve(self.dp, request_iterator, self._forwarded(context))
 
     # ---- trace and log settings ----------------------------------------------------------
 

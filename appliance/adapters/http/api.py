@@ -191,7 +191,13 @@ async def infer(request: web.Request) -> web.Response:
     try:
         body = await http_limits.body(request)
         parts, length = await http_infer.answer(
-            dataplane, ticket, model, version, body, request.headers.get(kserve.HEADER_LENGTH)
+            dataplane,
+            ticket,
+            model,
+            version,
+            body,
+            request.headers.get(kserve.HEADER_LENGTH),
+            headers=request.headers.items(),
         )
     finally:
         ticket.release()

@@ -293,6 +293,7 @@ class Connection(asyncio.Protocol):
                 body,
                 head.header_length,
                 self._answered,
+                head.fields,
             )
         except ApplianceError as exc:
             status, parts = http_infer.STATUS[exc.code], [kserve.error_body(exc.message)]

@@ -47,6 +47,9 @@ class Head:
     header_length: str | None  # Inference-Header-Content-Length, as sent
     authorizations: tuple[str, ...]
     keep_alive: bool  # False when the client said ``Connection: close``
+    # every other field (name as sent, value as sent after the colon's whitespace),
+    # for the headers forwarded as parameters (adapters/forwarding)
+    fields: tuple[tuple[str, str], ...] = ()
 
 
 def parse(head: bytes) -> Head | None:
@@ -58,6 +61,7 @@ def parse(head: bytes) -> Head | None:
     content_length: int | None = None
     header_length: str | None = None
     authorizations: list[str] = []
+    fields: list[tuple[str, str]] = []
     keep_alive = True
     pos = line.end()
     end = len(head) - 2  # the blank line
@@ -85,6 +89,8 @@ def parse(head: bytes) -> Head | None:
             keep_alive = b"close" not in tokens
         elif name in _HANDED:
             return None
+        else:
+            fields.append((field.group(1).decode("ascii"), field.group(2).decode("ascii")))
     if pos != end or content_length is None:
         return None
     return Head(
@@ -94,6 +100,7 @@ def parse(head: bytes) -> Head | None:
         header_length,
         tuple(authorizations),
         keep_alive,
+        tuple(fields),
     )
 
 

@@ -10,10 +10,10 @@ infers, encodes once and releases the ticket after ``deliver`` wrote the answer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from appliance.adapters import exchange
+from appliance.adapters import exchange, forwarding
 from appliance.adapters.codec import kserve
 from appliance.adapters.request_form import OutputFormat, RequestForm
 from appliance.core.admission import Ticket
@@ -45,9 +45,12 @@ class _HttpWire(exchange.Wire[Answer]):
     text = True
 
     def read(self, payload: Any, ticket: Ticket | None) -> RequestForm:
-        body, field, model, version = payload
+        body, field, model, version, forwarded = payload
         header_length = kserve.parse_header_length(field, len(body))
-        return kserve.parse_request(body, header_length, model, version)
+        form = kserve.parse_request(body, header_length, model, version)
+        if forwarded:
+            forwarding.apply(form, forwarded)
+        return form
 
     def encode(self, response: InferenceResponse, fmt: OutputFormat, shm: Any) -> Answer:
         return kserve.encode_parts(response, fmt, shm)
@@ -73,11 +76,15 @@ async def answer(
     body: bytes | bytearray,
     header_length_field: str | None,
     deliver: Callable[[Answer], None] | None = None,
+    headers: Iterable[tuple[str, str]] = (),
 ) -> Answer:
     """``body`` (with its ``Inference-Header-Content-Length`` field, if any) ->
     (the response body's parts, the JSON header's length when binary outputs
-    follow, else None), handed to ``deliver`` before ``ticket`` is released. Raises
+    follow, else None), handed to ``deliver`` before ``ticket`` is released; the
+    ``headers`` the server forwards as parameters join the request's. Raises
     :class:`ApplianceError` (the ticket released) for the caller to map."""
-    payload = (body, header_length_field, model, version)
+    pattern = dataplane.lifecycle.server.http_header_forward_pattern
+    forwarded = forwarding.select(headers, pattern) if pattern else ()
+    payload = (body, header_length_field, model, version, forwarded)
     size = json_size(body, header_length_field)
     return await exchange.serve(dataplane, HTTP, payload, size, ticket=ticket, deliver=deliver)

@@ -56,6 +56,12 @@ class Plan:
     max_fan_out: int
     # ensemble output -> the labels of the step output it comes from (Triton's)
     labels: dict[str, tuple[str, ...]]
+    # decoupled steps (0..N responses a request, a decoupled ensemble among them); each
+    # step's context: the decoupled step its inputs come from (it runs once for each
+    # response of that step), None for the request itself; the outputs' context
+    decoupled: frozenset[int] = frozenset()
+    context: tuple[int | None, ...] = ()
+    out_context: int | None = None
 
 
 def step_version(step: EnsembleStep) -> str:
@@ -95,13 +101,6 @@ def _step_configs(config: ModelConfig, resolve: Resolver) -> list[ModelConfig]:
             step_config = resolve(step.model_name, step_version(step)).config
         except ApplianceError as exc:
             raise ConfigError(src, where + ".model_name", str(exc)) from None
-        if step_config.decoupled:
-            raise ConfigError(
-                src,
-                where,
-                f"model '{step.model_name}' is decoupled (0..N responses a request); "
-                "an ensemble step must answer each request once",
-            )
         if 0 < step_config.batch_size < config.batch_size:
             raise ConfigError(
                 src,
@@ -198,7 +197,45 @@ def plan(config: ModelConfig, resolve: Resolver) -> Plan:
     except ApplianceError as exc:
         raise ConfigError(src, "parameters.max_fan_out", exc.message) from None
     inherited = {t.name: labels[t.name] for t in config.outputs if not t.labels and labels[t.name]}
-    return Plan(frozenset(fan_out), limit, inherited)
+    decoupled = frozenset(i for i, c in enumerate(configs) if c.decoupled)
+    for i in decoupled & fan_out:
+        raise ConfigError(
+            src,
+            f"ensemble_scheduling.step[{i}]",
+            f"model '{steps[i].model_name}' is decoupled: its rows cannot fan out",
+        )
+    context, out_context = _contexts(config, decoupled)
+    return Plan(frozenset(fan_out), limit, inherited, decoupled, context, out_context)
+
+
+def _contexts(
+    config: ModelConfig, decoupled: frozenset[int]
+) -> tuple[tuple[int | None, ...], int | None]:
+    """Where each tensor comes from, as Triton tracks it: the nearest decoupled step
+    upstream (None: the request). A step's inputs, and the ensemble's outputs, must
+    come from one such step at most (Triton's text where they do not)."""
+    steps = config.ensemble_steps
+    origin: dict[str, int | None] = {t.name: None for t in config.inputs}
+    context: dict[int, int | None] = {}
+
+    def one(tensors: list[str], who: str) -> int | None:
+        found = {origin[t] for t in tensors if t in origin} - {None}
+        if len(found) > 1:
+            raise ConfigError(
+                config.source,
+                "ensemble_scheduling",
+                f"in ensemble {config.name}, step of model '{who}' receives inputs "
+                "originated from different decoupled models",
+            )
+        return found.pop() if found else None
+
+    for wave in order(config):
+        for i in wave:
+            context[i] = one(list(steps[i].input_map.values()), steps[i].model_name)
+            for tensor in steps[i].output_map.values():
+                origin[tensor] = i if i in decoupled else context[i]
+    out = one([t.name for t in config.outputs], config.name)
+    return tuple(context[i] for i in range(len(steps))), out
 
 
 def _reads(

@@ -22,21 +22,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from appliance import datatypes
+from appliance import datatypes, decoupled
 from appliance.config.ensemble_config import EnsembleStep
 from appliance.config.model_config import ModelConfig
 from appliance.config.server_config import ServerConfig
-from appliance.core import memory
+from appliance.core import memory, reshape, streaming
 from appliance.core.ensemble.plan import Plan, Resolver, carried_shape, plan, step_version
 from appliance.core.limits import RequestRules
-from appliance.core.servable import State, failures_counted, tensor_metadata
+from appliance.core.servable import Servable, State, failures_counted, tensor_metadata
 from appliance.core.stats import ModelStats
-from appliance.errors import FailureReason, invalid, unavailable
+from appliance.decoupled import ResponseStream
+from appliance.errors import ApplianceError, FailureReason, invalid, unavailable
 from appliance.request import InferenceRequest, InferenceResponse
 
 __all__ = ["EnsembleVersion", "Resolver"]
@@ -68,14 +70,16 @@ class EnsembleVersion:
                 for t in config.outputs
             ),
         )
-        self.rules = RequestRules(config)
+        if self._plan.decoupled:  # each response of a decoupled step flows on: so does ours
+            self.config = dataclasses.replace(self.config, decoupled=True)
+        self.rules = RequestRules(self.config)
         self.version = version
         self.state = State.READY
         self.memory = memory.NOTHING
         self.stats = ModelStats(config.name, str(version))
         self._resolve = resolve
         self._outputs = {t.name: t for t in self.config.outputs}
-        self._in_flight: set[asyncio.Task[tuple[dict[str, np.ndarray], dict[str, int]]]] = set()
+        self._in_flight: set[asyncio.Task[Any]] = set()
 
     @classmethod
     def load_ensemble(
@@ -98,13 +102,21 @@ class EnsembleVersion:
                     f"model '{self.config.name}' is unloading", FailureReason.REJECTED
                 )
             outputs, _, _ = self.rules.check(request, declared)
-            task = asyncio.ensure_future(self._run(dict(request.inputs), request))
-            self._in_flight.add(task)
-            task.add_done_callback(self._in_flight.discard)
-            tensors, batches = await task
-            # an output no step made (its step left out for an optional input that was
-            # not given) is left out of the answer, as Triton's
-            tensors = {n: self._carried(n, tensors[n], batches[n]) for n in outputs if n in tensors}
+            if self._plan.decoupled:  # 0..N responses, into the request's stream
+                stream = decoupled.stream_of(request.inputs, self.config.name)
+                streamed = asyncio.ensure_future(self._run_decoupled(request, outputs, stream))
+                self._in_flight.add(streamed)
+                streamed.add_done_callback(self._in_flight.discard)
+                await streamed
+                tensors = {}  # every response travelled through the stream
+            else:
+                task = asyncio.ensure_future(self._run(dict(request.inputs), request))
+                self._in_flight.add(task)
+                task.add_done_callback(self._in_flight.discard)
+                made, batches = await task
+                # an output no step made (its step left out for an optional input that
+                # was not given) is left out of the answer, as Triton's
+                tensors = {n: self._carried(n, made[n], batches[n]) for n in outputs if n in made}
         total = time.perf_counter_ns() - start
         self.stats.record_success(total, 0, 0, total, 0)
         rows = max((int(a.shape[0]) for a in request.inputs.values() if a.ndim), default=1)
@@ -127,21 +139,35 @@ class EnsembleVersion:
         finally:
             self.state = State.UNAVAILABLE
 
-    async def _run(
-        self, tensors: dict[str, np.ndarray], outer: InferenceRequest
-    ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-        """Every tensor the steps made, and the batch size of the request that made
-        each (0: it did not batch), which :func:`carried_shape` needs."""
-        steps = self.config.ensemble_steps
-        left = set(range(len(steps)))
+    def _start(
+        self, tensors: dict[str, np.ndarray]
+    ) -> tuple[dict[str, np.ndarray], dict[str, int], set[str]]:
+        """A request's tensors, the batch size each came with, and the tensors absent:
+        optional ensemble inputs the request left out (and, later, step outputs a model
+        left out): the steps reading them run without them (Triton's; their models'
+        inputs must be optional, or that step refuses its request)."""
         batch = 0
         if self.config.batch_size > 0:
             batch = next((int(a.shape[0]) for a in tensors.values() if a.ndim), 0)
-        batches = dict.fromkeys(tensors, batch)
-        # optional ensemble inputs the request left out, and step outputs a model left
-        # out: the steps reading them run without them (Triton's; their models' inputs
-        # must be optional, or that step refuses its request)
         absent = {t.name for t in self.config.inputs if t.optional} - set(tensors)
+        return tensors, dict.fromkeys(tensors, batch), absent
+
+    async def _run(
+        self,
+        tensors: dict[str, np.ndarray],
+        outer: InferenceRequest,
+        only: set[int] | None = None,
+        made: tuple[dict[str, int], set[str]] | None = None,
+    ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        """Every tensor the steps made (``only``: these steps, with the batch sizes and
+        absent tensors of ``made``), and the batch size of the request that made each (0:
+        it did not batch), which :func:`carried_shape` needs."""
+        steps = self.config.ensemble_steps
+        left = set(range(len(steps))) if only is None else set(only)
+        if made is None:
+            tensors, batches, absent = self._start(tensors)
+        else:
+            batches, absent = made
         running: dict[asyncio.Future[tuple[dict[str, np.ndarray], int]], int] = {}
         try:
             while left or running:
@@ -180,6 +206,87 @@ class EnsembleVersion:
             await _cancel(running)
         return tensors, batches
 
+    async def _run_decoupled(
+        self, request: InferenceRequest, outputs: tuple[str, ...], stream: ResponseStream
+    ) -> None:
+        """An ensemble with decoupled steps: each response of a decoupled step runs the
+        steps of its context (:attr:`Plan.context`) on that response's tensors, one
+        response after the other, and each time the outputs' context is complete its
+        outputs are one response of the ensemble; the final flag follows the last."""
+
+        def emit(tensors: dict[str, np.ndarray], batches: dict[str, int]) -> None:
+            stream.put(
+                {n: self._carried(n, tensors[n], batches[n]) for n in outputs if n in tensors},
+                False,
+            )
+
+        tensors, batches, absent = self._start(dict(request.inputs))
+        await self._context(None, tensors, batches, absent, request, emit, stream)
+        stream.put(None, True)
+
+    async def _context(
+        self,
+        context: int | None,
+        tensors: dict[str, np.ndarray],
+        batches: dict[str, int],
+        absent: set[str],
+        outer: InferenceRequest,
+        emit: Callable[[dict[str, np.ndarray], dict[str, int]], None],
+        stream: ResponseStream,
+    ) -> None:
+        """The steps of one context: its regular steps (concurrently where they can),
+        the ensemble's response when this is the outputs' context, then its decoupled
+        steps, concurrently, each response of each running the steps of its own."""
+        plan = self._plan
+        mine = {i for i, c in enumerate(plan.context) if c == context}
+        tensors, batches = await self._run(tensors, outer, mine - plan.decoupled, (batches, absent))
+        if context == plan.out_context:
+            emit(tensors, batches)
+        calls = [
+            self._decoupled_step(i, tensors, batches, absent, outer, emit, stream)
+            for i in sorted(mine & plan.decoupled)
+            if set(self.config.ensemble_steps[i].input_map.values()) <= tensors.keys() | absent
+        ]
+        running = {asyncio.ensure_future(c): 0 for c in calls}
+        try:
+            for task in running:
+                await task
+        finally:
+            await _cancel(running)
+
+    async def _decoupled_step(
+        self,
+        i: int,
+        tensors: dict[str, np.ndarray],
+        batches: dict[str, int],
+        absent: set[str],
+        outer: InferenceRequest,
+        emit: Callable[[dict[str, np.ndarray], dict[str, int]], None],
+        stream: ResponseStream,
+    ) -> None:
+        """Decoupled step ``i`` on the context's tensors; an error it sends is one
+        response of the ensemble, and the request goes on."""
+        step = self.config.ensemble_steps[i]
+        inputs = {m: tensors[t] for m, t in step.input_map.items() if t in tensors}
+        request, model, made_by = self._request(
+            i, inputs, outer, {m: batches[t] for m, t in step.input_map.items() if t in tensors}
+        )
+        async for item, _final in streaming.responses(model, request):
+            if isinstance(item, ApplianceError):
+                stream.put(item, False)
+                continue
+            if item is None:
+                continue  # the final flag alone
+            made = reshape.outputs_for_client(model.config, item)
+            child, child_batches, child_absent = dict(tensors), dict(batches), set(absent)
+            for model_out, tensor in step.output_map.items():
+                if model_out in made:
+                    child[tensor] = made[model_out]
+                    child_batches[tensor] = made_by
+                else:
+                    child_absent.add(tensor)
+            await self._context(i, child, child_batches, child_absent, outer, emit, stream)
+
     async def _step(
         self,
         i: int,
@@ -190,6 +297,18 @@ class EnsembleVersion:
         """One request to step ``i``'s model: its outputs by the model's names, and the
         request's batch size (0 where the model does not batch). ``batches``: each
         input's batch size as made (None: the inputs are the model's rows already)."""
+        request, model, made_by = self._request(i, inputs, outer, batches)
+        return (await model.infer(request)).outputs, made_by
+
+    def _request(
+        self,
+        i: int,
+        inputs: dict[str, np.ndarray],
+        outer: InferenceRequest,
+        batches: dict[str, int] | None,
+    ) -> tuple[InferenceRequest, Servable, int]:
+        """Step ``i``'s request, the model version serving it, and the request's batch
+        size (0 where the model does not batch)."""
         step = self.config.ensemble_steps[i]
         model = self._resolve(step.model_name, step_version(step))
         batching = model.config.batch_size > 0
@@ -208,8 +327,10 @@ class EnsembleVersion:
             sequence_id=outer.sequence_id,
             sequence_start=outer.sequence_start,
             sequence_end=outer.sequence_end,
+            # each step sees the ensemble request's own parameters (Triton's)
+            parameters=outer.parameters,
         )
-        return (await model.infer(request)).outputs, made_by if batching else 0
+        return request, model, made_by if batching else 0
 
     async def _fan_out(
         self, i: int, inputs: dict[str, np.ndarray], outer: InferenceRequest
