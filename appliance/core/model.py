@@ -150,7 +150,7 @@ class ModelVersion:
 
     async def _key(self, request: InferenceRequest, outputs: tuple[str, ...]) -> bytes:
         """The request's cache key, hashed off the event loop when its inputs are big."""
-        args = (self.config.name, str(self.version), request.inputs, outputs)
+        args = (self.config.name, str(self.version), request.inputs, outputs, request.parameters)
         if sum(a.nbytes for a in request.inputs.values()) > _HASH_ON_LOOP_BYTES:
             return await asyncio.to_thread(ResponseCache.key, *args)
         return ResponseCache.key(*args)

@@ -50,9 +50,15 @@ class ResponseCache:
 
     @staticmethod
     def key(
-        model: str, version: str, inputs: Mapping[str, np.ndarray], outputs: tuple[str, ...]
+        model: str,
+        version: str,
+        inputs: Mapping[str, np.ndarray],
+        outputs: tuple[str, ...],
+        parameters: Mapping[str, str | int | float | bool] | None = None,
     ) -> bytes:
-        """The digest two requests share exactly when they ask the same of a version."""
+        """The digest two requests share exactly when they ask the same of a version:
+        the same inputs, outputs and request parameters (a model may answer by them:
+        a Python model's ``request.parameters()``)."""
         h = hashlib.blake2b(digest_size=32)
         for part in (model, version):
             h.update(part.encode("utf-8", "surrogatepass") + b"\0")
@@ -65,6 +71,9 @@ class ResponseCache:
             else:
                 h.update(np.ascontiguousarray(arr).view(np.uint8).data)
         h.update("\0".join(outputs).encode("utf-8", "surrogatepass"))
+        if parameters:  # typed: 1 and "1" and True are different parameters
+            typed = sorted((k, type(v).__name__, repr(v)) for k, v in parameters.items())
+            h.update(b"\0params\0" + repr(typed).encode("utf-8", "surrogatepass"))
         return h.digest()
 
     def get(self, key: bytes) -> dict[str, np.ndarray] | None:

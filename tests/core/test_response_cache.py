@@ -28,8 +28,18 @@ def test_the_key_covers_model_version_inputs_and_outputs() -> None:
         ResponseCache.key("m", "1", {**x, "a": x["a"].reshape(2, 2)}, ("o",)),
         ResponseCache.key("m", "1", {**x, "a": x["a"].astype(np.int64)}, ("o",)),
         ResponseCache.key("m", "1", {**x, "b": np.array([b"xy", b"z"], dtype=object)}, ("o",)),
+        # request parameters a model may answer by (a Python model's parameters())
+        ResponseCache.key("m", "1", x, ("o",), {"mode": "fast"}),
+        ResponseCache.key("m", "1", x, ("o",), {"mode": "slow"}),
+        ResponseCache.key("m", "1", x, ("o",), {"n": 1}),
+        ResponseCache.key("m", "1", x, ("o",), {"n": "1"}),
+        ResponseCache.key("m", "1", x, ("o",), {"n": True}),
     ]
     assert len({key, *others}) == 1 + len(others)
+    assert key == ResponseCache.key("m", "1", x, ("o",), {})  # none given: the same
+    assert ResponseCache.key("m", "1", x, ("o",), {"a": 1, "b": 2}) == ResponseCache.key(
+        "m", "1", x, ("o",), {"b": 2, "a": 1}
+    )
 
 
 def test_entries_are_copies_within_the_bound_least_recently_used_first_out() -> None:
