@@ -191,6 +191,21 @@ def test_a_rescue_with_nothing_to_roll_back_to_fails(tmp_path: Path) -> None:
     assert os.readlink(software_dir / "current") == "envs/0.1.0"
 
 
+def _demo_device(
+    tmp_path: Path, run_appliance: Callable[..., Any], ready_s: float, probation_s: float
+) -> tuple[Any, OtaConfig]:
+    """A server on the demo models and the agent's config for it (no repository)."""
+    models = tmp_path / "models"
+    shutil.copytree(ROOT / "appliance" / "demo_models", models)
+    running = run_appliance(models)
+    cfg = OtaConfig(
+        source="http://127.0.0.1:9/", trusted_root=tmp_path / "root.json",
+        state_dir=tmp_path / "ota", server=f"http://{running.url}", model_repository=models,
+        device_id="cam-1", software_ready_timeout_s=ready_s, software_probation_s=probation_s,
+    )  # fmt: skip
+    return running, cfg
+
+
 def test_the_watch_probes_only_models_that_answered_a_probe_before_the_flip(
     tmp_path: Path, run_appliance: Callable[..., Any]
 ) -> None:
@@ -199,14 +214,7 @@ def test_the_watch_probes_only_models_that_answered_a_probe_before_the_flip(
     after the flip like the others, it rolled a good release back in the booted image
     (images/update-test.sh); now only the models that answered a probe before the flip
     must answer one after it, and the others must be READY."""
-    models = tmp_path / "models"
-    shutil.copytree(ROOT / "appliance" / "demo_models", models)
-    running = run_appliance(models)
-    cfg = OtaConfig(
-        source="http://127.0.0.1:9/", trusted_root=tmp_path / "root.json",
-        state_dir=tmp_path / "ota", server=f"http://{running.url}", model_repository=models,
-        device_id="cam-1", software_ready_timeout_s=3, software_probation_s=0,
-    )  # fmt: skip
+    _, cfg = _demo_device(tmp_path, run_appliance, 3, 0)
     ready = abinstall.ready_models(cfg, urllib3.PoolManager())
     assert {"image_classifier", "simple", "classifier"} <= set(ready), ready
     probed = abinstall.answering(cfg, ready)
@@ -227,14 +235,7 @@ def test_the_watch_runs_the_vectors_kept_from_each_models_bundle(
     watch runs them (not a generated probe), so a new server that answers a model
     wrongly is rolled back. Only a model whose vectors pass before the flip must pass
     them after it; vectors kept for another version are never run."""
-    models = tmp_path / "models"
-    shutil.copytree(ROOT / "appliance" / "demo_models", models)
-    running = run_appliance(models)
-    cfg = OtaConfig(
-        source="http://127.0.0.1:9/", trusted_root=tmp_path / "root.json",
-        state_dir=tmp_path / "ota", server=f"http://{running.url}", model_repository=models,
-        device_id="cam-1", software_ready_timeout_s=2, software_probation_s=0,
-    )  # fmt: skip
+    _, cfg = _demo_device(tmp_path, run_appliance, 2, 0)
     a, b = list(range(16)), [1] * 16
 
     def vector(offset: int) -> dict[str, Any]:
@@ -267,14 +268,7 @@ def test_probation_catches_a_server_that_stops_after_it_came_up(
     """Ready and self-tested is not the end: the new server must keep answering as its
     version, with its models READY, for ``software_probation_s``; one that stops (a
     crash the service manager would restart) fails probation and is rolled back."""
-    models = tmp_path / "models"
-    shutil.copytree(ROOT / "appliance" / "demo_models", models)
-    running = run_appliance(models)
-    cfg = OtaConfig(
-        source="http://127.0.0.1:9/", trusted_root=tmp_path / "root.json",
-        state_dir=tmp_path / "ota", server=f"http://{running.url}", model_repository=models,
-        device_id="cam-1", software_ready_timeout_s=5, software_probation_s=0.6,
-    )  # fmt: skip
+    running, cfg = _demo_device(tmp_path, run_appliance, 5, 0.6)
     http = urllib3.PoolManager()
     assert abinstall.watch(cfg, __version__, ["simple"], ["simple"]) == ""  # stays up
     cfg = dataclasses.replace(cfg, software_probation_s=60)
