@@ -20,8 +20,10 @@ PHASES = [
     "software:committed",
     "software:rollback",
 ]
-# each phase killed alone, and with the server killed too (a power cut)
-POINTS = [(phase, power_cut) for phase in PHASES for power_cut in (False, True)]
+# each phase killed alone, and with the server killed too (a power cut) from the flip
+# on: before it the server runs the committed version, which a power cut only restarts
+POINTS = [(phase, False) for phase in PHASES]
+POINTS += [(phase, True) for phase in PHASES if phase != "software:install"]
 
 
 @pytest.mark.parametrize(("point", "power_cut"), POINTS,
