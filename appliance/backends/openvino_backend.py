@@ -16,7 +16,7 @@ static shape is refused with an error saying how to fix it.
 
 BYTES (string) tensors are refused at load: OpenVINO's numpy bridge drops trailing
 NUL bytes and, in 2026.4, crashes the process when a string identity model is freed.
-INT64 is computed as INT32 by OpenVINO's CPU and GPU plugins (openvino issue 24072):
+INT64 is computed as INT32 by OpenVINO's CPU and GPU plugins:
 INT64 inputs are served, but a request with a value outside the INT32 range is
 refused (INVALID_ARG) rather than silently truncated.
 """
