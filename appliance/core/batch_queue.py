@@ -137,6 +137,17 @@ class BatchQueue:
         """Whether ``level`` holds as many requests as its queue policy lets wait."""
         return self._counts.get(level, 0) >= self._bounds.get(level, self._default_bound)
 
+    def arrive(self, item: Pending, wake_rows: int) -> bool:
+        """Queue ``item`` (:meth:`push`); whether the arrival can change the decision
+        of an instance waiting out the queue delay, which is then woken: into an empty
+        queue, ahead of another request, the rows reaching ``wake_rows``
+        (:func:`appliance.core.batching.wake_rows`), or another shape than the head's
+        (which ends the batch). Not every arrival: one wake-up per batch."""
+        was_empty = not self.items
+        ahead = self.push(item)
+        head = self.items[0]
+        return was_empty or ahead or self.rows >= wake_rows or item.signature != head.signature
+
     def push(self, item: Pending) -> bool:
         """Queue ``item`` behind its level's requests that have not timed out (and
         every more urgent one); True when it went ahead of another request."""

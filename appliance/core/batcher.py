@@ -38,19 +38,19 @@ from appliance.config.scheduling_config import RateLimiterConfig
 from appliance.core import memory
 from appliance.core.batch_queue import BatchQueue, Levels, Pending, queue_full, timed_out
 from appliance.core.batching import (
-    INLINE_BOUND_NS,
     BatchPolicy,
     BatchResult,
-    InlineCost,
+    Outcome,
     answer,
+    attempt_batch,
     catch_up,
     decide,
     failed_batch,
-    run_alone,
-    run_batch,
     sends_alone,
     wake_rows,
 )
+from appliance.core.hand_back import HandBack
+from appliance.core.inline import InlineRunner
 from appliance.core.instances import InstanceGroup
 from appliance.core.queue_bytes import CONTENDED
 from appliance.core.rate_limiter import RateLimiter, Ticket, take_turn, wake
@@ -66,8 +66,6 @@ log = logging.getLogger(__name__)
 IDLE_CHECK_S = 1.0
 
 
-# what a batch came to: (parts, input_ns, infer_ns, output_ns), or the error it raised
-_Outcome = tuple[list[dict[str, np.ndarray]], int, int, int] | Exception
 
 
 class DynamicBatcher:
@@ -106,16 +104,9 @@ class DynamicBatcher:
         self._undelivered: dict[int, float] = {}
         self._accepting = True
         self._halted = False  # stop() gave up: instances take nothing more
-        self._releasing: set[int] = set()  # instances asked to hand back working memory
-        self._release_busy = 0  # instances handing it back now
-        self._released: asyncio.Future[None] | None = None  # done when all have
-        # the instances whose engine may run a cheap lone request on the event loop
-        # (Backend.inline_safe: ONNX Runtime on the CPU), and what their runs cost
-        self._inline_backends = [
-            i.backend if getattr(i.backend, "inline_safe", False) else None
-            for i in instances.instances
-        ]
-        self._inline = InlineCost() if any(self._inline_backends) else None
+        self._hand_back = HandBack()  # rounds handing engines' working memory back
+        # a cheap lone request on the event loop (None: no engine may run there)
+        self._inline = InlineRunner.of([i.backend for i in instances.instances])
         self._batched = policy.max_batch_size > 0
         # the server's rate limiter (None: off): each instance's ticket, one per instance
         self._limiter = limiter
@@ -158,14 +149,12 @@ class DynamicBatcher:
             raise queue_full(request_id)
         if (
             self._inline is not None
-            and self._inline.cheap()
+            and self._inline.cost.cheap()
             and not CONTENDED.get()
             and sends_alone(self.policy, rows)
+            and (result := self._run_inline(inputs, outputs, rows)) is not None
         ):
-            with self._ready:
-                index = self._claim()
-            if index is not None:
-                return self._run_inline(index, inputs, outputs, rows)
+            return result
         item = Pending(
             inputs,
             outputs,
@@ -179,19 +168,9 @@ class DynamicBatcher:
         if timeout_s:
             item.timer = self._call_later(timeout_s, self._expire, item)
         with self._ready:
-            was_empty = not self._queue.items
-            # ahead of less urgent (or delayed) requests: a new head may change the decision
-            ahead = self._queue.push(item)
+            wakes = self._queue.arrive(item, self._wake_rows)
             self._stats.pending = len(self._queue.items)
-            # an instance waiting out the delay is woken only when this arrival can
-            # change its decision (batching.wake_rows, or another shape than the
-            # batch's, which ends it), not for every request
-            if (
-                was_empty
-                or ahead
-                or self._queue.rows >= self._wake_rows
-                or signature != self._queue.items[0].signature
-            ):
+            if wakes:
                 self._ready.notify()
         try:
             return await item.future
@@ -204,37 +183,27 @@ class DynamicBatcher:
 
     # ---- a cheap lone request, on the event loop --------------------------------------
 
-    def _claim(self) -> int | None:
-        """An idle instance whose engine may run on the loop, marked running (so its
-        thread takes nothing meanwhile: only the loop enqueues, and it is busy), or
-        None: something is queued, or no such instance is idle. Under the lock."""
-        if self._queue.items or self._releasing or self._release_busy or not self._accepting:
-            return None
-        for index, backend in enumerate(self._inline_backends):
-            idle = index not in self._running and index not in self._undelivered
-            if backend is not None and idle:
-                self._running[index] = []
-                return index
-        return None
-
     def _run_inline(
-        self, index: int, inputs: dict[str, np.ndarray], outputs: tuple[str, ...], rows: int
-    ) -> BatchResult:
-        """Run one request on the claimed instance's engine here, on the event loop:
-        no queue entry, no thread hand-off either way (docs/benchmarks.md)."""
-        backend = self._inline_backends[index]
-        assert backend is not None and self._inline is not None  # (claimed: inline-safe)
-        start_ns, cpu0_ns = time.perf_counter_ns(), time.thread_time_ns()
-        try:
-            result = run_alone(self.model, backend, inputs, outputs, rows, self._batched)
-        finally:
+        self, inputs: dict[str, np.ndarray], outputs: tuple[str, ...], rows: int
+    ) -> BatchResult | None:
+        """Run a cheap lone request on an idle instance's engine here, on the event
+        loop (core/inline); None when something is queued or no such instance is idle.
+        The instance is marked running meanwhile, so its thread takes nothing (only
+        the loop enqueues, and it is busy)."""
+        assert self._inline is not None
+        with self._ready:
+            if self._queue.items or self._hand_back.active or not self._accepting:
+                return None
+            index = self._inline.idle(self._running, self._undelivered)
+            if index is None:
+                return None
+            self._running[index] = []
+
+        def done() -> None:
             with self._ready:
                 self._running.pop(index, None)
-            wall_ns = time.perf_counter_ns() - start_ns
-            cpu_ns = None
-            if wall_ns > 4 * INLINE_BOUND_NS:  # slow, or the thread lost the CPU?
-                cpu_ns = time.thread_time_ns() - cpu0_ns
-            self._inline.record(wall_ns, inline=True, cpu_ns=cpu_ns)
+
+        result = self._inline.run(self.model, index, inputs, outputs, rows, self._batched, done)
         self._stats.record_execution(rows, result.input_ns, result.infer_ns, result.output_ns)
         return result
 
@@ -308,9 +277,7 @@ class DynamicBatcher:
                     return None
                 if send:
                     return self._pop(index, send)
-                if index in self._releasing and not self._queue.items:
-                    self._releasing.discard(index)
-                    self._release_busy += 1
+                if self._hand_back.take(index, not self._queue.items):
                     return []  # (an empty batch: hand back working memory)
                 self._ready.wait(wait_s)
 
@@ -352,17 +319,9 @@ class DynamicBatcher:
                 continue
             start_ns = time.perf_counter_ns()
             outputs = list(dict.fromkeys(out for it in items for out in it.outputs))
-            outcome: _Outcome
-            try:
-                outcome = run_batch(
-                    backend,
-                    [it.inputs for it in items],
-                    [it.rows for it in items],
-                    outputs,
-                    batched,
-                )
-            except Exception as exc:  # delivered as this batch's error
-                outcome = exc
+            inputs, rows = [it.inputs for it in items], [it.rows for it in items]
+            outcome = attempt_batch(backend, inputs, rows, outputs, batched)
+            del inputs
             if limiter:  # the resources go back (to the next instance in line)
                 wake(limiter.release(self._tickets[index]))
             with self._ready:
@@ -380,11 +339,10 @@ class DynamicBatcher:
         except Exception:  # a backend's bug: its memory stays, serving goes on
             log.exception("model '%s': handing back working memory failed", self.model)
         with self._ready:
-            self._release_busy -= 1
-            done = not self._releasing and not self._release_busy
-        if done:
+            over = self._hand_back.finished()
+        if over:
             with contextlib.suppress(RuntimeError):  # (the event loop is gone)
-                self._loop.call_soon_threadsafe(self._release_done)
+                self._loop.call_soon_threadsafe(self._hand_back.done)
 
     def _notify(self) -> None:
         """The rate limiter granted an instance its resources: its thread looks again."""
@@ -401,7 +359,7 @@ class DynamicBatcher:
 
     # ---- the event loop's side -----------------------------------------------------------
 
-    def _deliver(self, items: list[Pending], outcome: _Outcome, start_ns: int, index: int) -> None:
+    def _deliver(self, items: list[Pending], outcome: Outcome, start_ns: int, index: int) -> None:
         with self._ready:
             if self._undelivered.pop(index, None) is not None:
                 self._ready.notify_all()  # the instance may hold a batch for this
@@ -417,7 +375,7 @@ class DynamicBatcher:
         parts, input_ns, infer_ns, output_ns = outcome
         self._stats.record_execution(sum(it.rows for it in items), input_ns, infer_ns, output_ns)
         if self._inline is not None and len(items) == 1:
-            self._inline.record(input_ns + infer_ns + output_ns, inline=False)
+            self._inline.cost.record(input_ns + infer_ns + output_ns, inline=False)
         for it, part in zip(items, parts, strict=True):
             answer(
                 it.future,
@@ -450,18 +408,10 @@ class DynamicBatcher:
         (:func:`appliance.backends.base.release_memory`), on its own thread between
         batches; the future is done once every instance has (or the batcher stopped)."""
         with self._ready:
-            if self._released is None or self._released.done():
-                self._released = self._loop.create_future()
-            if not self._accepting or self._halted:
-                self._released.set_result(None)
-                return self._released
-            self._releasing = set(range(len(self._serving)))
+            open_ = self._accepting and not self._halted
+            round_ = self._hand_back.ask(self._loop, len(self._serving), open_)
             self._ready.notify_all()
-            return self._released
-
-    def _release_done(self) -> None:
-        if self._released is not None and not self._released.done():
-            self._released.set_result(None)
+            return round_
 
     async def stop(self, timeout_s: float) -> None:
         """Stop accepting, drain queued and running work for up to ``timeout_s``,
@@ -469,9 +419,9 @@ class DynamicBatcher:
         (a batch still running finishes on its thread, its answer dropped)."""
         with self._ready:
             self._accepting = False
-            self._releasing.clear()
+            self._hand_back.cancel()
             self._ready.notify_all()
-        self._release_done()
+        self._hand_back.done()
         if not self._serving:
             return
         _, late = await asyncio.wait(self._serving, timeout=timeout_s)

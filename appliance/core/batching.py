@@ -245,6 +245,25 @@ def answer(
         )
 
 
+# what a batch came to: (parts, input_ns, infer_ns, output_ns), or the error it raised
+Outcome = tuple[list[dict[str, np.ndarray]], int, int, int] | Exception
+
+
+def attempt_batch(
+    backend: Backend,
+    items: list[dict[str, np.ndarray]],
+    rows: list[int],
+    outputs: list[str],
+    batched: bool,
+) -> Outcome:
+    """:func:`run_batch`, with the error it raises as its outcome (an instance's
+    thread delivers it as that batch's error and goes on)."""
+    try:
+        return run_batch(backend, items, rows, outputs, batched)
+    except Exception as exc:
+        return exc
+
+
 def run_batch(
     backend: Backend,
     items: list[dict[str, np.ndarray]],
