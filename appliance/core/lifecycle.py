@@ -39,7 +39,7 @@ from appliance import heap, names
 from appliance.config.fields import ConfigError
 from appliance.config.model_config import ModelConfig
 from appliance.config.server_config import ServerConfig
-from appliance.core import loader, rate_limiter, recovery, repository
+from appliance.core import loader, polling, rate_limiter, recovery, repository
 from appliance.core.memory import BudgetRefused, MemoryBudget, Usage
 from appliance.core.model import ModelVersion
 from appliance.core.response_cache import ResponseCache
@@ -104,33 +104,21 @@ class ModelLifeCycle:
         if poll:  # before loading: a change made while loading is seen by the first poll
             baseline = await asyncio.to_thread(repository.snapshot, self.repository)
         # ensembles last: their validation needs the step models loaded
-        for name in self._load_order(names):
+        for name in self.load_order(names):
             await self.load(name)
         self._started = True
         heap.settle()  # what start-up loaded is long-lived: out of the collector's walks
         self._recover_task = asyncio.get_running_loop().create_task(
-            self._recover_forever(), name="model-recovery"
+            recovery.recover_forever(self, self._recovery), name="model-recovery"
         )
         if poll:
             self._poller = repository.RepositoryPoller(baseline)
             self._poll_task = asyncio.get_running_loop().create_task(
-                self._poll_forever(), name="repository-poll"
+                polling.poll_forever(self, self._poller, self.server.repository_poll_secs),
+                name="repository-poll",
             )
 
-    def _use_cache(self, servable: Servable) -> None:
-        """Give a model version whose config enables the response cache the server's."""
-        if not servable.config.response_cache or not isinstance(servable, ModelVersion):
-            return
-        if self.cache is None:
-            log.warning(
-                "model '%s': response_cache is enabled but the server has no cache "
-                "(response_cache_size); its answers are not cached",
-                servable.config.name,
-            )
-            return
-        servable.cache = self.cache
-
-    def _load_order(self, models: list[str]) -> list[str]:
+    def load_order(self, models: list[str]) -> list[str]:
         return repository.load_order(self.repository, models, self.server.allow_symlinked_models)
 
     async def load(
@@ -275,7 +263,8 @@ class ModelLifeCycle:
                 )
                 if self.server.metrics_summary_latencies:
                     new[version].stats.latencies = LatencyWindow()
-                self._use_cache(new[version])
+                if isinstance(copy := new[version], ModelVersion):
+                    copy.use_cache(self.cache)
             except Exception as exc:  # one bad version must not stop the others
                 swap = isinstance(exc, BudgetRefused) and bool(required)
                 message = str(exc) + (SWAP_HINT if swap else "")
@@ -362,60 +351,26 @@ class ModelLifeCycle:
             finally:
                 entry.busy = ""
 
-    # ---- recovery (core/recovery.py) -------------------------------------------------------
+    # ---- what recovery and polling use (core/recovery, core/polling) -------------------
 
-    async def _recover_forever(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(recovery.CHECK_S)
-            for name, entry in list(self._models.items()):
-                if self._stopping or entry.busy or entry.unloaded:
-                    continue
-                lost = recovery.lost_versions(entry)
-                if not self._recovery.due(name, bool(lost), loop.time()):
-                    continue
-                log.warning(
-                    "model '%s' version(s) %s stopped serving (an engine process ended, "
-                    "or an instance gave up): loading it again (recovery %d in a row)",
-                    name, lost, self._recovery.tries(name),
-                )  # fmt: skip
-                try:  # the broken copy serves nothing: replaced in place, not beside
-                    await self.load(name, entry.override, True, entry.default)
-                except Exception:  # one model's failed recovery must not end the others'
-                    log.exception("recovering model '%s' failed", name)
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
-    # ---- poll mode ----------------------------------------------------------------------
+    def entries(self) -> list[ModelEntry]:
+        return list(self._models.values())
 
-    async def _poll_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.server.repository_poll_secs)
-            try:
-                await self.poll()
-            except Exception:  # a bad poll must not end polling
-                log.exception("polling the model repository failed")
+    def entry_of(self, name: str) -> ModelEntry | None:
+        return self._models.get(name)
+
+    def forget(self, name: str) -> None:
+        """Drop what is known of a model that left the repository (unloaded)."""
+        self._models.pop(name, None)
 
     async def poll(self) -> None:
         """Apply what changed in the repository since the last poll (``poll`` mode)."""
-        if self._poller is None:
-            return
-        current = await asyncio.to_thread(repository.snapshot, self.repository)
-        to_load, to_unload = self._poller.changes(current)
-        for name in to_unload:
-            entry = self._models.get(name)
-            if entry is not None and entry.busy:
-                continue  # next poll
-            log.info("model '%s' left the repository: unloading it", name)
-            if entry is not None:
-                await self.unload(name)
-                self._models.pop(name, None)
-            self._poller.forget(name)
-        for name in self._load_order(sorted(to_load)):  # ensembles after their steps
-            log.info("model '%s' changed in the repository: loading it", name)
-            self._poller.applied(name, current[name])
-            try:
-                await self.load(name)
-            except ApplianceError as exc:  # e.g. the folder vanished meanwhile
-                log.error("model '%s': %s", name, exc)
+        if self._poller is not None:
+            await polling.poll(self, self._poller)
 
     # ---- routing and reporting ------------------------------------------------------------
 

@@ -13,6 +13,7 @@ without the scheduler. How a version is built
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import replace
@@ -35,6 +36,8 @@ __all__ = ["ModelVersion", "RequestRules", "State"]
 # inputs above this many bytes are hashed for the response cache on a worker thread
 _HASH_ON_LOOP_BYTES = 1 << 20
 
+
+log = logging.getLogger("appliance.core.lifecycle")  # (a load's messages)
 
 class ModelVersion:
     """A servable model version (see :class:`appliance.core.servable.Servable`), created
@@ -83,6 +86,18 @@ class ModelVersion:
         )
         # the server's response cache when the config enables it (set by the lifecycle)
         self.cache: ResponseCache | None = None
+
+    def use_cache(self, cache: ResponseCache | None) -> None:
+        """Answer from the server's response cache when the config enables it."""
+        if not self.config.response_cache:
+            return
+        if cache is None:
+            log.warning(
+                "model '%s': response_cache is enabled but the server has no cache "
+                "(response_cache_size); its answers are not cached",
+                self.config.name,
+            )
+        self.cache = cache
 
     @property
     def state(self) -> State:

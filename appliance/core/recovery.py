@@ -16,10 +16,15 @@ operator's or the repository's to change, and poll mode reloads it when its file
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from appliance.core.servable import State
 from appliance.core.versions import ModelEntry
+
+log = logging.getLogger("appliance.core.lifecycle")
 
 CHECK_S = 1.0
 FIRST_S = 1.0
@@ -65,3 +70,45 @@ class Recovery:
         """How many times in a row ``name`` was loaded again."""
         tries = self._tries.get(name)
         return tries.count if tries is not None else 0
+
+
+class Models(Protocol):
+    """What the recovery loop needs of the lifecycle."""
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def entries(self) -> list[ModelEntry]: ...
+
+    async def load(
+        self,
+        name: str,
+        override: dict[str, Any] | None = None,
+        in_place: bool = False,
+        default_version: int = 0,
+    ) -> ModelEntry: ...
+
+
+async def recover_forever(models: Models, recovery: Recovery) -> None:
+    """Every :data:`CHECK_S`: load again, in place (the broken copy serves nothing),
+    each model that has a lost version and is due, with its last load's override and
+    default version; a model being loaded or unloaded, or unloaded on request, is
+    left alone."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(CHECK_S)
+        for entry in models.entries():
+            if models.stopping or entry.busy or entry.unloaded:
+                continue
+            lost = lost_versions(entry)
+            if not recovery.due(entry.name, bool(lost), loop.time()):
+                continue
+            log.warning(
+                "model '%s' version(s) %s stopped serving (an engine process ended, "
+                "or an instance gave up): loading it again (recovery %d in a row)",
+                entry.name, lost, recovery.tries(entry.name),
+            )  # fmt: skip
+            try:
+                await models.load(entry.name, entry.override, True, entry.default)
+            except Exception:  # one model's failed recovery must not end the others'
+                log.exception("recovering model '%s' failed", entry.name)
