@@ -26,7 +26,7 @@ from aiohttp import web
 from appliance import bls, startup_report
 from appliance.adapters.access import AccessPolicy, is_loopback
 from appliance.adapters.grpc import libraries as grpc_libraries
-from appliance.adapters.http import api, front
+from appliance.adapters.http import api, listener
 from appliance.adapters.http import limits as http_limits
 from appliance.adapters.http.drain import close_http
 from appliance.adapters.http.vision import register as register_vision
@@ -65,7 +65,7 @@ class Server:
         self.dataplane = DataPlane(
             self.lifecycle, SharedMemoryRegistry(enabled=config.shared_memory == "system")
         )
-        self._http: front.Listener | None = None
+        self._http: listener.Listener | None = None
         self._grpc: GrpcEndpoint | None = None
         self._metrics: web.AppRunner | None = None
         self.mqtt: MqttBridge | None = None
@@ -123,7 +123,7 @@ class Server:
         runner = await self._runner(
             app, config.drain_timeout_s, **http_limits.runner_options(config)
         )
-        self._http = await front.listen(
+        self._http = await listener.listen(
             runner,
             sock,
             tls,

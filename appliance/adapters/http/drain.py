@@ -32,7 +32,7 @@ import termios
 
 from aiohttp import web
 
-from appliance.adapters.http.front import Listener
+from appliance.adapters.http.listener import Listener
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""The HTTP/1.1 listener: inference requests served on the connection itself, every
-other request handed, with its connection, to aiohttp.
+"""The HTTP/1.1 front (:mod:`appliance.adapters.http.listener` puts it on the socket):
+inference requests served on the connection itself, every other request handed, with
+its connection, to aiohttp (:mod:`appliance.adapters.http.handover`).
 
 aiohttp's request handling (its request and response objects, middleware chain,
 router, payload stream and writer) was about an eighth of the server's CPU samples on
@@ -34,7 +35,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import ssl
 from collections.abc import Callable
 from typing import cast
 
@@ -44,6 +44,7 @@ from appliance.adapters.access import AccessPolicy, Scope
 from appliance.adapters.codec import kserve
 from appliance.adapters.http import head as http_head
 from appliance.adapters.http import infer as http_infer
+from appliance.adapters.http.handover import hand_over
 from appliance.core.admission import Ticket
 from appliance.core.dataplane import DataPlane
 from appliance.errors import ApplianceError
@@ -399,20 +400,9 @@ class Connection(asyncio.Protocol):
         self.front.connections.discard(self)
         transport = self._transport()
         self.transport = None
-        handler = self.front.aiohttp_server()
-        transport.set_protocol(handler)
-        handler.connection_made(transport)
-        if self.read_paused:  # (paused only while busy or not written to: never here)
-            self.read_paused = False
-            transport.resume_reading()
+        paused, self.read_paused = self.read_paused, False
         data, self.buffer = bytes(self.buffer), bytearray()
-        end = data.find(b"\r\n\r\n", 0, http_head.MAX_HEAD)
-        if end >= 0:  # a chunked body with a Content-Length too: by the chunks alone
-            rewritten = http_head.chunked_only(data[: end + 4])
-            if rewritten is not None:
-                data = rewritten + data[end + 4 :]
-        if data:
-            handler.data_received(data)
+        hand_over(transport, self.front.aiohttp_server(), data, paused)
 
     @property
     def idle(self) -> bool:
@@ -428,33 +418,3 @@ class Connection(asyncio.Protocol):
     def _transport(self) -> asyncio.Transport:
         assert self.transport is not None
         return self.transport
-
-
-class Listener:
-    """The HTTP endpoint: this front on the listening socket, aiohttp's runner behind
-    it (for the connections handed over, and their routes)."""
-
-    def __init__(self, runner: web.AppRunner, server: asyncio.Server, front: Front) -> None:
-        self.runner = runner
-        self.server = server
-        self.front = front
-
-
-async def listen(
-    runner: web.AppRunner,
-    sock: socket.socket,
-    ssl_context: ssl.SSLContext | None,
-    dataplane: DataPlane,
-    access: AccessPolicy,
-    max_request_size: int,
-    header_timeout_s: float,
-    body_timeout_s: float,
-) -> Listener:
-    """Serve ``sock`` (bound) with this front; ``runner`` is set up."""
-    assert runner.server is not None, "runner.setup() first"
-    front = Front(
-        dataplane, access, runner.server, max_request_size, header_timeout_s, body_timeout_s
-    )
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(front.protocol, sock=sock, ssl=ssl_context, backlog=128)
-    return Listener(runner, server, front)

@@ -82,7 +82,7 @@ class Connection(asyncio.Protocol):
             self._pump()
 
     def consumed(self, stream: Stream, size: int) -> None:
-        self.machine.consumed(stream, size)
+        self.machine.inbound.consumed(stream, size)
         if not self._busy:
             self._pump()
 

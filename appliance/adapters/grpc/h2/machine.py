@@ -12,7 +12,8 @@ none of it:
   an idle stream, a stream id that does not increase or an even one is PROTOCOL_ERROR;
 - flow control: what the client sends is counted against the windows the server
   granted (FLOW_CONTROL_ERROR past them); a unary call's window is given back as its
-  message arrives, a streaming call's as it reads its requests;
+  message arrives, a streaming call's as it reads its requests (the receiving side,
+  DATA and the messages cut out of it, is :mod:`~appliance.adapters.grpc.h2.inbound`'s);
 - limits (:class:`H2Limits`): concurrent streams, header block size and frames, a
   budget of frames that serve no call (:class:`Budget`), the watchdog's rules
   (:class:`Watch`).
@@ -34,14 +35,14 @@ from typing import Any, Protocol
 from appliance.adapters.grpc.h2 import frames as f
 from appliance.adapters.grpc.h2.frames import ProtocolError, Stream, frame
 from appliance.adapters.grpc.h2.headers import HeaderDecoder, PendingBlock
+from appliance.adapters.grpc.h2.inbound import ADMITTED, OVER, REFUSED, Inbound
 from appliance.adapters.grpc.h2.limits import Budget, H2Limits
 from appliance.adapters.grpc.h2.outbound import Outbound
 from appliance.adapters.grpc.h2.watch import Watch
 
 log = logging.getLogger("appliance.adapters.grpc.h2.connection")
 
-# what a call says of a message whose length prefix came (Handler's call.admit)
-ADMITTED, OVER, REFUSED = 1, 0, -1  # kept; the call answered; refused in its stream
+__all__ = ["ADMITTED", "OVER", "REFUSED", "Handler", "Machine"]
 
 
 class Handler(Protocol):
@@ -67,12 +68,12 @@ class Machine:
         self._continuation: PendingBlock | None = None
         self._budget = Budget(limits.flood_burst, limits.flood_rate)
         self._last_stream = 0
-        self._recv_window = limits.connection_window  # what the client may still send
-        self._received = 0  # connection-level bytes since the last WINDOW_UPDATE
         self._now = 0.0  # the time of the read being handled
-        # read once: every HEADERS and DATA frame compares against them
-        self._block_limit = limits.header_block_limit
-        self._half_window = limits.stream_window // 2
+        self._block_limit = limits.header_block_limit  # read once: every HEADERS compares
+        self.inbound = Inbound(
+            limits, self.out, self.streams, self._idle, self._stream_error, self._spend
+        )
+        self._data = self.inbound.data  # bound once: every DATA frame calls it
 
     # ---- the driver's calls ----------------------------------------------------------
 
@@ -121,12 +122,6 @@ class Machine:
 
     def idle(self, now: float, busy: bool) -> bool:
         return not self.going_away and self.watch.idle(now, busy or bool(self.streams))
-
-    def consumed(self, stream: Stream, size: int) -> None:
-        """A streaming call read a message of ``size`` bytes (its prefix included): the
-        client may send that much more (a slow model holds the client back)."""
-        stream.owed += size
-        self._give_back(stream)
 
     def reset(self, stream: Stream, code: int = f.CANCEL) -> None:
         """End ``stream`` at once with RST_STREAM (its call gave up, or the client broke
@@ -329,7 +324,7 @@ class Machine:
         elif int.from_bytes(payload[:4], "big") & f.MAX_WINDOW == sid:
             self._stream_error(sid, f.PROTOCOL_ERROR, "a stream that depends on itself")
 
-    # ---- the stream frames: header blocks and DATA ----------------------------------
+    # ---- header blocks -------------------------------------------------------------
 
     def _headers_frame(self, flags: int, sid: int, payload: memoryview) -> None:
         if sid == 0:
@@ -387,7 +382,7 @@ class Machine:
             elif trailers.malformed:
                 self._stream_error(stream, f.PROTOCOL_ERROR, trailers.malformed)
             else:
-                self._ended(stream)
+                self.inbound.ended(stream)
             return
         if sid % 2 == 0:
             raise ProtocolError(f.PROTOCOL_ERROR, f"a client stream with an even id {sid}")
@@ -417,103 +412,3 @@ class Machine:
             self.handler.open(self.owner, stream)
             if stream.ended and not stream.closed:
                 stream.call.end(False)
-
-    def _data(self, flags: int, sid: int, payload: memoryview) -> None:
-        size = len(payload)  # flow control counts the whole payload, padding included
-        if sid == 0:
-            raise ProtocolError(f.PROTOCOL_ERROR, "a DATA frame on stream 0")
-        if flags & f.PADDED:
-            payload = f.unpad(flags, payload)
-        self._recv_window -= size
-        if self._recv_window < 0:
-            raise ProtocolError(f.FLOW_CONTROL_ERROR, "DATA past the connection's window")
-        self._received += size
-        if self._received > self._half_window:
-            update = struct.pack(">I", self._received)
-            self.out.write(frame(f.WINDOW_UPDATE, 0, 0, update))
-            self._recv_window += self._received
-            self._received = 0
-        stream = self.streams.get(sid)
-        if stream is None:
-            if self._idle(sid):
-                raise ProtocolError(f.PROTOCOL_ERROR, f"DATA on the idle stream {sid}")
-            return  # a stream that was reset or answered: its data counts for the window only
-        if stream.ended:
-            self._stream_error(stream, f.STREAM_CLOSED, "DATA after the end of the stream")
-            return
-        stream.recv_window -= size
-        if stream.recv_window < 0:
-            self._stream_error(stream, f.FLOW_CONTROL_ERROR, "DATA past the stream's window")
-            return
-        if not payload and not flags & f.END_STREAM:
-            self._spend("empty DATA frames")
-        stream.owed += size
-        buffer = stream.buffer
-        if not buffer:  # messages that lie whole in this frame are taken straight from it
-            taken = self._take(stream, payload)
-            if taken < 0:
-                return
-            if taken < len(payload):  # the start of a message, admitted: the rest follows
-                buffer += payload[taken:]
-        else:
-            buffer += payload
-            with memoryview(buffer) as whole:
-                taken = self._take(stream, whole)
-            if taken < 0:
-                return
-            del buffer[:taken]
-        if stream.owed > self._half_window:
-            self._give_back(stream)
-        if flags & f.END_STREAM:
-            self._ended(stream)
-
-    def _take(self, stream: Stream, data: memoryview) -> int:
-        """Hand every whole gRPC message at the start of ``data`` to the stream's call;
-        the bytes taken, or -1 when the call has answered (a message over the limit,
-        one too many, or one whose queued bytes do not fit). Each message is admitted
-        by the call (``call.admit``: its size checked, its queued bytes held) when its
-        length prefix is read, before any of it is kept."""
-        call = stream.call
-        taken, end = 0, len(data)
-        while True:
-            if stream.skip:  # a message refused in its stream: dropped as it arrives
-                dropped = min(stream.skip, end - taken)
-                stream.skip -= dropped
-                taken += dropped
-            if end - taken < 5:
-                break
-            n = int.from_bytes(data[taken + 1 : taken + 5], "big")
-            if not stream.admitted:
-                verdict = call.admit(n)
-                if verdict == REFUSED:
-                    stream.skip = n
-                    taken += 5
-                    continue
-                if verdict != ADMITTED:
-                    stream.buffer = bytearray()  # (assigned: ``data`` may be a view of it)
-                    return -1
-                stream.admitted = True
-            if end - taken < 5 + n:
-                break
-            stream.admitted = False
-            if not call.unary:  # held until the call reads it (consumed)
-                stream.owed -= 5 + n
-            call.message(bytes(data[taken + 5 : taken + 5 + n]), data[taken])
-            if stream.closed:
-                return -1
-            taken += 5 + n
-        return taken
-
-    def _give_back(self, stream: Stream) -> None:
-        owed = stream.owed
-        if owed <= self._half_window or stream.ended or stream.closed or self.closing:
-            return  # (a closed stream takes no more frames, a window update neither)
-        self.out.write(frame(f.WINDOW_UPDATE, 0, stream.id, struct.pack(">I", owed)))
-        stream.recv_window += owed
-        stream.owed = 0
-
-    def _ended(self, stream: Stream) -> None:
-        stream.ended = True
-        stream.call.end(bool(stream.buffer) or stream.skip > 0)
-        if stream.closed:  # answered before the client finished sending
-            self.streams.pop(stream.id, None)
