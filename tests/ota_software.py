@@ -3,7 +3,7 @@ and a supervisor that runs the server from the device's ``current`` link and
 honours the agent's restart command, as systemd does on a device.
 
 A release is this project's own source copied, its version set, built into a wheel
-by pip (offline, ``--no-build-isolation``) and packed by ``bundle build-software``
+by pip (once per test process; later versions re-version that wheel) and packed by ``bundle build-software``
 with a folder of dependency wheels (empty: the device's venvs see the system's
 packages, ``system_site_packages``, so the test installs only the appliance
 itself, offline). A broken release cannot start its server (``Server()`` exits).
@@ -11,6 +11,8 @@ itself, offline). A broken release cannot start its server (``Server()`` exits).
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,9 +51,25 @@ def require_cyclonedx() -> None:
         pytest.skip("cyclonedx-bom is not installed (pip install 'appliance[sbom]')")
 
 
+_TEMPLATE_VERSION = "0.0.0"
+_templates: dict[bool, Path] = {}  # broken -> a wheel of this project at the template version
+
+
 def wheel(work: Path, version: str, broken: bool = False) -> Path:
-    """A wheel of this project as ``version``."""
-    src = work / f"src-{version}"
+    """A wheel of this project as ``version``: pip builds it once per test process
+    (at a template version, with or without the break), and each version after is
+    that wheel re-versioned (:func:`_reversioned`), as pip would have built it."""
+    template = _templates.get(broken)
+    if template is None or not template.exists():
+        template = _templates[broken] = _built(work / "template", _TEMPLATE_VERSION, broken)
+    out = work / "wheels" / version
+    out.mkdir(parents=True, exist_ok=True)
+    return _reversioned(template, version, out)
+
+
+def _built(work: Path, version: str, broken: bool) -> Path:
+    """A wheel of this project as ``version``, built by pip."""
+    src = work / f"src-{version}-{int(broken)}"
     shutil.rmtree(src, ignore_errors=True)
     src.mkdir(parents=True)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.onnx", "*.egg-info")
@@ -65,7 +84,7 @@ def wheel(work: Path, version: str, broken: bool = False) -> Path:
     if broken:
         with open(src / "appliance" / "server.py", "a") as f:
             f.write(BROKEN)
-    out = work / "wheels" / version
+    out = work / f"wheels-{int(broken)}"
     built = subprocess.run(  # the build backend (setuptools >= 77) from pip's cache or index
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(src)],
         capture_output=True, text=True, timeout=300,
@@ -76,6 +95,32 @@ def wheel(work: Path, version: str, broken: bool = False) -> Path:
             raise AssertionError(built.stderr)
         pytest.skip(f"cannot build a wheel of this project here: {built.stderr.strip()[-300:]}")
     return next(out.glob("appliance-*.whl"))
+
+
+def _reversioned(template: Path, version: str, out: Path) -> Path:
+    """``template`` with its version set to ``version`` where a wheel names it (the
+    file name, the dist-info folder, METADATA, ``appliance/version.py``) and its
+    RECORD's hashes made anew (the installer checks them)."""
+    old_info, new_info = f"appliance-{_TEMPLATE_VERSION}.dist-info", f"appliance-{version}.dist-info"
+    target = out / template.name.replace(_TEMPLATE_VERSION, version, 1)
+    records: list[str] = []
+    with zipfile.ZipFile(template) as src, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as dst:
+        for item in src.infolist():
+            name = item.filename.replace(old_info, new_info, 1)
+            if name == f"{new_info}/RECORD":
+                continue
+            data = src.read(item)
+            if name == f"{new_info}/METADATA":
+                data = data.replace(f"Version: {_TEMPLATE_VERSION}\n".encode(),
+                                    f"Version: {version}\n".encode(), 1)  # fmt: skip
+            elif name == "appliance/version.py":
+                data = f'__version__ = "{version}"\n'.encode()
+            dst.writestr(name, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+            records.append(f"{name},sha256={digest.decode()},{len(data)}")
+        records.append(f"{new_info}/RECORD,,")
+        dst.writestr(f"{new_info}/RECORD", "\n".join(records) + "\n")
+    return target
 
 
 def release(work: Path, version: str, broken: bool = False, python: str = "") -> Path:
