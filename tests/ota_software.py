@@ -3,8 +3,8 @@ and a supervisor that runs the server from the device's ``current`` link and
 honours the agent's restart command, as systemd does on a device.
 
 A release is this project's own source copied, its version set, built into a wheel
-by pip (once per test process; later versions re-version that wheel) and packed by ``bundle build-software``
-with a folder of dependency wheels (empty: the device's venvs see the system's
+by pip (once per test process; later versions re-version that wheel) and packed by
+``bundle build-software`` with a folder of dependency wheels (empty: the device's venvs see the system's
 packages, ``system_site_packages``, so the test installs only the appliance
 itself, offline). A broken release cannot start its server (``Server()`` exits).
 """
@@ -101,10 +101,12 @@ def _reversioned(template: Path, version: str, out: Path) -> Path:
     """``template`` with its version set to ``version`` where a wheel names it (the
     file name, the dist-info folder, METADATA, ``appliance/version.py``) and its
     RECORD's hashes made anew (the installer checks them)."""
-    old_info, new_info = f"appliance-{_TEMPLATE_VERSION}.dist-info", f"appliance-{version}.dist-info"
+    old_info = f"appliance-{_TEMPLATE_VERSION}.dist-info"
+    new_info = f"appliance-{version}.dist-info"
     target = out / template.name.replace(_TEMPLATE_VERSION, version, 1)
     records: list[str] = []
-    with zipfile.ZipFile(template) as src, zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED) as dst:
+    compressed = zipfile.ZIP_DEFLATED
+    with zipfile.ZipFile(template) as src, zipfile.ZipFile(target, "w", compressed) as dst:
         for item in src.infolist():
             name = item.filename.replace(old_info, new_info, 1)
             if name == f"{new_info}/RECORD":
