@@ -4,9 +4,9 @@ honours the agent's restart command, as systemd does on a device.
 
 A release is this project's own source copied, its version set, built into a wheel
 by pip (once per test process; later versions re-version that wheel) and packed by
-``bundle build-software`` with a folder of dependency wheels (empty: the device's venvs see the system's
-packages, ``system_site_packages``, so the test installs only the appliance
-itself, offline). A broken release cannot start its server (``Server()`` exits).
+``bundle build-software`` with a folder of dependency wheels (empty: the device's
+venvs see the system's packages, ``system_site_packages``, so the test installs only
+the appliance itself, offline). A broken release cannot start its server (``Server()`` exits).
 """
 
 from __future__ import annotations
