@@ -19,17 +19,16 @@ import time
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from aiohttp import web
+from typing import TYPE_CHECKING
 
 from appliance import bls, startup_report
-from appliance.adapters.access import AccessPolicy, is_loopback
+from appliance.adapters.access import AccessPolicy, Scope, is_loopback
 from appliance.adapters.grpc import libraries as grpc_libraries
-from appliance.adapters.http import api, listener
-from appliance.adapters.http import limits as http_limits
+from appliance.adapters.http import head as http_head
+from appliance.adapters.http import listener, reads
+from appliance.adapters.http.backstage import Backstage
 from appliance.adapters.http.drain import close_http
-from appliance.adapters.http.vision import register as register_vision
+from appliance.adapters.http.front import Read, Routes
 from appliance.adapters.tls import http_context
 from appliance.config.fields import ConfigError
 from appliance.core.dataplane import DataPlane
@@ -37,9 +36,10 @@ from appliance.core.lifecycle import ModelLifeCycle
 from appliance.core.shared_memory import SharedMemoryRegistry
 from appliance.errors import ApplianceError
 from appliance.streams.manager import Streams
-from appliance.vision.detector import Detectors
 
 if TYPE_CHECKING:
+    from aiohttp import web
+
     from appliance.adapters.grpc.server import GrpcEndpoint
     from appliance.adapters.metrics import MetricsExporter
     from appliance.adapters.mqtt.bridge import MqttBridge
@@ -67,26 +67,23 @@ class Server:
         )
         self._http: listener.Listener | None = None
         self._grpc: GrpcEndpoint | None = None
-        self._metrics: web.AppRunner | None = None
+        self._metrics: listener.Listener | None = None
         self.mqtt: MqttBridge | None = None
         self._telemetry: Telemetry | None = None  # found on first use: see telemetry
-        self.metrics: MetricsExporter | None = None  # with the metrics endpoint only
+        # made on the first scrape of the metrics endpoint (prometheus_client, the
+        # device's telemetry: loaded then)
+        self.metrics: MetricsExporter | None = None
         self._bls: bls.Binding | None = None
-        self.vision = Detectors(self.dataplane, config.vision) if config.vision else None
+        self.vision = None
+        if config.vision:
+            from appliance.vision.detector import Detectors  # (Pillow: with vision only)
+
+            self.vision = Detectors(self.dataplane, config.vision)
         self.streams = Streams(self.vision, config.mqtt)  # camera streams (docs/vision.md)
         self._reloads: set[asyncio.Task[None]] = set()
         self.http_port = 0
         self.grpc_port = 0
         self.metrics_port = 0
-
-    async def _runner(
-        self, app: web.Application, shutdown_timeout: float, **handler_options: Any
-    ) -> web.AppRunner:
-        runner = web.AppRunner(
-            app, access_log=None, shutdown_timeout=shutdown_timeout, **handler_options
-        )
-        await runner.setup()
-        return runner
 
     def _bind(self, port: int) -> socket.socket:
         """The listening socket, bound here so that port 0 (tests) reports the port
@@ -103,28 +100,49 @@ class Server:
             ) from None
         return sock
 
-    async def _site(self, app: web.Application, port: int) -> tuple[web.AppRunner, int]:
-        """An aiohttp-only endpoint (metrics)."""
-        sock = self._bind(port)
-        runner = await self._runner(app, 1.0)
-        await web.SockSite(runner, sock).start()
-        return runner, int(sock.getsockname()[1])
+    async def _backstage(self) -> web.AppRunner:
+        """The aiohttp application behind the HTTP front, set up (on first need: see
+        :mod:`appliance.adapters.http.backstage`)."""
+        from aiohttp import web
 
-    async def _start_http(self, tls: ssl.SSLContext | None) -> None:
-        """The KServe v2 endpoint: :mod:`appliance.adapters.http.front` on the socket,
-        serving inference itself and handing every other request's connection to the
-        aiohttp application behind it."""
+        from appliance.adapters.http import api
+        from appliance.adapters.http import limits as http_limits
+        from appliance.adapters.http.vision import register as register_vision
+
         config = self.config
         app = api.create_app(
             self.dataplane, config.max_request_size, self.access, config.http_body_timeout_s
         )
         register_vision(app, self.vision, config.http_body_timeout_s, self.streams)
-        sock = self._bind(config.http_port)
-        runner = await self._runner(
-            app, config.drain_timeout_s, **http_limits.runner_options(config)
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            shutdown_timeout=config.drain_timeout_s,
+            **http_limits.runner_options(config),
         )
+        await runner.setup()
+        return runner
+
+    def _reads(self) -> Routes:
+        """The read-only KServe routes the HTTP front answers itself."""
+
+        def route(name: str) -> Callable[[http_head.Head], Read]:
+            def answer(head: http_head.Head) -> Read:
+                status, body = reads.answer(self.dataplane, name, head.model, head.version)
+                return status, body, b"application/json"
+
+            return answer
+
+        return {name: (scope, route(name)) for name, scope in reads.SCOPES.items()}
+
+    async def _start_http(self, tls: ssl.SSLContext | None) -> None:
+        """The KServe v2 endpoint: :mod:`appliance.adapters.http.front` on the socket,
+        serving inference and the read-only routes itself and handing every other
+        request's connection to the aiohttp application behind it (made on first
+        need)."""
+        config = self.config
+        sock = self._bind(config.http_port)
         self._http = await listener.listen(
-            runner,
             sock,
             tls,
             self.dataplane,
@@ -132,8 +150,28 @@ class Server:
             config.max_request_size,
             config.http_header_timeout_s,
             config.http_body_timeout_s,
+            self._reads(),
+            Backstage(self._backstage),
         )
         self.http_port = int(sock.getsockname()[1])
+
+    async def _start_metrics(self) -> None:
+        """The metrics endpoint: the same front, answering ``GET /metrics`` only."""
+        config = self.config
+        sock = self._bind(config.metrics_port)
+        self._metrics = await listener.listen(
+            sock,
+            None,
+            self.dataplane,
+            self.access,
+            0,
+            config.http_header_timeout_s,
+            config.http_body_timeout_s,
+            {"metrics": (Scope.PUBLIC, self._render_metrics)},
+            None,
+            infer=False,
+        )
+        self.metrics_port = int(sock.getsockname()[1])
 
     async def start(self) -> None:
         """Bind the endpoints, then load the model repository."""
@@ -142,15 +180,7 @@ class Server:
         if self.config.http_port >= 0:
             await self._start_http(tls)
         if self.config.metrics_port >= 0:
-            from appliance.streams.metrics import StreamsCollector
-
-            self.metrics = self._exporter()
-            self.metrics.registry.register(
-                StreamsCollector(lambda: list(self.streams.running.values()))
-            )
-            mapp = web.Application()
-            mapp.router.add_get("/metrics", self._render_metrics)
-            self._metrics, self.metrics_port = await self._site(mapp, self.config.metrics_port)
+            await self._start_metrics()
         if self.config.grpc_port >= 0:
             await self._start_grpc()
         host = self.config.host
@@ -249,10 +279,12 @@ class Server:
         return self._telemetry
 
     def _exporter(self) -> MetricsExporter:
-        """The Prometheus exporter; prometheus_client loads only when metrics are served."""
+        """The Prometheus exporter; prometheus_client loads only when metrics are
+        scraped."""
         from appliance.adapters import metrics
+        from appliance.streams.metrics import StreamsCollector
 
-        return metrics.MetricsExporter(
+        exporter = metrics.MetricsExporter(
             metrics.Sources(
                 models=lambda: (mv.stats for mv in self.lifecycle.loaded()),
                 budget=self.dataplane.memory,
@@ -261,11 +293,16 @@ class Server:
                 telemetry=self.telemetry.read,
             )
         )
+        exporter.registry.register(StreamsCollector(lambda: list(self.streams.running.values())))
+        return exporter
 
-    async def _render_metrics(self, request: web.Request) -> web.Response:
-        assert self.metrics is not None  # this route exists with the exporter only
-        body, content_type = self.metrics.render(request.headers.get("Accept", ""))
-        return web.Response(body=body, headers={"Content-Type": content_type})
+    def _render_metrics(self, head: http_head.Head) -> Read:
+        """``GET /metrics``: the exposition the ``Accept`` header asks for."""
+        if self.metrics is None:
+            self.metrics = self._exporter()
+        accept = next((v for k, v in head.fields if k.lower() == "accept"), "")
+        body, content_type = self.metrics.render(accept)
+        return 200, body, content_type.encode("latin-1")
 
     def _mqtt_counters(self) -> dict[str, int] | None:
         return None if self.mqtt is None else self.mqtt.stats.snapshot()
@@ -292,7 +329,7 @@ class Server:
             bls.unregister(self.repository, self._bls)
             self._bls = None
         if metrics_runner is not None:
-            await metrics_runner.cleanup()
+            await close_http(metrics_runner, 1.0)
         if self._telemetry is not None:
             self._telemetry.close()
         log.info("stopped")

@@ -2,7 +2,8 @@
 
 Each case runs the real ``appliance serve`` command in a fresh interpreter. A logging
 handler, installed before the command starts, waits for the server's "ready in" line,
-sends one real inference over HTTP, then writes the names in ``sys.modules`` to a file
+asks for readiness and sends one real inference over HTTP (and scrapes the metrics
+endpoint, where a case says so), then writes the names in ``sys.modules`` to a file
 and stops the server with SIGTERM. The assertions are on which modules are loaded,
 never on time or memory; each case also names modules that must be loaded, so a
 probe that saw nothing could not pass.
@@ -28,17 +29,24 @@ PROBE = textwrap.dedent(
     """
     import json, logging, os, re, signal, sys, threading, urllib.request
 
-    out = sys.argv[1]
-    sys.argv = ["appliance", *sys.argv[2:]]
-    port = []
+    out, scrape = sys.argv[1], sys.argv[2] == "scrape"
+    sys.argv = ["appliance", *sys.argv[3:]]
+    port, metrics = [], []
 
     def infer_then_report():
         body = json.dumps({"inputs": [
             {"name": n, "shape": [1, 16], "datatype": "INT32", "data": [1] * 16}
             for n in ("INPUT0", "INPUT1")]}).encode()
-        url = f"http://127.0.0.1:{port[0]}/v2/models/simple/infer"
+        base = f"http://127.0.0.1:{port[0]}"
+        with urllib.request.urlopen(base + "/v2/health/ready", timeout=30) as r:
+            assert r.status == 200
+        url = base + "/v2/models/simple/infer"
         with urllib.request.urlopen(urllib.request.Request(url, body), timeout=30) as r:
             answer = json.loads(r.read())
+        if scrape:
+            page = f"http://127.0.0.1:{metrics[0]}/metrics"
+            with urllib.request.urlopen(page, timeout=30) as r:
+                assert b"nv_inference_count" in r.read()
         with open(out, "w") as f:
             json.dump({"modules": sorted(sys.modules), "answer": answer}, f)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -48,6 +56,9 @@ PROBE = textwrap.dedent(
             m = re.search(r"http://127\\.0\\.0\\.1:(\\d+)", record.getMessage())
             if m and not port:
                 port.append(int(m.group(1)))
+            m = re.search(r"metrics http://127\\.0\\.0\\.1:(\\d+)", record.getMessage())
+            if m and not metrics:
+                metrics.append(int(m.group(1)))
             if record.getMessage().startswith("ready in"):
                 threading.Thread(target=infer_then_report, daemon=True).start()
 
@@ -72,16 +83,20 @@ GRPC = ("grpc", "google.protobuf", "tritonclient", "hpack", "appliance.adapters.
 # the metrics endpoint's: the exposition and the device's telemetry (sysfs, NVML)
 METRICS = ("prometheus_client", "appliance.adapters.metrics", "appliance.telemetry.device")
 MQTT = ("paho", "appliance.adapters.mqtt.bridge")
+# the routes behind the HTTP front: inference and readiness never need them
+AIOHTTP = ("aiohttp", "appliance.adapters.http.api")
 
 
-def _served_modules(tmp_path: Path, *args: str) -> set[str]:
+def _served_modules(tmp_path: Path, *args: str, scrape: bool = False) -> set[str]:
     out = tmp_path / "modules.json"
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
+    mode = "scrape" if scrape else "-"
+    command = [sys.executable, "-c", PROBE, str(out), mode, "serve", "--http-port", "0", *args]
     proc = subprocess.run(
-        [sys.executable, "-c", PROBE, str(out), "serve", "--http-port", "0", *args],
+        command,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -103,22 +118,21 @@ def _loaded(modules: set[str], names: tuple[str, ...]) -> list[str]:
 
 def test_demo_models_without_grpc_metrics_or_mqtt(tmp_path: Path) -> None:
     modules = _served_modules(tmp_path, "--grpc-port", "-1", "--metrics-port", "-1")
-    assert _loaded(modules, NEVER + GRPC + METRICS + MQTT) == []
+    assert _loaded(modules, NEVER + GRPC + METRICS + MQTT + AIOHTTP) == []
     # what this configuration does need: the demo models' YAML configs, the preprocess
-    # model's Pillow, ONNX Runtime and the HTTP endpoint
-    assert _loaded(modules, ("yaml", "PIL", "onnxruntime", "aiohttp")) == [
-        "yaml",
-        "PIL",
-        "onnxruntime",
-        "aiohttp",
-    ]
+    # model's Pillow, ONNX Runtime and the HTTP front
+    wanted = ("yaml", "PIL", "onnxruntime", "appliance.adapters.http.front")
+    assert _loaded(modules, wanted) == list(wanted)
 
 
 def test_every_endpoint_loads_its_own_libraries_only(tmp_path: Path) -> None:
     pytest.importorskip("grpc")
     pytest.importorskip("prometheus_client")
     modules = _served_modules(tmp_path, "--grpc-port", "0", "--metrics-port", "0")
-    assert _loaded(modules, NEVER + MQTT) == []
+    assert _loaded(modules, NEVER + MQTT + METRICS + AIOHTTP) == []  # (nothing scraped)
+    assert _loaded(modules, GRPC) == list(GRPC)
+    modules = _served_modules(tmp_path, "--grpc-port", "0", "--metrics-port", "0", scrape=True)
+    assert _loaded(modules, NEVER + MQTT + AIOHTTP) == []
     assert _loaded(modules, GRPC + METRICS) == list(GRPC + METRICS)
 
 

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
-
-import aiohttp
+from typing import TYPE_CHECKING, Any
 
 from appliance.config.mqtt_config import MqttConfig
 from appliance.config.streams_config import StreamConfig
-from appliance.streams import decoder, sinks
-from appliance.streams.stream import Outputs, Stream
-from appliance.vision.detector import Detectors
+from appliance.streams import decoder
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from appliance.streams import sinks
+    from appliance.streams.stream import Outputs, Stream
+    from appliance.vision.detector import Detectors
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,9 @@ class Streams:
         self._session: aiohttp.ClientSession | None = None
 
     def _outputs(self, config: StreamConfig) -> Outputs:
+        from appliance.streams import sinks  # (aiohttp's client, paho: with a stream only)
+        from appliance.streams.stream import Outputs
+
         mqtt = webhook = jsonl = None
         if config.mqtt_topic and self.mqtt_config is not None:
             if self._mqtt is None:
@@ -41,6 +47,8 @@ class Streams:
             mqtt = self._mqtt
         if config.webhook:
             if self._session is None:
+                import aiohttp
+
                 self._session = aiohttp.ClientSession()
             webhook = sinks.Webhook(config.webhook, self._session)
         if config.jsonl is not None:
@@ -69,6 +77,8 @@ class Streams:
             if why:
                 log.error("stream %s not started: %s", name, why)
                 continue
+            from appliance.streams.stream import Stream  # (with a stream only)
+
             stream = Stream(config, detectors.get(config.detector), self._outputs(config))
             stream.start()
             self.running[name] = stream

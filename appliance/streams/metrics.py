@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from appliance.streams.stream import Stream
+if TYPE_CHECKING:
+    from appliance.streams.stream import Stream
 
 OUTCOMES = ("decoded", "skipped", "dropped", "inferred", "failed", "published")
 

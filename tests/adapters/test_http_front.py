@@ -68,7 +68,25 @@ def _sum(body: bytes) -> list[int]:
     return data
 
 
-GET_READY = b"GET /v2/health/ready HTTP/1.1\r\nHost: t\r\n\r\n"
+# readiness asked with a query string: a request target the front leaves to aiohttp
+GET_READY = b"GET /v2/health/ready?from=test HTTP/1.1\r\nHost: t\r\n\r\n"
+# the read-only routes the front answers itself (model "nope" is not in the repository;
+# "a..b" is not a model name; the demo's simple has no version 9)
+READS = [
+    "/v2",
+    "/v2/",
+    "/v2/health/live",
+    "/v2/health/ready",
+    "/v2/models/simple",
+    "/v2/models/simple/versions/1",
+    "/v2/models/simple/ready",
+    "/v2/models/simple/versions/1/ready",
+    "/v2/models/simple/config",
+    "/v2/models/simple/versions/9/config",
+    "/v2/models/nope",
+    "/v2/models/nope/ready",
+    "/v2/models/a..b/config",
+]
 
 
 def test_inference_is_the_fronts_and_a_connection_goes_to_aiohttp_at_another_route(
@@ -88,6 +106,32 @@ def test_inference_is_the_fronts_and_a_connection_goes_to_aiohttp_at_another_rou
         sock.sendall(_infer(_simple(3)))  # the same connection, aiohttp's now
         status, headers, body = responses.read()
         assert status == 200 and _sum(body) == [6] * 16 and "aiohttp" in headers["server"]
+
+
+def test_the_read_only_routes_are_the_fronts_and_answer_as_aiohttp_does(
+    run_appliance: Any, new_loop: Callable[[], asyncio.AbstractEventLoop]
+) -> None:
+    """Each read-only route asked of the front (keep-alive, one connection) and of
+    aiohttp (the same route with a query string, which hands a connection over): the
+    same status and the same document."""
+    srv = run_appliance(new_loop=new_loop)
+    statuses = {}
+    with _connect(srv) as front, _connect(srv) as behind:
+        ours, theirs = Responses(front), Responses(behind)
+        for path in READS:
+            front.sendall(f"GET {path} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+            status, headers, body = ours.read()
+            assert "server" not in headers, path  # the front answered
+            behind.sendall(f"GET {path}?q=1 HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+            status2, headers2, body2 = theirs.read()
+            assert "aiohttp" in headers2["server"], path
+            assert status == status2, (path, body, body2)
+            assert (json.loads(body) if body else None) == (json.loads(body2) if body2 else None)
+            if body:
+                assert headers["content-type"] == "application/json", path
+            statuses[path] = status
+    # (and the answers are the routes' own: found, not found, not ready, malformed)
+    assert [statuses[p] for p in READS] == [200] * 9 + [404, 400, 400, 400]
 
 
 def test_pipelined_requests_are_answered_in_order(
@@ -235,7 +279,10 @@ def test_the_front_takes_ordinary_heads() -> None:
         b"Authorization: Bearer a\r\nConnection: keep-alive, close\r\nAccept:\r\n\r\n"
     )
     fields = (("host", "t"), ("Accept", ""))  # the others, as sent: to forward as parameters
-    assert head == http_head.Head("my-model_2.onnx", "3", 17, "9", ("Bearer a",), False, fields)
+    target = "/v2/models/my-model_2.onnx/versions/3/infer"
+    assert head == http_head.Head(
+        "my-model_2.onnx", "3", 17, "9", ("Bearer a",), False, fields, http_head.INFER, target
+    )
 
 
 def test_odd_heads_get_an_answer_and_the_server_keeps_serving(run_appliance: Any) -> None:

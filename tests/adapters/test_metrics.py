@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import urllib.request
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from device_trees import JETSON, X86, recorded
+from http_helpers import Responses
 from tritonclient.utils import InferenceServerException
 
 from appliance.adapters.metrics import MetricsExporter, Sources
@@ -204,3 +206,29 @@ def test_a_live_server_exposes_its_device(run_appliance) -> None:
     assert m['appliance_throttle_events_total{source="cpu_package_thermal"}'] == 7
     assert m['appliance_cpu_frequency_max_hertz{cpus="3",policy="3"}'] == 4.2e9
     assert 'nv_inference_count{model="simple",version="1"}' in m
+
+
+def test_the_metrics_endpoint_answers_its_one_route_and_refuses_the_rest(run_appliance) -> None:
+    """The metrics port is the HTTP front with ``GET /metrics`` as its one route: a
+    scrape twice on one keep-alive connection (Prometheus's text, then OpenMetrics when
+    asked), anything else 404 and the connection closed (nothing behind it)."""
+    srv = run_appliance()
+    port = int(srv.metrics_url.rsplit(":", 1)[1].split("/")[0])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        answers = Responses(sock)
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n")
+        status, headers, body = answers.read()
+        assert status == 200 and headers["content-type"].startswith("text/plain")
+        assert b"nv_inference_count" in body
+        accept = b"Accept: application/openmetrics-text; version=1.0.0\r\n"
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: t\r\n" + accept + b"\r\n")
+        status, headers, body = answers.read()
+        assert status == 200 and headers["content-type"].startswith("application/openmetrics")
+        assert body.endswith(b"# EOF\n")
+    for request in (b"GET /v2/health/ready HTTP/1.1", b"POST /metrics HTTP/1.1", b"GET /x y z"):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(request + b"\r\nHost: t\r\nContent-Length: 0\r\n\r\n")
+            status, _, body = Responses(sock).read()
+            assert status == 404 and b"GET /metrics" in body, request
+            sock.settimeout(10)
+            assert sock.recv(100) == b""  # closed after the answer

@@ -26,7 +26,7 @@ from appliance.adapters.codec import kserve
 from appliance.adapters.http import generate as http_generate
 from appliance.adapters.http import infer as http_infer
 from appliance.adapters.http import limits as http_limits
-from appliance.adapters.http import openai, shadow
+from appliance.adapters.http import openai, reads, shadow
 from appliance.adapters.http.routing import Shape
 from appliance.core.dataplane import DataPlane
 from appliance.errors import ApplianceError, invalid
@@ -101,9 +101,7 @@ def _front(limits: http_limits.BodyLimits) -> Middleware:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            response = _error(
-                exc.status, f"{exc.reason}: {request.method} {request.path}", request
-            )
+            response = _error(exc.status, f"{exc.reason}: {request.method} {request.path}", request)
             if "Allow" in exc.headers:  # a 405 says which methods the route takes
                 response.headers["Allow"] = exc.headers["Allow"]
             return response
@@ -132,7 +130,7 @@ def _denied(request: web.Request) -> web.Response | None:
 
 
 def _model(request: web.Request) -> tuple[str, str]:
-    return request.match_info["model"], request.match_info.get("version", "")
+    return request.match_info.get("model", ""), request.match_info.get("version", "")
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -148,30 +146,20 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return doc
 
 
-async def live(request: web.Request) -> web.Response:
-    return web.Response(status=200 if request.app[DATAPLANE].live else 400)
+async def _read(request: web.Request, route: str) -> web.Response:
+    """A read-only route (:mod:`appliance.adapters.http.reads`, as the front answers it)."""
+    status, body = reads.answer(request.app[DATAPLANE], route, *_model(request))
+    if not body:
+        return web.Response(status=status)
+    return web.Response(body=body, status=status, content_type="application/json")
 
 
-async def ready(request: web.Request) -> web.Response:
-    return web.Response(status=200 if request.app[DATAPLANE].ready() else 400)
+def _reader(route: str) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await _read(request, route)
 
-
-async def server_metadata(request: web.Request) -> web.Response:
-    return _json(request.app[DATAPLANE].server_metadata())
-
-
-async def model_ready(request: web.Request) -> web.Response:
-    # not ready, unknown model: 400 with the reason, as Triton; unknown version: 404
-    reason = request.app[DATAPLANE].model_unready_reason(*_model(request))
-    return _error(400, reason) if reason else web.Response(status=200)
-
-
-async def model_metadata(request: web.Request) -> web.Response:
-    return _json(request.app[DATAPLANE].model_metadata(*_model(request)))
-
-
-async def model_config(request: web.Request) -> web.Response:
-    return _json(request.app[DATAPLANE].model_config(*_model(request)))
+    handler.__name__ = route
+    return handler
 
 
 async def model_stats(request: web.Request) -> web.Response:
@@ -339,7 +327,7 @@ def create_app(
     shapes: dict[web.AbstractRoute, Shape] = {}
     app[SHAPES] = shapes
     expect = http_limits.expect_handler(max_request_size, _shape)
-    public, inference, admin = Scope.PUBLIC, Scope.INFERENCE, Scope.ADMIN
+    inference, admin = Scope.INFERENCE, Scope.ADMIN
 
     def declare(route: web.AbstractRoute, scope: Scope, shape: Shape | None) -> None:
         scopes[route] = scope
@@ -359,16 +347,16 @@ def create_app(
     # added, and this is the one every request of the hot path takes
     for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
         post(base + "/infer", infer, inference)
-    get("/v2", server_metadata, public)
-    get("/v2/", server_metadata, public)  # the KServe spec's spelling
-    get("/v2/health/live", live, public)
-    get("/v2/health/ready", ready, public)
+    get("/v2", _reader("server"), reads.SCOPES["server"])
+    get("/v2/", _reader("server"), reads.SCOPES["server"])  # the KServe spec's spelling
+    get("/v2/health/live", _reader("live"), reads.SCOPES["live"])
+    get("/v2/health/ready", _reader("ready"), reads.SCOPES["ready"])
     get("/v2/models", model_list, inference)
     get("/v2/models/stats", model_stats, inference)  # before /v2/models/{model}
     for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-        get(base, model_metadata, inference)
-        get(base + "/ready", model_ready, inference)
-        get(base + "/config", model_config, inference)
+        get(base, _reader("model"), reads.SCOPES["model"])
+        get(base + "/ready", _reader("model_ready"), reads.SCOPES["model_ready"])
+        get(base + "/config", _reader("model_config"), reads.SCOPES["model_config"])
         get(base + "/stats", model_stats, inference)
         get(base + "/trace/setting", trace_setting, admin)
         post(base + "/trace/setting", trace_setting, admin)

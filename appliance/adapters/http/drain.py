@@ -29,10 +29,12 @@ import asyncio
 import fcntl
 import logging
 import termios
-
-from aiohttp import web
+from typing import TYPE_CHECKING
 
 from appliance.adapters.http.listener import Listener
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,9 @@ POLL_S = 0.005  # how often the drain looks at the connections (shutdown only)
 
 def _unread_bytes(transport: asyncio.BaseTransport | None) -> int:
     """Bytes the kernel holds for this connection that the loop has not read yet."""
-    sock = transport.get_extra_info("socket") if transport is not None else None
+    if transport is None or transport.is_closing():  # (an SSL one has no socket then)
+        return 0
+    sock = transport.get_extra_info("socket")
     if sock is None or sock.fileno() < 0:
         return 0
     count = array.array("i", [0])
@@ -72,7 +76,8 @@ async def close_http(listener: Listener, timeout_s: float) -> None:
     the front's own connections (:mod:`appliance.adapters.http.front`) and those it
     handed to aiohttp alike."""
     listener.server.close()
-    server, front = listener.runner.server, listener.front
+    front, backstage = listener.front, listener.backstage
+    server = backstage.server if backstage is not None else None  # (none: nothing handed over)
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
 
@@ -93,4 +98,5 @@ async def close_http(listener: Listener, timeout_s: float) -> None:
         )
         for conn in list(front.connections):
             conn.close()
-    await listener.runner.cleanup()
+    if backstage is not None:
+        await backstage.cleanup()

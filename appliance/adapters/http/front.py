@@ -1,6 +1,10 @@
 """The HTTP/1.1 front (:mod:`appliance.adapters.http.listener` puts it on the socket):
-inference requests served on the connection itself, every other request handed, with
-its connection, to aiohttp (:mod:`appliance.adapters.http.handover`).
+inference requests and the read-only routes it is given (:data:`Routes`: health,
+metadata, readiness, config; ``/metrics`` on the metrics endpoint) served on the
+connection itself, every other request handed, with its connection, to aiohttp
+(:mod:`appliance.adapters.http.handover`, behind
+:mod:`appliance.adapters.http.backstage`, which imports aiohttp on first need), or
+refused where nothing is behind the front (the metrics endpoint: 404).
 
 aiohttp's request handling (its request and response objects, middleware chain,
 router, payload stream and writer) was about an eighth of the server's CPU samples on
@@ -35,19 +39,20 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Callable
-from typing import cast
-
-from aiohttp import web
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, cast
 
 from appliance.adapters.access import AccessPolicy, Scope
 from appliance.adapters.codec import kserve
 from appliance.adapters.http import head as http_head
 from appliance.adapters.http import infer as http_infer
-from appliance.adapters.http.handover import hand_over
+from appliance.adapters.http.backstage import Backstage
 from appliance.core.admission import Ticket
 from appliance.core.dataplane import DataPlane
 from appliance.errors import ApplianceError
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +60,12 @@ PAUSE_BYTES = 1 << 20  # buffered bytes of later requests before reading pauses
 _MAX_LINGER_S = 10.0  # aiohttp's lingering default
 _JOIN_BYTES = 64 * 1024  # answers up to this size are copied into one buffer
 _DIRECT_BYTES = 64 * 1024  # bodies above this size are received into their own buffer
+
+# a read-only route's answer: status, body (empty for a bare status), content type
+Read = tuple[int, bytes, bytes]
+# the read-only routes (http_head.ROUTES) a front answers itself: who may call each,
+# and the answer (raising ApplianceError for the front to map)
+Routes = Mapping[str, tuple[Scope, Callable[[http_head.Head], Read]]]
 
 
 class Front:
@@ -64,19 +75,26 @@ class Front:
         self,
         dataplane: DataPlane,
         access: AccessPolicy,
-        aiohttp_server: web.Server,
+        backstage: Backstage | None,
         max_request_size: int,
         header_timeout_s: float,
         body_timeout_s: float,
+        routes: Routes,
+        infer: bool = True,
     ) -> None:
         self.dataplane = dataplane
         self.access = access
-        self.aiohttp_server = aiohttp_server
+        self.backstage = backstage
+        self.routes = routes
+        self.infer = infer  # inference is served (not on the metrics endpoint)
         self.max_request_size = max_request_size
         self.header_timeout_s = header_timeout_s
         self.body_timeout_s = body_timeout_s
         self.linger_s = min(_MAX_LINGER_S, body_timeout_s)
         self.connections: set[Connection] = set()
+
+    def serves(self, route: str) -> bool:
+        return self.infer if route == http_head.INFER else route in self.routes
 
     def protocol(self) -> Connection:
         return Connection(self)
@@ -95,6 +113,7 @@ class Connection(asyncio.Protocol):
         self.busy = False  # a request is being answered
         self.answering: asyncio.Task[None] | None = None  # ... by this task
         self.lingering = False  # answered 413/408: dropping the rest, then closing
+        self.handing = False  # waiting for the backstage to take the connection
         self.write_paused = False
         self.read_paused = False
         self.timer: asyncio.TimerHandle | None = None
@@ -121,6 +140,9 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:
+            return
+        if self.handing:  # kept for aiohttp (reading is paused: at most one read)
+            self.buffer += data
             return
         if self.body is not None:  # a big body: straight into its own buffer
             room = len(self.body) - self.filled
@@ -226,10 +248,13 @@ class Connection(asyncio.Protocol):
             return False
         self.scanned = 0
         head = http_head.parse(bytes(memoryview(self.buffer)[: end + 4]))
-        if head is None:
+        front = self.front
+        if head is None or not front.serves(head.route):
             self._hand_over()
             return False
-        front = self.front
+        if head.route != http_head.INFER:
+            self._read(head, end + 4)
+            return False
         if head.content_length > front.max_request_size:
             self._refuse(
                 413,
@@ -262,6 +287,27 @@ class Connection(asyncio.Protocol):
             self.head_size = 0
         self._arm(front.body_timeout_s, self._body_late)
         return True
+
+    def _read(self, head: http_head.Head, head_size: int) -> None:
+        """A read-only route, answered at once (no body: the next request may follow)."""
+        scope, answer = self.front.routes[head.route]
+        denial = self.front.access.check_all(scope, head.authorizations)
+        if denial is not None:
+            self._early(head, head_size, 403 if denial.forbidden else 401, denial.message)
+            return
+        try:
+            status, body, content_type = answer(head)
+        except ApplianceError as exc:
+            status, body = http_infer.STATUS[exc.code], kserve.error_body(exc.message)
+            content_type = b"application/json"
+        del self.buffer[:head_size]
+        keep = head.keep_alive and self.front.dataplane.accepting
+        self._write(status, [body], None, keep, content_type)
+        if not keep:
+            self.close()  # (what was written still goes out)
+            return
+        self._arm(self.front.header_timeout_s, self._head_late)
+        self.early = True  # _advance goes on with what follows
 
     def _early(self, head: http_head.Head, head_size: int, status: int, message: str) -> None:
         """Answer before the body is read; the body is then dropped as it arrives (for
@@ -331,12 +377,17 @@ class Connection(asyncio.Protocol):
             self._advance()
 
     def _write(
-        self, status: int, parts: list[bytes | memoryview], length: int | None, keep: bool
+        self,
+        status: int,
+        parts: list[bytes | memoryview],
+        length: int | None,
+        keep: bool,
+        content_type: bytes = b"application/json",
     ) -> None:
         """One answer: its head and body parts in one write (joined when small: one
         ``write`` goes out at once, ``writelines`` waits for the loop's turn)."""
         size = sum(map(len, parts))
-        head = http_head.answer(status, size, length, keep)
+        head = http_head.answer(status, size, length, keep, content_type)
         if size <= _JOIN_BYTES:
             self._transport().write(b"".join([head, *parts]))
         else:
@@ -394,20 +445,51 @@ class Connection(asyncio.Protocol):
             self.timer = None
 
     def _hand_over(self) -> None:
-        """aiohttp serves this connection from the first byte of the current request on."""
+        """aiohttp serves this connection from the first byte of the current request on
+        (once the backstage is up: meanwhile the connection is not read); with nothing
+        behind this front, the request is refused (404) and the connection closed."""
         self._disarm()
         self._drop_request()
+        backstage = self.front.backstage
+        if backstage is None:
+            self._refuse(404, "not found: this endpoint serves GET /metrics only")
+            return
         self.front.connections.discard(self)
+        self.handing = True  # nothing more is served here: it is aiohttp's from now on
+        if backstage.server is not None:
+            self._give(backstage.server)
+            return
+        transport = self._transport()
+        if not self.read_paused:
+            self.read_paused = True
+            transport.pause_reading()
+        self.answering = self.loop.create_task(self._handed(backstage))
+
+    async def _handed(self, backstage: Backstage) -> None:
+        try:
+            server = await backstage.start()
+        except Exception:
+            log.exception("the HTTP routes behind the front could not be set up")
+            self.close()
+            return
+        if self.transport is not None:  # (else the client left meanwhile)
+            self._give(server)
+
+    def _give(self, server: web.Server) -> None:
+        from appliance.adapters.http.handover import hand_over  # (imported by the backstage)
+
         transport = self._transport()
         self.transport = None
         paused, self.read_paused = self.read_paused, False
         data, self.buffer = bytes(self.buffer), bytearray()
-        hand_over(transport, self.front.aiohttp_server(), data, paused)
+        hand_over(transport, server(), data, paused)
 
     @property
     def idle(self) -> bool:
         """Waiting for a request, nothing of one received (shutdown closes these)."""
-        return not (self.busy or self.head or self.buffer or self.skip) and bool(self.transport)
+        if self.busy or self.head or self.buffer or self.skip or self.transport is None:
+            return False
+        return not self.transport.is_closing()
 
     def close(self) -> None:
         self._disarm()

@@ -1,7 +1,9 @@
 """HTTP/1.1 heads as :mod:`appliance.adapters.http.front` reads and writes them: which
 requests it serves itself (:func:`parse`: an inference, ``POST
-/v2/models/<m>[/versions/<v>]/infer``, with an ordinary head), and the heads of its
-answers (:func:`answer`), and the one head it rewrites before aiohttp reads it
+/v2/models/<m>[/versions/<v>]/infer``, or one of the read-only routes
+(:data:`ROUTES`: health, server and model metadata, model readiness and config,
+``/metrics``), ``GET`` without a body, each with an ordinary head), and the heads of
+its answers (:func:`answer`), and the one head it rewrites before aiohttp reads it
 (:func:`chunked_only`: a chunked body that also names a ``Content-Length``).
 
 The rule is strict on purpose: a head is taken only when every byte of it has one
@@ -26,10 +28,21 @@ from http import HTTPStatus
 
 MAX_HEAD = 8192  # bytes of request line and headers this front reads at most
 
-_REQUEST_LINE = re.compile(
-    rb"POST /v2/models/([A-Za-z0-9_][A-Za-z0-9_.\-]*)(?:/versions/([0-9]{1,19}))?/infer"
-    rb" HTTP/1\.1\r\n"
+_NAME = rb"([A-Za-z0-9_][A-Za-z0-9_.\-]*)(?:/versions/([0-9]{1,19}))?"
+_REQUEST_LINE = re.compile(rb"POST /v2/models/" + _NAME + rb"/infer HTTP/1\.1\r\n")
+# the read-only routes: the request target, (its model and version, the route's tail)
+_GET_LINE = re.compile(
+    rb"GET (/v2/?|/v2/health/(?:live|ready)|/metrics|/v2/models/"
+    + _NAME
+    + rb"(/ready|/config)?) HTTP/1\.1\r\n"
 )
+INFER = "infer"
+# the read-only routes this module recognizes, by their request target's shape; an
+# endpoint serves those it knows and hands the others on
+ROUTES = ("live", "ready", "server", "metrics", "model", "model_ready", "model_config")
+_FIXED = {b"/v2": "server", b"/v2/": "server", b"/v2/health/live": "live",
+          b"/v2/health/ready": "ready", b"/metrics": "metrics"}  # fmt: skip
+_TAILS = {None: "model", b"/ready": "model_ready", b"/config": "model_config"}
 # a header line: a token, a colon, a value of printable ASCII (tabs allowed inside)
 _FIELD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*((?:[!-~][ \t!-~]*)?)\r\n")
 _TRAILING_SPACE = b" \t"
@@ -39,7 +52,8 @@ _HANDED = frozenset({b"transfer-encoding", b"expect", b"upgrade", b"te"})
 
 @dataclass(frozen=True, slots=True)
 class Head:
-    """An inference request's head, as this front serves it."""
+    """A request's head, as this front serves it: an inference (``route`` INFER), or
+    one of :data:`ROUTES`, whose ``content_length`` is 0."""
 
     model: str
     version: str
@@ -50,20 +64,43 @@ class Head:
     # every other field (name as sent, value as sent after the colon's whitespace),
     # for the headers forwarded as parameters (adapters/forwarding)
     fields: tuple[tuple[str, str], ...] = ()
+    route: str = INFER
+    target: str = ""  # the request target, as sent
+
+
+def _route(head: bytes) -> tuple[str, str, str, str, int] | None:
+    """(route, model, version, target, end of the request line), or None."""
+    line = _REQUEST_LINE.match(head)
+    if line is not None:
+        model, version = line.group(1).decode("ascii"), (line.group(2) or b"").decode("ascii")
+        target = head[5 : line.end() - 11].decode("ascii")
+        return INFER, model, version, target, line.end()
+    line = _GET_LINE.match(head)
+    if line is None:
+        return None
+    target_bytes = line.group(1)
+    route = _FIXED.get(target_bytes)
+    if route is None:
+        model = line.group(2)
+        if model == b"stats" and line.group(3) is None and line.group(4) is None:
+            return None  # /v2/models/stats: every model's statistics, not a model
+        route = _TAILS[line.group(4)]
+    name, version = (line.group(2) or b"").decode("ascii"), (line.group(3) or b"").decode("ascii")
+    return route, name, version, target_bytes.decode("ascii"), line.end()
 
 
 def parse(head: bytes) -> Head | None:
     """``head`` (request line and headers, the blank line included) -> its
     :class:`Head`, or None when aiohttp is to serve the request instead."""
-    line = _REQUEST_LINE.match(head)
-    if line is None:
+    routed = _route(head)
+    if routed is None:
         return None
+    route, model, version, target, pos = routed
     content_length: int | None = None
     header_length: str | None = None
     authorizations: list[str] = []
     fields: list[tuple[str, str]] = []
     keep_alive = True
-    pos = line.end()
     end = len(head) - 2  # the blank line
     while pos < end:
         field = _FIELD.match(head, pos)
@@ -91,16 +128,24 @@ def parse(head: bytes) -> Head | None:
             return None
         else:
             fields.append((field.group(1).decode("ascii"), field.group(2).decode("ascii")))
-    if pos != end or content_length is None:
+    if pos != end:
+        return None
+    if route != INFER:  # a GET without a body (one with a body: aiohttp's to judge)
+        if content_length or header_length is not None:
+            return None
+        content_length = 0
+    elif content_length is None:
         return None
     return Head(
-        line.group(1).decode("ascii"),
-        (line.group(2) or b"").decode("ascii"),
+        model,
+        version,
         content_length,
         header_length,
         tuple(authorizations),
         keep_alive,
         tuple(fields),
+        route,
+        target,
     )
 
 
@@ -142,13 +187,21 @@ def _date_line(second: int) -> bytes:
     return b"Date: " + formatdate(second, usegmt=True).encode() + b"\r\n"
 
 
-def answer(status: int, size: int, header_length: int | None, keep_alive: bool) -> bytes:
-    """The head of an answer of ``size`` body bytes: JSON, or binary outputs after a
-    JSON header of ``header_length`` bytes; ``Connection: close`` unless
-    ``keep_alive``; a 401 names the scheme it wants (Bearer)."""
+def answer(
+    status: int,
+    size: int,
+    header_length: int | None,
+    keep_alive: bool,
+    content_type: bytes = b"application/json",
+) -> bytes:
+    """The head of an answer of ``size`` body bytes: JSON (or ``content_type``; none
+    for an empty body), or binary outputs after a JSON header of ``header_length``
+    bytes; ``Connection: close`` unless ``keep_alive``; a 401 names the scheme it
+    wants (Bearer)."""
     lines = [_status_line(status)]
     if header_length is None:
-        lines.append(b"Content-Type: application/json\r\n")
+        if size:
+            lines.append(b"Content-Type: %s\r\n" % content_type)
     else:
         lines.append(b"Content-Type: application/octet-stream\r\n")
         lines.append(b"Inference-Header-Content-Length: %d\r\n" % header_length)
