@@ -212,19 +212,20 @@ class Server:
         """The gRPC endpoint, an extra: when its libraries cannot load, a port asked for
         (flag or config file) stops the start with one line naming the fix; the default
         port turns the endpoint off with a warning."""
-        try:
-            from appliance.adapters.grpc.server import GrpcEndpoint, grpc_limits
-        except Exception as exc:  # ImportError, RuntimeError, VersionError: grpc_libraries
-            reason = f"the gRPC libraries do not load ({grpc_libraries.why(exc)})"
+        problem = grpc_libraries.missing()
+        if problem is not None:
+            reason = f"the gRPC libraries do not load ({problem})"
             if self.config.grpc_port_given:
                 raise ConfigError(
                     "<server>",
                     "grpc_port",
                     f"cannot serve gRPC on port {self.config.grpc_port}: {reason}: "
                     f"{grpc_libraries.FIX}, or grpc_port: -1",
-                ) from None
+                )
             log.warning("gRPC endpoint off: %s: %s (or grpc_port: -1)", reason, grpc_libraries.FIX)
             return
+        from appliance.adapters.grpc.server import GrpcEndpoint, grpc_limits
+
         self._grpc = GrpcEndpoint(
             self.dataplane,
             self.config.host,

@@ -2,11 +2,11 @@
 
 Each case runs the real ``appliance serve`` command in a fresh interpreter. A logging
 handler, installed before the command starts, waits for the server's "ready in" line,
-asks for readiness and sends one real inference over HTTP (and scrapes the metrics
-endpoint, where a case says so), then writes the names in ``sys.modules`` to a file
-and stops the server with SIGTERM. The assertions are on which modules are loaded,
-never on time or memory; each case also names modules that must be loaded, so a
-probe that saw nothing could not pass.
+asks for readiness and sends one real inference over HTTP (and, where a case says so,
+scrapes the metrics endpoint and asks for readiness over gRPC from another process),
+then writes the names in ``sys.modules`` to a file and stops the server with SIGTERM.
+The assertions are on which modules are loaded, never on time or memory; each case
+also names modules that must be loaded, so a probe that saw nothing could not pass.
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ SIMPLE = ROOT / "appliance" / "demo_models" / "simple"
 
 PROBE = textwrap.dedent(
     """
-    import json, logging, os, re, signal, sys, threading, urllib.request
+    import json, logging, os, re, signal, subprocess, sys, threading, urllib.request
 
     out, scrape = sys.argv[1], sys.argv[2] == "scrape"
     sys.argv = ["appliance", *sys.argv[3:]]
-    port, metrics = [], []
+    port, metrics, grpc = [], [], []
+    ASK = "import sys, tritonclient.grpc as g; "
+    ASK += "assert g.InferenceServerClient(sys.argv[1]).is_server_ready()"
 
     def infer_then_report():
         body = json.dumps({"inputs": [
@@ -47,6 +49,9 @@ PROBE = textwrap.dedent(
             page = f"http://127.0.0.1:{metrics[0]}/metrics"
             with urllib.request.urlopen(page, timeout=30) as r:
                 assert b"nv_inference_count" in r.read()
+            if grpc:
+                target = f"127.0.0.1:{grpc[0]}"
+                subprocess.run([sys.executable, "-c", ASK, target], check=True, timeout=60)
         with open(out, "w") as f:
             json.dump({"modules": sorted(sys.modules), "answer": answer}, f)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -59,6 +64,9 @@ PROBE = textwrap.dedent(
             m = re.search(r"metrics http://127\\.0\\.0\\.1:(\\d+)", record.getMessage())
             if m and not metrics:
                 metrics.append(int(m.group(1)))
+            m = re.search(r"grpc 127\\.0\\.0\\.1:(\\d+)", record.getMessage())
+            if m and not grpc:
+                grpc.append(int(m.group(1)))
             if record.getMessage().startswith("ready in"):
                 threading.Thread(target=infer_then_report, daemon=True).start()
 
@@ -80,6 +88,8 @@ NEVER = (
     "importlib.metadata",
 )
 GRPC = ("grpc", "google.protobuf", "tritonclient", "hpack", "appliance.adapters.grpc.server")
+# what the gRPC endpoint loads with its first connection (its listener and HTTP/2 before)
+GRPC_SERVICES = ("grpc", "google.protobuf", "tritonclient", "appliance.adapters.grpc.services")
 # the metrics endpoint's: the exposition and the device's telemetry (sysfs, NVML)
 METRICS = ("prometheus_client", "appliance.adapters.metrics", "appliance.telemetry.device")
 MQTT = ("paho", "appliance.adapters.mqtt.bridge")
@@ -128,9 +138,14 @@ def test_demo_models_without_grpc_metrics_or_mqtt(tmp_path: Path) -> None:
 def test_every_endpoint_loads_its_own_libraries_only(tmp_path: Path) -> None:
     pytest.importorskip("grpc")
     pytest.importorskip("prometheus_client")
+    # the endpoints listen, but their libraries wait for a first call: none came
     modules = _served_modules(tmp_path, "--grpc-port", "0", "--metrics-port", "0")
-    assert _loaded(modules, NEVER + MQTT + METRICS + AIOHTTP) == []  # (nothing scraped)
-    assert _loaded(modules, GRPC) == list(GRPC)
+    assert _loaded(modules, NEVER + MQTT + METRICS + AIOHTTP + GRPC_SERVICES) == []
+    assert _loaded(modules, ("appliance.adapters.grpc.server", "hpack")) == [
+        "appliance.adapters.grpc.server",
+        "hpack",
+    ]
+    # a scrape and a gRPC call: each endpoint's libraries, and only those
     modules = _served_modules(tmp_path, "--grpc-port", "0", "--metrics-port", "0", scrape=True)
     assert _loaded(modules, NEVER + MQTT + AIOHTTP) == []
     assert _loaded(modules, GRPC + METRICS) == list(GRPC + METRICS)

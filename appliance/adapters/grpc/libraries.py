@@ -28,3 +28,24 @@ def load_error() -> str | None:
     except Exception as exc:  # whatever stops the import: see the module docstring
         return why(exc)
     return None
+
+
+def missing() -> str | None:
+    """None when grpcio, protobuf and Triton's service modules are installed, else what
+    is not (one line), found without importing them: the gRPC endpoint imports them
+    only with its first connection, and a runtime that does not match the generated
+    code (protobuf's VersionError) shows then, in the log."""
+    import importlib.util
+    from pathlib import Path
+
+    try:
+        for name in ("grpc", "google.protobuf", "tritonclient"):
+            if importlib.util.find_spec(name) is None:
+                return f"ModuleNotFoundError: No module named '{name}'"
+        spec = importlib.util.find_spec("tritonclient")
+        folders = list(spec.submodule_search_locations or []) if spec is not None else []
+        if not any((Path(f) / "grpc" / "service_pb2.py").is_file() for f in folders):
+            return "tritonclient has no gRPC support (its grpc/service_pb2.py is missing)"
+    except Exception as exc:  # a finder that fails: as load_error() reports it
+        return why(exc)
+    return None

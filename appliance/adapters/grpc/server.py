@@ -1,9 +1,10 @@
 """The gRPC listener: an asyncio server in the running event loop, speaking HTTP/2
 (:mod:`appliance.adapters.grpc.h2.connection`) and gRPC (:mod:`appliance.adapters.grpc.calls`),
 serving the Triton service (:mod:`appliance.adapters.grpc.api`) and the standard
-``grpc.health.v1`` service, with the HTTPS certificate settings (TLS with ALPN
-``h2``, mutual TLS) and the bearer-token rule of :mod:`appliance.adapters.access`
-checked by each RPC's handler.
+``grpc.health.v1`` service (:mod:`appliance.adapters.grpc.services`, imported with the
+first connection), with the HTTPS certificate settings (TLS with ALPN ``h2``, mutual
+TLS) and the bearer-token rule of :mod:`appliance.adapters.access` checked by each
+RPC's handler.
 
 Why not grpcio's server: its asyncio server spent more CPU per ModelInfer on its own
 machinery (completion queue, a poller thread waking the loop, Cython call objects)
@@ -17,20 +18,12 @@ protobuf classes tritonclient ships; ModelInfer is read and written as bytes
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import ssl
-from collections.abc import AsyncIterator
-from typing import Any
-
-import grpc
-from tritonclient.grpc import service_pb2
+from typing import TYPE_CHECKING, Any
 
 from appliance.adapters.access import AccessPolicy, Scope
-from appliance.adapters.grpc import calls as grpc_calls
-from appliance.adapters.grpc import dispatch, wire
-from appliance.adapters.grpc import health_proto as health_pb2
-from appliance.adapters.grpc.api import Servicer
-from appliance.adapters.grpc.calls import Context, Method
 from appliance.adapters.grpc.h2.accept import Admission
 from appliance.adapters.grpc.h2.connection import Connection
 from appliance.adapters.grpc.h2.limits import H2Limits
@@ -38,10 +31,15 @@ from appliance.config.fields import ConfigError
 from appliance.config.server_config import ServerConfig
 from appliance.core.dataplane import DataPlane
 
+if TYPE_CHECKING:
+    from appliance.adapters.grpc.dispatch import Dispatcher
+    from appliance.adapters.grpc.h2.frames import Stream
+    from appliance.adapters.grpc.services import Health
+
 log = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
-HEALTH = health_pb2.SERVICE
+HEALTH = "grpc.health.v1.Health"  # (health_proto.SERVICE)
 # who may call each RPC of the services this listener registers (GrpcEndpoint.start);
 # an RPC missing here counts as admin (tests/adapters/test_auth.py checks every RPC of
 # both services is declared)
@@ -90,122 +88,6 @@ def rpc_scope(method: str) -> Scope:
     return RPC_SCOPES.get(method, Scope.ADMIN)
 
 
-def authorizer(policy: AccessPolicy) -> dispatch.Authorize:
-    """The HTTP endpoint's token rule (:mod:`appliance.adapters.access`) for every RPC,
-    applied by the dispatcher to a call's HEADERS, before any of its DATA is kept: the
-    token comes as ``authorization: Bearer <token>`` metadata. A refused call ends
-    with UNAUTHENTICATED (no or wrong token) or PERMISSION_DENIED (admin calls
-    disabled), trailers-only, and its stream is reset."""
-
-    def authorize(path: str, tokens: list[str]) -> tuple[grpc.StatusCode, str] | None:
-        scope = rpc_scope(path)
-        if scope is Scope.PUBLIC:
-            return None
-        denial = policy.check_all(scope, tokens)
-        if denial is None:
-            return None
-        if denial.forbidden:
-            return grpc.StatusCode.PERMISSION_DENIED, denial.message
-        return grpc.StatusCode.UNAUTHENTICATED, denial.message
-
-    return authorize
-
-
-def _bytes(data: bytes) -> bytes:
-    return data
-
-
-def triton_methods(servicer: Servicer) -> dict[str, Method]:
-    """``inference.GRPCInferenceService``. ModelInfer takes and returns bytes
-    (:mod:`appliance.adapters.grpc.wire`); every other request is parsed by protobuf,
-    and one that does not parse (a name that is not UTF-8) reaches its RPC as
-    :class:`wire.Undecodable`, answered INVALID_ARGUMENT. The inference RPCs take
-    each request with the queued bytes its message holds (``held``); a public RPC's
-    request is at most :data:`grpc_calls.PUBLIC_MESSAGE` bytes."""
-    service = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-    methods = {}
-    for rpc in service.methods:
-        streaming = rpc.client_streaming
-        path = f"/{SERVICE}/{rpc.name}"
-        behavior = getattr(servicer, rpc.name)
-        if rpc.name == "ModelInfer":
-            methods[path] = Method(
-                grpc_calls.UNARY, behavior, _bytes, _bytes, framed=True, held=True
-            )
-            continue
-        request = getattr(service_pb2, rpc.input_type.name)
-        write = getattr(service_pb2, rpc.output_type.name).SerializeToString
-        kind = grpc_calls.STREAM if streaming else grpc_calls.UNARY
-        public = rpc_scope(path) is Scope.PUBLIC
-        parse = wire.parse_or_undecodable(request)
-        methods[path] = Method(kind, behavior, parse, write, held=streaming, public=public)
-    return methods
-
-
-class Health:
-    """``grpc.health.v1.Health``: SERVING for the server ("") and the Triton service
-    while the endpoint runs, NOT_SERVING once it stops; ``Watch`` streams changes and
-    ends after NOT_SERVING (so an open watch does not hold the shutdown's grace)."""
-
-    def __init__(self) -> None:
-        self._status: dict[str, int] = {}
-        self._changed = asyncio.Event()
-        self._stopped = False
-
-    def set(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse
-        value = status.SERVING if serving else status.NOT_SERVING
-        self._status = {"": value, SERVICE: value}
-        self._stopped = not serving
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def check(self, request: Any, context: Context) -> Any:
-        if isinstance(request, wire.Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error.message)
-        status = self._status.get(request.service)
-        if status is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
-        return health_pb2.HealthCheckResponse(status=status)
-
-    async def watch(self, request: Any, context: Context) -> AsyncIterator[Any]:
-        if isinstance(request, wire.Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error.message)
-        unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
-        last = None
-        while True:
-            status = self._status.get(request.service, unknown)
-            if status != last:
-                yield health_pb2.HealthCheckResponse(status=status)
-                last = status
-            if self._stopped:  # NOT_SERVING sent: the stream ends, shutdown need not wait
-                return
-            await self._changed.wait()
-
-    async def list(self, request: Any, context: Context) -> Any:
-        response = health_pb2.HealthListResponse()
-        for service, status in self._status.items():
-            response.statuses[service].status = status
-        return response
-
-    def methods(self) -> dict[str, Method]:
-        parse = wire.parse_or_undecodable(health_pb2.HealthCheckRequest)
-        write = health_pb2.HealthCheckResponse.SerializeToString
-        base = f"/{HEALTH}/"
-        methods = {
-            base + "Check": Method(grpc_calls.UNARY, self.check, parse, write, public=True),
-            base + "Watch": Method(grpc_calls.SERVER_STREAM, self.watch, parse, write, public=True),
-        }
-        methods[base + "List"] = Method(
-            grpc_calls.UNARY,
-            self.list,
-            wire.parse_or_undecodable(health_pb2.HealthListRequest),
-            health_pb2.HealthListResponse.SerializeToString,
-            public=True,
-        )
-        return methods
-
-
 def grpc_limits(config: ServerConfig) -> H2Limits:
     """The HTTP/2 limits the server config sets (``grpc_*``)."""
     return H2Limits(
@@ -218,7 +100,11 @@ def grpc_limits(config: ServerConfig) -> H2Limits:
 
 
 class GrpcEndpoint:
-    """The gRPC listener: one asyncio server in the running event loop."""
+    """The gRPC listener: one asyncio server in the running event loop. The services
+    (:mod:`appliance.adapters.grpc.services`: grpcio's status codes, protobuf, Triton's
+    generated messages) are imported when the first connection arrives, on a worker
+    thread while the event loop goes on serving; the connections that arrive
+    meanwhile are not read until they are in (:meth:`Connection.hold`)."""
 
     def __init__(
         self,
@@ -240,24 +126,53 @@ class GrpcEndpoint:
         self._access = access or AccessPolicy()
         self._server: asyncio.Server | None = None
         self._admission: Admission | None = None
-        self._health = Health()
+        self._health: Health | None = None  # with the services
+        self._dispatcher: Dispatcher | None = None
+        self._loading: asyncio.Future[None] | None = None
+
+    def open(self, connection: Any, stream: Stream) -> None:
+        """A stream of a connection accepted before the services were in (read only
+        once they are: see :meth:`_connection`)."""
+        assert self._dispatcher is not None
+        self._dispatcher.open(connection, stream)
+
+    def _connection(self, on_close: Any) -> Connection:
+        if self._dispatcher is not None:
+            return Connection(self._dispatcher, self._max_message_size, on_close, self._limits)
+        conn = Connection(self, self._max_message_size, on_close, self._limits)
+        conn.hold(self._load())
+        return conn
+
+    def _load(self) -> asyncio.Future[None]:
+        """The services, imported once (a failed import is tried again by the next
+        connection; those waiting on it are closed)."""
+        loading = self._loading
+        if loading is None or (loading.done() and (loading.cancelled() or loading.exception())):
+            loading = self._loading = asyncio.ensure_future(self._import())
+        return loading
+
+    async def _import(self) -> None:
+        try:
+            module = await asyncio.to_thread(
+                importlib.import_module, "appliance.adapters.grpc.services"
+            )
+        except Exception as exc:
+            log.error("gRPC call refused: the gRPC libraries do not load: %s", exc)
+            raise
+        health = module.Health()
+        self._dispatcher = module.dispatcher(self._dataplane, self._access, health)
+        self._health = health
+        if self._server is None:  # stopped meanwhile
+            health.set(False)
 
     async def start(self) -> int:
         """Bind ``host:port`` (port 0: a free port) and serve; returns the bound port.
 
         Raises :class:`ConfigError` when the address cannot be bound.
         """
-        methods = triton_methods(Servicer(self._dataplane))
-        methods.update(self._health.methods())
-        self._health.set(True)
-        dispatcher = dispatch.Dispatcher(methods, authorizer(self._access), self._dataplane.reserve)
         if self._tls is not None:
             self._tls.set_alpn_protocols(["h2"])
-
-        def connection(on_close: Any) -> Connection:
-            return Connection(dispatcher, self._max_message_size, on_close, self._limits)
-
-        self._admission = Admission(self._limits, connection)
+        self._admission = Admission(self._limits, self._connection)
         loop = asyncio.get_running_loop()
         address = f"{self._host}:{self._port}"
         # a TLS handshake must finish within the read timeout too (asyncio's default: 60 s)
@@ -287,7 +202,8 @@ class GrpcEndpoint:
         server, self._server = self._server, None
         if server is None:
             return
-        self._health.set(False)
+        if self._health is not None:
+            self._health.set(False)
         server.close()
         for conn in list(self.connections):
             conn.goaway()

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import cast
 
-from appliance.adapters.grpc.h2.frames import CANCEL, NO_ERROR, Stream
+from appliance.adapters.grpc.h2.frames import CANCEL, INTERNAL_ERROR, NO_ERROR, Stream
 from appliance.adapters.grpc.h2.limits import H2Limits
 from appliance.adapters.grpc.h2.machine import ADMITTED, OVER, REFUSED, Handler, Machine
 
@@ -59,6 +59,38 @@ class Connection(asyncio.Protocol):
         self._abort: asyncio.TimerHandle | None = None
         self.created = time.monotonic()  # a TLS handshake may come before connection_made
         self.made = False  # connection_made was called (a TLS handshake succeeded)
+        self._gate: asyncio.Future[None] | None = None  # not read until it is done
+        self._early = bytearray()  # received while the gate was closed (at most a read)
+
+    def hold(self, gate: asyncio.Future[None]) -> None:
+        """Read nothing of the client's until ``gate`` is done (the calls' handler is
+        being loaded); closed if it fails. Our preface goes out meanwhile."""
+        self._gate = gate
+        if self.transport is not None:
+            self._wait_for_gate()
+
+    def _wait_for_gate(self) -> None:
+        gate, transport = self._gate, self.transport
+        if gate is None or transport is None:
+            return
+        if gate.done() and not gate.cancelled() and gate.exception() is None:
+            self._gate = None  # open already
+            return
+        transport.pause_reading()
+        gate.add_done_callback(self._gate_done)
+
+    def _gate_done(self, gate: asyncio.Future[None]) -> None:
+        if self.transport is None:
+            return
+        if gate.cancelled() or gate.exception() is not None:
+            self.close(INTERNAL_ERROR, "the server cannot serve gRPC calls now")
+            return
+        self._gate = None
+        if self._early:
+            early, self._early = bytes(self._early), bytearray()
+            self.data_received(early)
+        if not self._paused and self.transport is not None:
+            self.transport.resume_reading()
 
     @property
     def streams(self) -> dict[int, Stream]:
@@ -115,10 +147,16 @@ class Connection(asyncio.Protocol):
         self.machine.start(loop.time())
         self._pump()
         self._watch = loop.call_later(self.limits.tick_s, self._tick)
+        if self._gate is not None:
+            self._wait_for_gate()
 
     def data_received(self, data: bytes) -> None:
         if self.transport is None:
             return  # closing after an error: what the client sends now is dropped
+        if self._gate is not None:  # (a read the loop had begun before the pause)
+            self._early += data
+            self.transport.pause_reading()
+            return
         self._busy = True
         try:
             self.machine.receive(data, asyncio.get_running_loop().time())
@@ -145,7 +183,7 @@ class Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._paused = False
         self.machine.watch.resumed(asyncio.get_running_loop().time())
-        if self.transport is not None:
+        if self.transport is not None and self._gate is None:
             self.transport.resume_reading()
         self._wake()
 
