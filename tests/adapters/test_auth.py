@@ -322,7 +322,7 @@ def test_every_grpc_rpc_declares_its_scope_and_an_undeclared_one_is_admin() -> N
     from tritonclient.grpc import service_pb2
 
     from appliance.adapters.grpc import health_proto
-    from appliance.adapters.grpc import server as grpc_server
+    from appliance.adapters.grpc import services as grpc_server
 
     services = (
         health_proto.DESCRIPTOR.services_by_name["Health"],

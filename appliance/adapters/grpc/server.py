@@ -23,7 +23,7 @@ import logging
 import ssl
 from typing import TYPE_CHECKING, Any
 
-from appliance.adapters.access import AccessPolicy, Scope
+from appliance.adapters.access import AccessPolicy
 from appliance.adapters.grpc.h2.accept import Admission
 from appliance.adapters.grpc.h2.connection import Connection
 from appliance.adapters.grpc.h2.limits import H2Limits
@@ -37,56 +37,6 @@ if TYPE_CHECKING:
     from appliance.adapters.grpc.services import Health
 
 log = logging.getLogger(__name__)
-
-SERVICE = "inference.GRPCInferenceService"
-HEALTH = "grpc.health.v1.Health"  # (health_proto.SERVICE)
-# who may call each RPC of the services this listener registers (GrpcEndpoint.start);
-# an RPC missing here counts as admin (tests/adapters/test_auth.py checks every RPC of
-# both services is declared)
-RPC_SCOPES: dict[str, Scope] = {
-    f"/{service}/{method}": scope
-    for service, scope, methods in (
-        (HEALTH, Scope.PUBLIC, ("Check", "Watch", "List")),
-        (SERVICE, Scope.PUBLIC, ("ServerLive", "ServerReady", "ServerMetadata")),
-        (
-            SERVICE,
-            Scope.INFERENCE,
-            (
-                "ModelReady",
-                "ModelMetadata",
-                "ModelConfig",
-                "ModelStatistics",
-                "ModelInfer",
-                "ModelStreamInfer",
-                "RepositoryIndex",
-                "SystemSharedMemoryStatus",
-                "CudaSharedMemoryStatus",
-            ),
-        ),
-        (
-            SERVICE,
-            Scope.ADMIN,
-            (
-                "RepositoryModelLoad",
-                "RepositoryModelUnload",
-                "SystemSharedMemoryRegister",
-                "SystemSharedMemoryUnregister",
-                "CudaSharedMemoryRegister",
-                "CudaSharedMemoryUnregister",
-                "TraceSetting",
-                "LogSettings",
-            ),
-        ),
-    )
-    for method in methods
-}
-
-
-def rpc_scope(method: str) -> Scope:
-    """Who may call ``method`` (``/package.Service/Method``): its declared scope, else
-    admin."""
-    return RPC_SCOPES.get(method, Scope.ADMIN)
-
 
 def grpc_limits(config: ServerConfig) -> H2Limits:
     """The HTTP/2 limits the server config sets (``grpc_*``)."""

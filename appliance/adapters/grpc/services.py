@@ -22,8 +22,56 @@ from appliance.adapters.grpc import dispatch, wire
 from appliance.adapters.grpc import health_proto as health_pb2
 from appliance.adapters.grpc.api import Servicer
 from appliance.adapters.grpc.calls import Context, Method
-from appliance.adapters.grpc.server import HEALTH, SERVICE, rpc_scope
 from appliance.core.dataplane import DataPlane
+
+SERVICE = "inference.GRPCInferenceService"
+HEALTH = health_pb2.SERVICE
+# who may call each RPC of the services this listener registers (GrpcEndpoint.start);
+# an RPC missing here counts as admin (tests/adapters/test_auth.py checks every RPC of
+# both services is declared)
+RPC_SCOPES: dict[str, Scope] = {
+    f"/{service}/{method}": scope
+    for service, scope, methods in (
+        (HEALTH, Scope.PUBLIC, ("Check", "Watch", "List")),
+        (SERVICE, Scope.PUBLIC, ("ServerLive", "ServerReady", "ServerMetadata")),
+        (
+            SERVICE,
+            Scope.INFERENCE,
+            (
+                "ModelReady",
+                "ModelMetadata",
+                "ModelConfig",
+                "ModelStatistics",
+                "ModelInfer",
+                "ModelStreamInfer",
+                "RepositoryIndex",
+                "SystemSharedMemoryStatus",
+                "CudaSharedMemoryStatus",
+            ),
+        ),
+        (
+            SERVICE,
+            Scope.ADMIN,
+            (
+                "RepositoryModelLoad",
+                "RepositoryModelUnload",
+                "SystemSharedMemoryRegister",
+                "SystemSharedMemoryUnregister",
+                "CudaSharedMemoryRegister",
+                "CudaSharedMemoryUnregister",
+                "TraceSetting",
+                "LogSettings",
+            ),
+        ),
+    )
+    for method in methods
+}
+
+
+def rpc_scope(method: str) -> Scope:
+    """Who may call ``method`` (``/package.Service/Method``): its declared scope, else
+    admin."""
+    return RPC_SCOPES.get(method, Scope.ADMIN)
 
 
 def authorizer(policy: AccessPolicy) -> dispatch.Authorize:
