@@ -279,9 +279,8 @@ def test_the_front_takes_ordinary_heads() -> None:
         b"Authorization: Bearer a\r\nConnection: keep-alive, close\r\nAccept:\r\n\r\n"
     )
     fields = (("host", "t"), ("Accept", ""))  # the others, as sent: to forward as parameters
-    target = "/v2/models/my-model_2.onnx/versions/3/infer"
     assert head == http_head.Head(
-        "my-model_2.onnx", "3", 17, "9", ("Bearer a",), False, fields, http_head.INFER, target
+        "my-model_2.onnx", "3", 17, "9", ("Bearer a",), False, fields, http_head.INFER
     )
 
 

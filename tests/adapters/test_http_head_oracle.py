@@ -71,6 +71,12 @@ BASE = [
         "Authorization: Bearer t0k3n",
     ),
     _head("content-length: 7", line="POST /v2/models/a.b-c_d/versions/12/infer HTTP/1.1"),
+    # the read-only routes (GET, no body)
+    _head("Host: x", line="GET /v2/health/ready HTTP/1.1"),
+    _head("Host: x", "Authorization: Bearer t", line="GET /v2/models/simple/config HTTP/1.1"),
+    _head("Connection: close", line="GET /v2/models/a.b/versions/3/ready HTTP/1.1"),
+    _head("Accept: text/plain", "Content-Length: 0", line="GET /metrics HTTP/1.1"),
+    _head(line="GET /v2 HTTP/1.1"),
 ]
 EDGES = [
     _head("Content-Length:10"),
@@ -101,6 +107,7 @@ EDGES = [
     _head("Content-Length: 10", "Connection: keep-alive, close"),
     _head("Content-Length: 10", "Connection: foo,  close "),
     _head("Content-Length: 10", "Connection: closed"),
+    _head("Content-Length: 10", "Connection: close", "Connection: keep-alive"),
     _head("Content-Length: 10", "TE: trailers"),
     _head("Content-Length: 10", "Authorization: Bearer a", "Authorization: Bearer b"),
     _head("Content-Length: 10", "Authorization: Bearer  spaced  "),
@@ -121,6 +128,13 @@ EDGES = [
     _head("Content-Length: 10", line="POST /v2/models/../infer HTTP/1.1"),
     _head("Content-Length: 10", line="POST /v2/models/simple/versions/01/infer HTTP/1.1"),
     _head("Content-Length: 10", line="POST http://x/v2/models/simple/infer HTTP/1.1"),
+    _head("Content-Length: 1", line="GET /v2/health/ready HTTP/1.1"),
+    _head(line="GET /v2/health/ready?x HTTP/1.1"),
+    _head(line="GET /v2/models/stats HTTP/1.1"),
+    _head(line="GET /v2/models/simple/stats HTTP/1.1"),
+    _head("Transfer-Encoding: chunked", line="GET /v2 HTTP/1.1"),
+    _head(line="HEAD /v2 HTTP/1.1"),
+    _head(line="GET /v2/models/simple/versions/1/config HTTP/1.0"),
     b"POST /v2/models/simple/infer HTTP/1.1\nContent-Length: 10\n\n",
     b"POST /v2/models/simple/infer HTTP/1.1\r\nContent-Length: 10\n\r\n",
     b"POST /v2/models/simple/infer HTTP/1.1\r\nContent-Length: 10\r\n\n",
@@ -157,12 +171,20 @@ def _agree(head: bytes) -> None:
     got = _oracle(head)
     assert got is not None, f"the front takes a head llhttp refuses: {head!r}"
     seen, parser = got
-    assert parser.get_method() == b"POST" and parser.get_http_version() == "1.1", head
-    path = "/v2/models/" + ours.model + (f"/versions/{ours.version}" if ours.version else "")
-    assert seen.url == (path + "/infer").encode(), (head, seen.url)
+    assert parser.get_http_version() == "1.1", head
     fields: dict[bytes, list[bytes]] = {}
     for name, value in seen.headers:
         fields.setdefault(name, []).append(value.strip(b" \t"))
+    if ours.route == http_head.INFER:
+        assert parser.get_method() == b"POST", head
+        path = "/v2/models/" + ours.model + (f"/versions/{ours.version}" if ours.version else "")
+        assert seen.url == (path + "/infer").encode(), (head, seen.url)
+    else:  # a read-only route: GET, its target, no body
+        assert parser.get_method() == b"GET", head
+        assert seen.url == ours.target.encode(), (head, seen.url)
+        if ours.model:
+            assert f"/v2/models/{ours.model}/".encode() in seen.url + b"/", head
+        fields.setdefault(b"content-length", [b"0"])
     assert [int(v) for v in fields[b"content-length"]] == [ours.content_length], head
     assert [v.decode() for v in fields.get(b"authorization", [])] == list(ours.authorizations)
     length = fields.get(b"inference-header-content-length")

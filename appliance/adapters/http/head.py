@@ -65,7 +65,7 @@ class Head:
     # for the headers forwarded as parameters (adapters/forwarding)
     fields: tuple[tuple[str, str], ...] = ()
     route: str = INFER
-    target: str = ""  # the request target, as sent
+    target: str = ""  # a read-only route's request target, as sent
 
 
 def _route(head: bytes) -> tuple[str, str, str, str, int] | None:
@@ -73,8 +73,7 @@ def _route(head: bytes) -> tuple[str, str, str, str, int] | None:
     line = _REQUEST_LINE.match(head)
     if line is not None:
         model, version = line.group(1).decode("ascii"), (line.group(2) or b"").decode("ascii")
-        target = head[5 : line.end() - 11].decode("ascii")
-        return INFER, model, version, target, line.end()
+        return INFER, model, version, "", line.end()  # (its target: the model and version)
     line = _GET_LINE.match(head)
     if line is None:
         return None
@@ -123,7 +122,7 @@ def parse(head: bytes) -> Head | None:
             tokens = {t.strip().lower() for t in value.split(b",")}
             if b"upgrade" in tokens:
                 return None
-            keep_alive = b"close" not in tokens
+            keep_alive = keep_alive and b"close" not in tokens  # any close closes
         elif name in _HANDED:
             return None
         else:
