@@ -138,7 +138,7 @@ def cold_start(venv: Path, grpc: bool) -> tuple[float, int, float]:
 
 def slow_imports(venv: Path, top: int = 12) -> list[tuple[int, str]]:
     """The serving path's slowest imports (cumulative microseconds)."""
-    probe = "import appliance.cli, appliance.server, backends.onnxruntime_backend"
+    probe = "import appliance.cli, appliance.server, appliance.backends.onnxruntime_backend"
     err = _run([str(venv / "bin" / "python"), "-X", "importtime", "-c", probe]).stderr
     rows = []
     for line in err.splitlines():
