@@ -28,7 +28,7 @@ from appliance.adapters.http import head as http_head
 from appliance.adapters.http import listener, reads
 from appliance.adapters.http.backstage import Backstage
 from appliance.adapters.http.drain import close_http
-from appliance.adapters.http.front import Read, Routes
+from appliance.adapters.http.reads import Read, Routes
 from appliance.adapters.tls import http_context
 from appliance.config.fields import ConfigError
 from appliance.core.dataplane import DataPlane
@@ -123,26 +123,20 @@ class Server:
         await runner.setup()
         return runner
 
-    def _reads(self) -> Routes:
-        """The read-only KServe routes the HTTP front answers itself."""
-
-        def route(name: str) -> Callable[[http_head.Head], Read]:
-            def answer(head: http_head.Head) -> Read:
-                status, body = reads.answer(self.dataplane, name, head.model, head.version)
-                return status, body, b"application/json"
-
-            return answer
-
-        return {name: (scope, route(name)) for name, scope in reads.SCOPES.items()}
-
-    async def _start_http(self, tls: ssl.SSLContext | None) -> None:
-        """The KServe v2 endpoint: :mod:`appliance.adapters.http.front` on the socket,
-        serving inference and the read-only routes itself and handing every other
-        request's connection to the aiohttp application behind it (made on first
-        need)."""
+    async def _listen(
+        self,
+        port: int,
+        tls: ssl.SSLContext | None,
+        routes: Routes,
+        backstage: Backstage | None,
+        infer: bool = True,
+    ) -> tuple[listener.Listener, int]:
+        """An HTTP/1.1 endpoint on ``port``: the front (:mod:`appliance.adapters.http.front`)
+        answering inference (unless ``infer`` is False) and ``routes``, with
+        ``backstage`` behind it; returns it and the port bound."""
         config = self.config
-        sock = self._bind(config.http_port)
-        self._http = await listener.listen(
+        sock = self._bind(port)
+        endpoint = await listener.listen(
             sock,
             tls,
             self.dataplane,
@@ -150,37 +144,29 @@ class Server:
             config.max_request_size,
             config.http_header_timeout_s,
             config.http_body_timeout_s,
-            self._reads(),
-            Backstage(self._backstage),
+            routes,
+            backstage,
+            infer,
         )
-        self.http_port = int(sock.getsockname()[1])
-
-    async def _start_metrics(self) -> None:
-        """The metrics endpoint: the same front, answering ``GET /metrics`` only."""
-        config = self.config
-        sock = self._bind(config.metrics_port)
-        self._metrics = await listener.listen(
-            sock,
-            None,
-            self.dataplane,
-            self.access,
-            0,
-            config.http_header_timeout_s,
-            config.http_body_timeout_s,
-            {"metrics": (Scope.PUBLIC, self._render_metrics)},
-            None,
-            infer=False,
-        )
-        self.metrics_port = int(sock.getsockname()[1])
+        return endpoint, int(sock.getsockname()[1])
 
     async def start(self) -> None:
         """Bind the endpoints, then load the model repository."""
         started = time.perf_counter()
         tls = http_context(self.config)
         if self.config.http_port >= 0:
-            await self._start_http(tls)
-        if self.config.metrics_port >= 0:
-            await self._start_metrics()
+            # KServe v2: inference and the read-only routes on the front; every other
+            # request's connection to the aiohttp application, set up on first need
+            backstage = Backstage(self._backstage)
+            routes = reads.routes(self.dataplane)
+            self._http, self.http_port = await self._listen(
+                self.config.http_port, tls, routes, backstage
+            )
+        if self.config.metrics_port >= 0:  # GET /metrics only, nothing behind it
+            metrics = {"metrics": (Scope.PUBLIC, self._render_metrics)}
+            self._metrics, self.metrics_port = await self._listen(
+                self.config.metrics_port, None, metrics, None, infer=False
+            )
         if self.config.grpc_port >= 0:
             await self._start_grpc()
         host = self.config.host

@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 MODULES = (
     "aiohttp.web",
     "appliance.adapters.http.api",
-    "appliance.adapters.http.handover",
     "appliance.adapters.http.vision",
 )
 

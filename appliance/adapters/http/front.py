@@ -1,32 +1,22 @@
-"""The HTTP/1.1 front (:mod:`appliance.adapters.http.listener` puts it on the socket):
-inference requests and the read-only routes it is given (:data:`Routes`: health,
-metadata, readiness, config; ``/metrics`` on the metrics endpoint) served on the
-connection itself, every other request handed, with its connection, to aiohttp
-(:mod:`appliance.adapters.http.handover`, behind
-:mod:`appliance.adapters.http.backstage`, which imports aiohttp on first need), or
-refused where nothing is behind the front (the metrics endpoint: 404).
-
-aiohttp's request handling (its request and response objects, middleware chain,
-router, payload stream and writer) was about an eighth of the server's CPU samples on
-the inference path, and HTTP cost more CPU per request than Triton's C++ front
-(docs/benchmarks.md). This front reads each request's head itself. An inference with
-an ordinary head (:mod:`appliance.adapters.http.head` decides, strictly) is checked
-for its token and admitted before its body is read, its body collected, answered
-through :mod:`appliance.adapters.http.infer` (the code the aiohttp route runs too) and
-written at once. The first request that is not one (another route, ``Expect:
-100-continue``, a chunked body, anything unusual) hands the connection to aiohttp's
-request handler at that request's first byte, for good: aiohttp parses, routes and
-answers it and the rest of the connection, as if it had accepted the connection.
+"""The HTTP/1.1 front (:mod:`appliance.adapters.http.listener` puts it on the socket).
+aiohttp's request handling cost an eighth of the server's CPU on the inference path
+(docs/benchmarks.md), so this front reads each head itself (strictly:
+:mod:`appliance.adapters.http.head`). An inference is checked for its token and admitted
+before its body is read, then answered through :mod:`appliance.adapters.http.infer` (as
+the aiohttp route is); a read-only route (:mod:`appliance.adapters.http.reads`) at once.
+The first other request (another route, ``Expect: 100-continue``, a chunked body...)
+hands the connection, from its first byte, to aiohttp for good
+(:mod:`appliance.adapters.http.handover`), or is refused 404 where nothing is behind the
+front (the metrics endpoint).
 
 What a peer may take is the same on both sides (:mod:`appliance.adapters.http.limits`):
 a declared body over ``max_request_size`` is answered 413 before it is read; a head
 must be complete within ``http_header_timeout_s`` of the connection opening or of the
 previous answer (an idle keep-alive connection is closed then); a body must arrive
 within ``http_body_timeout_s`` (else 408); a connection answered 413/408 drops what
-the client still sends for a while (lingering) before it closes. A connection handed
-over in the middle of a head gets aiohttp's timer from then on (at most one header
-timeout more, once per connection). A request refused before its body (a token, an
-unknown model, a full queue) is answered at once and its body dropped as it arrives.
+the client still sends for a while (lingering) before it closes; one handed over
+mid-head gets aiohttp's timer from then on. A request refused before its body (a token,
+an unknown model, a full queue) is answered at once and its body dropped as it arrives.
 While one request is served, the next is buffered but not started (HTTP/1.1 answers
 in order); reading pauses while more than :data:`PAUSE_BYTES` wait, and a new request
 waits, unread, while the transport's write buffer is full (a client that sends
@@ -39,20 +29,19 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable
+from typing import cast
 
 from appliance.adapters.access import AccessPolicy, Scope
 from appliance.adapters.codec import kserve
 from appliance.adapters.http import head as http_head
 from appliance.adapters.http import infer as http_infer
+from appliance.adapters.http import reads
 from appliance.adapters.http.backstage import Backstage
+from appliance.adapters.http.handover import hand_over
 from appliance.core.admission import Ticket
 from appliance.core.dataplane import DataPlane
 from appliance.errors import ApplianceError
-
-if TYPE_CHECKING:
-    from aiohttp import web
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +49,6 @@ PAUSE_BYTES = 1 << 20  # buffered bytes of later requests before reading pauses
 _MAX_LINGER_S = 10.0  # aiohttp's lingering default
 _JOIN_BYTES = 64 * 1024  # answers up to this size are copied into one buffer
 _DIRECT_BYTES = 64 * 1024  # bodies above this size are received into their own buffer
-
-# a read-only route's answer: status, body (empty for a bare status), content type
-Read = tuple[int, bytes, bytes]
-# the read-only routes (http_head.ROUTES) a front answers itself: who may call each,
-# and the answer (raising ApplianceError for the front to map)
-Routes = Mapping[str, tuple[Scope, Callable[[http_head.Head], Read]]]
 
 
 class Front:
@@ -79,7 +62,7 @@ class Front:
         max_request_size: int,
         header_timeout_s: float,
         body_timeout_s: float,
-        routes: Routes,
+        routes: reads.Routes,
         infer: bool = True,
     ) -> None:
         self.dataplane = dataplane
@@ -113,7 +96,6 @@ class Connection(asyncio.Protocol):
         self.busy = False  # a request is being answered
         self.answering: asyncio.Task[None] | None = None  # ... by this task
         self.lingering = False  # answered 413/408: dropping the rest, then closing
-        self.handing = False  # waiting for the backstage to take the connection
         self.write_paused = False
         self.read_paused = False
         self.timer: asyncio.TimerHandle | None = None
@@ -140,9 +122,6 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:
-            return
-        if self.handing:  # kept for aiohttp (reading is paused: at most one read)
-            self.buffer += data
             return
         if self.body is not None:  # a big body: straight into its own buffer
             room = len(self.body) - self.filled
@@ -290,23 +269,15 @@ class Connection(asyncio.Protocol):
 
     def _read(self, head: http_head.Head, head_size: int) -> None:
         """A read-only route, answered at once (no body: the next request may follow)."""
-        scope, answer = self.front.routes[head.route]
-        denial = self.front.access.check_all(scope, head.authorizations)
-        if denial is not None:
-            self._early(head, head_size, 403 if denial.forbidden else 401, denial.message)
-            return
-        try:
-            status, body, content_type = answer(head)
-        except ApplianceError as exc:
-            status, body = http_infer.STATUS[exc.code], kserve.error_body(exc.message)
-            content_type = b"application/json"
+        front = self.front
+        status, body, content_type = reads.respond(front.routes, front.access, head)
         del self.buffer[:head_size]
-        keep = head.keep_alive and self.front.dataplane.accepting
+        keep = head.keep_alive and front.dataplane.accepting
         self._write(status, [body], None, keep, content_type)
         if not keep:
             self.close()  # (what was written still goes out)
             return
-        self._arm(self.front.header_timeout_s, self._head_late)
+        self._arm(front.header_timeout_s, self._head_late)
         self.early = True  # _advance goes on with what follows
 
     def _early(self, head: http_head.Head, head_size: int, status: int, message: str) -> None:
@@ -446,8 +417,8 @@ class Connection(asyncio.Protocol):
 
     def _hand_over(self) -> None:
         """aiohttp serves this connection from the first byte of the current request on
-        (once the backstage is up: meanwhile the connection is not read); with nothing
-        behind this front, the request is refused (404) and the connection closed."""
+        (:mod:`appliance.adapters.http.handover`); with nothing behind this front, the
+        request is refused (404) and the connection closed."""
         self._disarm()
         self._drop_request()
         backstage = self.front.backstage
@@ -455,34 +426,11 @@ class Connection(asyncio.Protocol):
             self._refuse(404, "not found: this endpoint serves GET /metrics only")
             return
         self.front.connections.discard(self)
-        self.handing = True  # nothing more is served here: it is aiohttp's from now on
-        if backstage.server is not None:
-            self._give(backstage.server)
-            return
-        transport = self._transport()
-        if not self.read_paused:
-            self.read_paused = True
-            transport.pause_reading()
-        self.answering = self.loop.create_task(self._handed(backstage))
-
-    async def _handed(self, backstage: Backstage) -> None:
-        try:
-            server = await backstage.start()
-        except Exception:
-            log.exception("the HTTP routes behind the front could not be set up")
-            self.close()
-            return
-        if self.transport is not None:  # (else the client left meanwhile)
-            self._give(server)
-
-    def _give(self, server: web.Server) -> None:
-        from appliance.adapters.http.handover import hand_over  # (imported by the backstage)
-
         transport = self._transport()
         self.transport = None
-        paused, self.read_paused = self.read_paused, False
+        self.read_paused = False  # (paused only while busy or not written to: never here)
         data, self.buffer = bytes(self.buffer), bytearray()
-        hand_over(transport, server(), data, paused)
+        hand_over(transport, backstage, data)
 
     @property
     def idle(self) -> bool:

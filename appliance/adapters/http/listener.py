@@ -13,7 +13,8 @@ import ssl
 
 from appliance.adapters.access import AccessPolicy
 from appliance.adapters.http.backstage import Backstage
-from appliance.adapters.http.front import Front, Routes
+from appliance.adapters.http.front import Front
+from appliance.adapters.http.reads import Routes
 from appliance.core.dataplane import DataPlane
 
 
