@@ -54,9 +54,10 @@ class Backstage:
     async def start(self) -> web.Server:
         """The runner's handler factory, made once (concurrent callers share the one
         attempt; a failed attempt is tried again by the next caller)."""
-        if self._starting is None or (self._starting.done() and self._starting.exception()):
-            self._starting = asyncio.ensure_future(self._start())
-        runner = await asyncio.shield(self._starting)
+        starting = self._starting
+        if starting is None or (starting.done() and (starting.cancelled() or starting.exception())):
+            starting = self._starting = asyncio.ensure_future(self._start())
+        runner = await asyncio.shield(starting)
         assert runner.server is not None
         return runner.server
 

@@ -58,11 +58,14 @@ class _Waiting(asyncio.Protocol):
     async def wait(self, backstage: Backstage) -> None:
         try:
             server = await backstage.start()
-        except Exception:
-            log.exception("the HTTP routes behind the front could not be set up")
+        except BaseException as exc:  # (cancelled too: shutting down, or the client left)
+            if not isinstance(exc, asyncio.CancelledError):
+                log.exception("the HTTP routes behind the front could not be set up")
             if self.transport is not None:
                 self.transport.close()
-            return
+            if isinstance(exc, Exception):
+                return
+            raise
         if self.transport is not None:
             _give(self.transport, server, bytes(self.data))
 

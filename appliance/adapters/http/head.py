@@ -68,12 +68,9 @@ class Head:
     target: str = ""  # a read-only route's request target, as sent
 
 
-def _route(head: bytes) -> tuple[str, str, str, str, int] | None:
-    """(route, model, version, target, end of the request line), or None."""
-    line = _REQUEST_LINE.match(head)
-    if line is not None:
-        model, version = line.group(1).decode("ascii"), (line.group(2) or b"").decode("ascii")
-        return INFER, model, version, "", line.end()  # (its target: the model and version)
+def _read_route(head: bytes) -> tuple[str, str, str, str, int] | None:
+    """A read-only route's (route, model, version, target, end of the request line), or
+    None."""
     line = _GET_LINE.match(head)
     if line is None:
         return None
@@ -91,10 +88,15 @@ def _route(head: bytes) -> tuple[str, str, str, str, int] | None:
 def parse(head: bytes) -> Head | None:
     """``head`` (request line and headers, the blank line included) -> its
     :class:`Head`, or None when aiohttp is to serve the request instead."""
-    routed = _route(head)
-    if routed is None:
-        return None
-    route, model, version, target, pos = routed
+    line = _REQUEST_LINE.match(head)
+    if line is not None:  # an inference (its target: the model and version)
+        route, target, pos = INFER, "", line.end()
+        model, version = line.group(1).decode("ascii"), (line.group(2) or b"").decode("ascii")
+    else:
+        routed = _read_route(head)
+        if routed is None:
+            return None
+        route, model, version, target, pos = routed
     content_length: int | None = None
     header_length: str | None = None
     authorizations: list[str] = []
