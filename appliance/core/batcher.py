@@ -66,8 +66,6 @@ log = logging.getLogger(__name__)
 IDLE_CHECK_S = 1.0
 
 
-
-
 class DynamicBatcher:
     """The queue of one model version and the loops of its instances.
 
