@@ -106,7 +106,11 @@ venv() {
 step "install (a venv of its own)" venv
 export PATH="$scratch/venv/bin:$PATH" VIRTUAL_ENV="$scratch/venv"
 hash -r
+# bytecode is written, into that directory: an environment with PYTHONDONTWRITEBYTECODE
+# (some CI images set it) would make every server, CLI and agent a test starts compile
+# each module it imports from source again (the venvs are installed --no-compile)
 export PYTHONPYCACHEPREFIX="$scratch/pycache"
+unset PYTHONDONTWRITEBYTECODE
 step "ruff" python3 -m ruff check --no-cache appliance devtools tests benchmarks
 step "mypy" python3 -m mypy --cache-dir "$scratch/mypy"
 # Python 3.10 (JetPack 6's): a fresh venv with the same constraints (their environment
