@@ -36,6 +36,7 @@ _NUMPY: dict[str, np.dtype[Any]] = {
     "BYTES": np.dtype(object),
 }
 DATATYPES = tuple(_NUMPY)
+KNOWN = frozenset(_NUMPY)  # the same names, for a membership test
 
 _FROM_NUMPY: dict[np.dtype[Any], str] = {v: k for k, v in _NUMPY.items()}
 # numpy string dtypes (ONNX Runtime returns str objects; callers may pass np.str_)
@@ -70,6 +71,9 @@ def to_numpy_dtype(datatype: str) -> np.dtype[Any]:
 
 def from_numpy_dtype(dtype: np.dtype[Any]) -> str:
     """KServe datatype for a numpy dtype (any string kind maps to BYTES)."""
+    name = _FROM_NUMPY.get(dtype)  # native byte order: the common case, one look-up
+    if name is not None:
+        return name
     if dtype.kind in _STRING_KINDS:
         return "BYTES"
     try:
@@ -129,6 +133,36 @@ def bounded_count(shape: Sequence[int], bound: int, where: str) -> int:
                 shown = shown if len(shown) <= 80 else shown[:76] + "...]"
                 raise invalid(f"{where}: shape {shown} declares more than {bound} elements")
     return 0 if 0 in shape else product
+
+
+def plain_count(shape: Any) -> int | None:
+    """The element count of a well-formed wire shape (what :func:`check_shape` passes:
+    a list of at most MAX_RANK non-negative ints whose product, zero-size dimensions
+    skipped, stays within ELEMENT_CEILING), in one pass; None for any other, which
+    :func:`check_shape` then refuses with its text."""
+    if type(shape) is not list or len(shape) > MAX_RANK:
+        return None
+    product, zero = 1, False
+    for d in shape:
+        if type(d) is not int or d < 0:
+            return None
+        if d:
+            product *= d
+            if product > ELEMENT_CEILING:
+                return None
+        else:
+            zero = True
+    return 0 if zero else product
+
+
+def fits(dims: Sequence[int], shape: Sequence[int]) -> bool:
+    """Whether ``shape`` has the rank of ``dims`` and each of their fixed (not -1) dims."""
+    if len(dims) != len(shape):
+        return False
+    for want, have in zip(dims, shape):  # noqa: B905, SIM110 (lengths checked; a loop: no generator a call)
+        if want != have and want != -1:
+            return False
+    return True
 
 
 def check_shape(shape: Any, where: str) -> list[int]:

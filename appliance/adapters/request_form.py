@@ -179,15 +179,18 @@ def declare(
     if form.inputs and form.inputs[0].name == RAW_INPUT and not form.inputs[0].datatype:
         _raw_input(form.inputs[0], ticket)
     for t in form.inputs:
-        where = f"input '{t.name}'"
         if t.name in seen:
-            raise invalid(f"{where} appears twice")
+            raise invalid(f"input '{t.name}' appears twice")
         seen.add(t.name)
-        datatypes.to_numpy_dtype(t.datatype)  # unknown datatype -> INVALID_ARG
-        t.shape = datatypes.check_shape(t.shape, where)
+        if t.datatype not in datatypes.KNOWN:
+            datatypes.to_numpy_dtype(t.datatype)  # unknown datatype -> INVALID_ARG
+        count = datatypes.plain_count(t.shape)
+        if count is None:  # refused here, with the reason
+            t.shape = datatypes.check_shape(t.shape, f"input '{t.name}'")
         if ticket is not None:
-            ticket.declare(t.name, t.datatype, t.shape)
+            ticket.declare(t.name, t.datatype, t.shape, count)
         if t.kind == SHM:
+            where = f"input '{t.name}'"
             if shared_memory is None:
                 raise invalid(f"{where}: shared-memory inputs are not enabled on this server")
             _hold(shared_memory, t.data.region, ticket, where)

@@ -178,24 +178,28 @@ def check_inputs(model: str, specs: Sequence[TensorSpec], inputs: dict[str, np.n
     reuse the previous value of a missing input (OpenVINO does both).
     """
     declared = {s.name for s in specs}
-    unknown = sorted(set(inputs) - declared)
-    if unknown:
+    if not declared.issuperset(inputs):
+        unknown = sorted(set(inputs) - declared)
         raise invalid(
             f"model '{model}' has no input(s) {unknown}; its inputs are {sorted(declared)}"
         )
     for spec in specs:
         arr = inputs.get(spec.name)
-        where = f"input '{spec.name}' of model '{model}'"
         if arr is None:
             if spec.optional:
                 continue
-            raise invalid(f"{where} is missing")
+            raise invalid(f"input '{spec.name}' of model '{model}' is missing")
         got = datatypes.from_numpy_dtype(arr.dtype)
         if got != spec.datatype:
-            raise invalid(f"{where}: expected datatype {spec.datatype}, got {got}")
+            raise invalid(
+                f"input '{spec.name}' of model '{model}': expected datatype {spec.datatype}, "
+                f"got {got}"
+            )
         if not spec.shape and arr.size == 1:
             continue  # [] is a scalar or a tensor of unknown rank (see config/completion)
-        if len(arr.shape) != len(spec.shape) or any(
-            want not in (-1, have) for want, have in zip(spec.shape, arr.shape, strict=True)
-        ):
-            raise invalid(f"{where}: expected shape {list(spec.shape)}, got {list(arr.shape)}")
+        if not datatypes.fits(spec.shape, arr.shape):
+            raise invalid(
+                f"input '{spec.name}' of model '{model}': expected shape {list(spec.shape)}, "
+                f"got {list(arr.shape)}"
+            )
+

@@ -59,11 +59,15 @@ class Ticket:
         self._loop = asyncio.get_running_loop()
         self._after: list[Callable[[], None]] = []
 
-    def declare(self, name: str, datatype: str, shape: Sequence[int]) -> None:
+    def declare(
+        self, name: str, datatype: str, shape: Sequence[int], count: int | None = None
+    ) -> None:
         """Check one input's declaration (the server's element limit, then the model's
-        rules) before its data is decoded; INVALID_ARG, counted, when it fails."""
+        rules) before its data is decoded; INVALID_ARG, counted, when it fails.
+        ``count``: the shape's element count when the caller has it."""
         try:
-            count = count_elements(shape, self.elements, self.max_elements, name)
+            if count is None or self.elements + count > self.max_elements:
+                count = count_elements(shape, self.elements, self.max_elements, name)
             self.rules.declare(name, datatype, shape)
         except ApplianceError as exc:
             self._refused(exc)

@@ -25,7 +25,7 @@ from collections.abc import Hashable, Sequence
 
 from appliance import datatypes
 from appliance.config.model_config import ModelConfig, TensorConfig
-from appliance.datatypes import MAX_RANK, bounded_count
+from appliance.datatypes import MAX_RANK, bounded_count, fits
 from appliance.errors import ApplianceError, invalid
 from appliance.request import InferenceRequest
 
@@ -33,25 +33,35 @@ __all__ = ["MAX_RANK", "RequestRules", "bounded_count", "count_elements"]
 
 
 def _check(
-    config: ModelConfig, spec: TensorConfig, name: str, datatype: str, shape: Sequence[int]
+    config: ModelConfig,
+    spec: TensorConfig,
+    name: str,
+    datatype: str,
+    shape: Sequence[int],
+    expected: Sequence[int] | None = None,
 ) -> int:
-    where = f"input '{name}' of model '{config.name}'"
+    """One input against its config: its batch rows (0 when the model does not batch).
+    ``expected``: the dims the config gives it, batch dimension first (-1: any)."""
+    if expected is None:
+        expected = _expected(config, spec)
     if datatype != spec.datatype:
+        where = f"input '{name}' of model '{config.name}'"
         raise invalid(f"{where}: expected datatype {spec.datatype}, got {datatype}")
-    batched = config.batch_size > 0
-    expected = ([-1] if batched else []) + list(spec.dims)
-    if len(shape) != len(expected) or any(
-        e not in (-1, s) for e, s in zip(expected, shape, strict=True)
-    ):
-        raise invalid(f"{where}: expected shape {expected}, got {_shown(list(shape))}")
-    if not batched:
+    if not fits(expected, shape):
+        where = f"input '{name}' of model '{config.name}'"
+        raise invalid(f"{where}: expected shape {list(expected)}, got {_shown(list(shape))}")
+    limit = config.max_batch_size
+    if not limit or limit <= 0:
         return 0
     rows = int(shape[0])
-    if not 1 <= rows <= config.batch_size:
-        raise invalid(
-            f"{where}: batch size {rows} is outside 1..{config.batch_size} (max_batch_size)"
-        )
+    if not 1 <= rows <= limit:
+        where = f"input '{name}' of model '{config.name}'"
+        raise invalid(f"{where}: batch size {rows} is outside 1..{limit} (max_batch_size)")
     return rows
+
+
+def _expected(config: ModelConfig, spec: TensorConfig) -> tuple[int, ...]:
+    return ((-1,) if config.batch_size > 0 else ()) + tuple(spec.dims)
 
 
 class RequestRules:
@@ -67,11 +77,12 @@ class RequestRules:
     (the in-process API, an ensemble step) is checked in full on its arrays.
     """
 
-    __slots__ = ("_outputs", "_required", "_specs", "batched", "config")
+    __slots__ = ("_expected", "_outputs", "_required", "_specs", "batched", "config")
 
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
         self._specs = {t.name: t for t in config.inputs}
+        self._expected = {t.name: _expected(config, t) for t in config.inputs}
         self._required = tuple(t.name for t in config.inputs if not t.optional)
         self._outputs = tuple(t.name for t in config.outputs)
         self.batched = config.batch_size > 0
@@ -82,7 +93,7 @@ class RequestRules:
         spec = self._specs.get(name)
         if spec is None:
             raise self._unknown(name)
-        return _check(self.config, spec, name, datatype, shape)
+        return _check(self.config, spec, name, datatype, shape, self._expected[name])
 
     def check(
         self, request: InferenceRequest, declared: bool = False
@@ -90,8 +101,11 @@ class RequestRules:
         """Validate ``request``: (the outputs to return, its batch rows (1 when the
         model doesn't batch), the shape signature batches group by)."""
         config, specs, inputs = self.config, self._specs, request.inputs
-        if len(inputs) > len(specs) or any(n not in inputs for n in self._required):
+        if len(inputs) > len(specs):
             raise self._count(list(inputs))
+        for name in self._required:
+            if name not in inputs:
+                raise self._count(list(inputs))
         for name in inputs:
             if name not in specs:
                 raise self._unknown(name)
@@ -105,7 +119,7 @@ class RequestRules:
                 rows.add(int(arr.shape[0]) if batched else 0)
             else:
                 dtype = datatypes.from_numpy_dtype(arr.dtype)
-                rows.add(_check(config, spec, name, dtype, arr.shape))
+                rows.add(_check(config, spec, name, dtype, arr.shape, self._expected[name]))
         if len(rows) > 1:
             raise invalid(
                 f"inputs of model '{config.name}' disagree on the batch size: {sorted(rows)}"

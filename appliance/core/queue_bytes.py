@@ -152,6 +152,8 @@ class Hold:
         limit raises UNAVAILABLE (reason REJECTED) and leaves the hold unchanged;
         shrinking always succeeds."""
         delta = nbytes - self.nbytes
+        if not delta:
+            return
         stats = self._stats
         if delta > 0:
             self._server._seen += delta

@@ -153,92 +153,131 @@ def parse_request(
         name = raw.get("name")
         if not isinstance(name, str) or not name:
             raise invalid(f"inputs[{i}] needs a 'name' string")
-        where = f"input '{name}'"
         datatype = raw.get("datatype")
         if not isinstance(datatype, str):
-            raise invalid(f"{where} needs a 'datatype' string")
-        params = _params(raw, where)
-        shm = _shm_ref(params, where)
-        size = params.get("binary_data_size")
-        kind, source = request_form.JSON, raw.get("data")
-        if files and FILE_PARAMETER in params:
-            if size is not None or "data" in raw or shm is not None:
-                raise invalid(f"{where}: '{FILE_PARAMETER}' and another source of data")
-            kind, source = request_form.FILE, params[FILE_PARAMETER]
-        elif shm is not None:
-            if "data" in raw or size is not None:
-                raise invalid(f"{where} has shared-memory parameters and also carries data")
-            kind, source = request_form.SHM, shm
-        elif size is not None:
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise invalid(f"{where}: 'binary_data_size' must be a non-negative integer")
-            if "data" in raw:
-                raise invalid(f"{where} has both 'data' and 'binary_data_size'")
-            if offset + size > len(binary):
-                raise invalid(
-                    f"{where}: binary_data_size {size} runs past the end of the body "
-                    f"({len(binary) - offset} binary bytes left): the body is truncated"
-                )
-            kind, source = request_form.RAW, binary[offset : offset + size]
-            offset += size
-        elif "data" not in raw:
-            raise invalid(f"{where} has neither 'data' nor 'parameters.binary_data_size'")
+            raise invalid(f"input '{name}' needs a 'datatype' string")
+        params = raw.get("parameters", _NONE)
+        if type(params) is not dict:
+            params = _params(raw, f"input '{name}'")
+        if params:
+            kind, source, offset = _input_source(raw, name, params, binary, offset, files)
+        elif "data" in raw:
+            kind, source = request_form.JSON, raw["data"]
+        else:
+            raise invalid(
+                f"input '{name}' has neither 'data' nor 'parameters.binary_data_size'"
+            )
         inputs.append(TensorForm(name, datatype, raw.get("shape"), kind, source))
     if offset != len(binary):
         raise invalid(
             f"{len(binary) - offset} bytes of binary data follow the last input; "
             f"binary_data_size values and the body length disagree"
         )
-    req_params = _params(doc, "request")
-    fmt = OutputFormat(binary_default=_flag(req_params, "binary_data_output", "request"))
+    fmt = OutputFormat()
     outputs: list[str] = []
     classification: dict[str, int] = {}
-    raw_outputs = doc.get("outputs", [])
+    raw_outputs = doc.get("outputs", _EMPTY)
     if not isinstance(raw_outputs, list):
         raise invalid("'outputs' must be a list")
     for i, raw in enumerate(raw_outputs):
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
             raise invalid(f"outputs[{i}] must be an object with a 'name' string")
         name = raw["name"]
-        where = f"output '{name}'"
         if name in fmt.binary:  # Triton's words
-            raise invalid(f"{where} already exists in request")
-        params = _params(raw, where)
-        fmt.binary[name] = _flag(params, "binary_data", where)
-        count = params.get("classification", 0)
-        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise invalid(f"{where}: 'classification' must be a non-negative integer")
-        if count:
-            classification[name] = count
-        shm = _shm_ref(params, where)
-        if shm is not None:
-            if count:
-                raise invalid(f"{where}: a classification output cannot go to shared memory")
-            fmt.shared_memory[name] = shm
+            raise invalid(f"output '{name}' already exists in request")
+        params = raw.get("parameters", _NONE)
+        if type(params) is dict and len(params) == 1 and params.get("binary_data") is True:
+            fmt.binary[name] = True  # the common form
+        else:
+            _output(raw, name, fmt, classification)
         outputs.append(name)
-    timeout = req_params.get("timeout")
+    request_id = doc.get("id", "")
+    if not isinstance(request_id, str):
+        raise invalid("'id' must be a string")
+    form = RequestForm(
+        model, version, inputs, fmt, outputs=tuple(outputs), classification=classification,
+        id=request_id,
+    )  # fmt: skip
+    if "parameters" in doc:
+        _request_parameters(_params(doc, "request"), form)
+    return form
+
+
+_NONE: dict[str, Any] = {}  # (never written)
+_EMPTY: list[Any] = []  # (never written)
+
+
+def _input_source(
+    raw: dict[str, Any],
+    name: str,
+    params: dict[str, Any],
+    binary: memoryview,
+    offset: int,
+    files: bool,
+) -> tuple[str, Any, int]:
+    """Where an input with parameters has its data: (kind, source, the binary offset
+    after it)."""
+    where = f"input '{name}'"
+    shm = _shm_ref(params, where)
+    size = params.get("binary_data_size")
+    if files and FILE_PARAMETER in params:
+        if size is not None or "data" in raw or shm is not None:
+            raise invalid(f"{where}: '{FILE_PARAMETER}' and another source of data")
+        return request_form.FILE, params[FILE_PARAMETER], offset
+    if shm is not None:
+        if "data" in raw or size is not None:
+            raise invalid(f"{where} has shared-memory parameters and also carries data")
+        return request_form.SHM, shm, offset
+    if size is not None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise invalid(f"{where}: 'binary_data_size' must be a non-negative integer")
+        if "data" in raw:
+            raise invalid(f"{where} has both 'data' and 'binary_data_size'")
+        if offset + size > len(binary):
+            raise invalid(
+                f"{where}: binary_data_size {size} runs past the end of the body "
+                f"({len(binary) - offset} binary bytes left): the body is truncated"
+            )
+        return request_form.RAW, binary[offset : offset + size], offset + size
+    if "data" not in raw:
+        raise invalid(f"{where} has neither 'data' nor 'parameters.binary_data_size'")
+    return request_form.JSON, raw["data"], offset
+
+
+def _output(
+    raw: dict[str, Any], name: str, fmt: OutputFormat, classification: dict[str, int]
+) -> None:
+    """One requested output's parameters (binary, classification, shared memory)."""
+    where = f"output '{name}'"
+    params = _params(raw, where)
+    fmt.binary[name] = _flag(params, "binary_data", where)
+    count = params.get("classification", 0)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise invalid(f"{where}: 'classification' must be a non-negative integer")
+    if count:
+        classification[name] = count
+    shm = _shm_ref(params, where)
+    if shm is not None:
+        if count:
+            raise invalid(f"{where}: a classification output cannot go to shared memory")
+        fmt.shared_memory[name] = shm
+
+
+def _request_parameters(params: dict[str, Any], form: RequestForm) -> None:
+    """The request's own ``parameters`` into ``form``: the server's, type-checked,
+    and the rest as the model's."""
+    form.fmt.binary_default = _flag(params, "binary_data_output", "request")
+    timeout = params.get("timeout")
     if timeout is not None and (
         not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 0
     ):
         raise invalid("request parameter 'timeout' must be a non-negative integer (microseconds)")
-    request_id = doc.get("id", "")
-    if not isinstance(request_id, str):
-        raise invalid("'id' must be a string")
-    return RequestForm(
-        model,
-        version,
-        inputs,
-        fmt,
-        outputs=tuple(outputs),
-        classification=classification,
-        id=request_id,
-        timeout_us=timeout or None,
-        sequence_id=check_sequence_id(req_params.get("sequence_id", 0)),
-        sequence_start=_flag(req_params, "sequence_start", "request"),
-        sequence_end=_flag(req_params, "sequence_end", "request"),
-        parameters=request_form.json_parameters(req_params),
-        priority=check_priority(req_params.get("priority", 0)),
-    )
+    form.timeout_us = timeout or None
+    form.sequence_id = check_sequence_id(params.get("sequence_id", 0))
+    form.sequence_start = _flag(params, "sequence_start", "request")
+    form.sequence_end = _flag(params, "sequence_end", "request")
+    form.parameters = request_form.json_parameters(params)
+    form.priority = check_priority(params.get("priority", 0))
 
 
 def encode_response(
