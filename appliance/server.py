@@ -287,7 +287,7 @@ class Server:
         """``GET /metrics``: the exposition the ``Accept`` header asks for."""
         if self.metrics is None:
             self.metrics = self._exporter()
-        accept = next((v for k, v in head.fields if k.lower() == "accept"), "")
+        accept = next((v for k, v in head.headers() if k.lower() == "accept"), "")
         body, content_type = self.metrics.render(accept)
         return 200, body, content_type.encode("latin-1")
 

@@ -278,10 +278,11 @@ def test_the_front_takes_ordinary_heads() -> None:
         b"content-length: 17\r\nInference-Header-Content-Length: 9 \r\n"
         b"Authorization: Bearer a\r\nConnection: keep-alive, close\r\nAccept:\r\n\r\n"
     )
-    fields = (("host", "t"), ("Accept", ""))  # the others, as sent: to forward as parameters
+    fields = ((b"host", b"t"), (b"Accept", b""))  # the others, as sent: to forward as parameters
     assert head == http_head.Head(
         "my-model_2.onnx", "3", 17, "9", ("Bearer a",), False, fields, http_head.INFER
     )
+    assert head is not None and list(head.headers()) == [("host", "t"), ("Accept", "")]
 
 
 def test_odd_heads_get_an_answer_and_the_server_keeps_serving(run_appliance: Any) -> None:

@@ -49,6 +49,7 @@ PAUSE_BYTES = 1 << 20  # buffered bytes of later requests before reading pauses
 _MAX_LINGER_S = 10.0  # aiohttp's lingering default
 _JOIN_BYTES = 64 * 1024  # answers up to this size are copied into one buffer
 _DIRECT_BYTES = 64 * 1024  # bodies above this size are received into their own buffer
+_TIMER_SLACK_S = 0.002  # a timer firing this close to its deadline counts as on time
 
 
 class Front:
@@ -99,6 +100,8 @@ class Connection(asyncio.Protocol):
         self.write_paused = False
         self.read_paused = False
         self.timer: asyncio.TimerHandle | None = None
+        self.deadline = 0.0  # when ``late`` is due (loop time)
+        self.late: Callable[[], None] | None = None  # what the timer calls then
         self.scanned = 0  # buffer bytes already searched for the end of a head
         self.ticket: Ticket | None = None  # the admission of the request in ``head``
         self.skip = 0  # body bytes of a request answered early, still to drop
@@ -150,7 +153,7 @@ class Connection(asyncio.Protocol):
         return True  # half-closed: the request being answered still gets its answer
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
+        self._stop_timer()
         self.front.connections.discard(self)
         if self.head is not None:
             log.debug("client left in the middle of a request body: %s", exc)
@@ -311,7 +314,7 @@ class Connection(asyncio.Protocol):
                 body,
                 head.header_length,
                 self._answered,
-                head.fields,
+                head.headers(),
             )
         except ApplianceError as exc:
             status, parts = http_infer.STATUS[exc.code], [kserve.error_body(exc.message)]
@@ -407,10 +410,32 @@ class Connection(asyncio.Protocol):
         )
 
     def _arm(self, delay: float, callback: Callable[[], None]) -> None:
-        self._disarm()
-        self.timer = self.loop.call_later(delay, callback)
+        """Call ``callback`` in ``delay`` seconds unless re-armed or disarmed first. One
+        loop timer a connection, moved only when the new deadline comes earlier: a
+        request's re-arming is an attribute write, not a timer made and cancelled."""
+        self.deadline = deadline = self.loop.time() + delay
+        self.late = callback
+        timer = self.timer
+        if timer is None or timer.when() > deadline:
+            if timer is not None:
+                timer.cancel()
+            self.timer = self.loop.call_at(deadline, self._due)
+
+    def _due(self) -> None:
+        self.timer = None
+        if self.late is None:
+            return  # disarmed meanwhile
+        if self.loop.time() < self.deadline - _TIMER_SLACK_S:  # re-armed later meanwhile
+            self.timer = self.loop.call_at(self.deadline, self._due)
+            return
+        late, self.late = self.late, None
+        late()
 
     def _disarm(self) -> None:
+        self.late = None  # (a pending timer then does nothing)
+
+    def _stop_timer(self) -> None:
+        self.late = None
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -419,7 +444,7 @@ class Connection(asyncio.Protocol):
         """aiohttp serves this connection from the first byte of the current request on
         (:mod:`appliance.adapters.http.handover`); with nothing behind this front, the
         request is refused (404) and the connection closed."""
-        self._disarm()
+        self._stop_timer()
         self._drop_request()
         backstage = self.front.backstage
         if backstage is None:
@@ -440,7 +465,7 @@ class Connection(asyncio.Protocol):
         return not self.transport.is_closing()
 
     def close(self) -> None:
-        self._disarm()
+        self._stop_timer()
         self._drop_request()
         if self.transport is not None:
             self.transport.close()

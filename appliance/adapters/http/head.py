@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from email.utils import formatdate
 from http import HTTPStatus
@@ -45,6 +46,8 @@ _FIXED = {b"/v2": "server", b"/v2/": "server", b"/v2/health/live": "live",
 _TAILS = {None: "model", b"/ready": "model_ready", b"/config": "model_config"}
 # a header line: a token, a colon, a value of printable ASCII (tabs allowed inside)
 _FIELD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+):[ \t]*((?:[!-~][ \t!-~]*)?)\r\n")
+# every header line of a head, validated in one match (then read with one findall)
+_FIELDS = re.compile(rb"(?:" + _FIELD.pattern + rb")*")
 _TRAILING_SPACE = b" \t"
 # fields whose presence sends the connection to aiohttp (framing it must decide)
 _HANDED = frozenset({b"transfer-encoding", b"expect", b"upgrade", b"te"})
@@ -62,10 +65,15 @@ class Head:
     authorizations: tuple[str, ...]
     keep_alive: bool  # False when the client said ``Connection: close``
     # every other field (name as sent, value as sent after the colon's whitespace),
-    # for the headers forwarded as parameters (adapters/forwarding)
-    fields: tuple[tuple[str, str], ...] = ()
+    # for the headers forwarded as parameters (adapters/forwarding): :meth:`headers`
+    fields: tuple[tuple[bytes, bytes], ...] = ()
     route: str = INFER
     target: str = ""  # a read-only route's request target, as sent
+
+    def headers(self) -> Iterator[tuple[str, str]]:
+        """The other fields as text (decoded only when a forwarding pattern reads them)."""
+        for name, value in self.fields:
+            yield name.decode("ascii"), value.decode("ascii")
 
 
 def _read_route(head: bytes) -> tuple[str, str, str, str, int] | None:
@@ -100,16 +108,14 @@ def parse(head: bytes) -> Head | None:
     content_length: int | None = None
     header_length: str | None = None
     authorizations: list[str] = []
-    fields: list[tuple[str, str]] = []
+    fields: list[tuple[bytes, bytes]] = []
     keep_alive = True
     end = len(head) - 2  # the blank line
-    while pos < end:
-        field = _FIELD.match(head, pos)
-        if field is None:
-            return None  # folded, empty-named, non-ASCII or malformed: not ours
-        pos = field.end()
-        name = field.group(1).lower()
-        value = field.group(2).rstrip(_TRAILING_SPACE)
+    if _FIELDS.fullmatch(head, pos, end) is None:
+        return None  # folded, empty-named, non-ASCII or malformed: not ours
+    for raw_name, raw_value in _FIELD.findall(head, pos, end):
+        name = raw_name.lower()
+        value = raw_value.rstrip(_TRAILING_SPACE)
         if name == b"content-length":
             if content_length is not None or not value.isdigit() or len(value) > 18:
                 return None
@@ -128,9 +134,7 @@ def parse(head: bytes) -> Head | None:
         elif name in _HANDED:
             return None
         else:
-            fields.append((field.group(1).decode("ascii"), field.group(2).decode("ascii")))
-    if pos != end:
-        return None
+            fields.append((raw_name, raw_value))
     if route != INFER:  # a GET without a body (one with a body: aiohttp's to judge)
         if content_length or header_length is not None:
             return None
