@@ -1,12 +1,13 @@
 """What one small request costs inside the server, counted in calls, not seconds.
 
-    python3 benchmarks/profile_exchange.py [--requests 2000] [--model simple] [--top 30]
+    python3 benchmarks/profile_exchange.py [--requests 2000] [--binary] [--top 30]
 
 Starts the appliance in this process (the demo models, no listening endpoint), then
-sends ``--requests`` HTTP/JSON inference requests of Triton's ``simple`` (two INT32
-[1, 16] inputs) one after another through the one inference exchange, as the HTTP
-front does once it has a request's body (:func:`appliance.adapters.http.infer.answer`:
-admission ticket, form, declare, build, data plane, dynamic batcher, the instance's
+sends ``--requests`` HTTP inference requests of Triton's ``simple`` (two INT32 [1, 16]
+inputs; JSON numbers, or binary tensors with ``--binary``) one after another through
+the one inference exchange, as the HTTP front does once it has a request's body
+(:func:`appliance.adapters.http.infer.answer`: admission ticket, form (or the plan of a
+plain binary request), declare, build, data plane, dynamic batcher, the instance's
 thread, encoder). A profile hook installed before the server starts, so that the
 instance threads carry it, counts every Python function call and every call into C
 made during those requests, per thread: the event loop's, the instances', any other.
@@ -77,7 +78,7 @@ def _hook(frame: FrameType, event: str, arg: Any) -> None:
         counts[(kind, f"<C> {getattr(arg, '__qualname__', repr(arg))}")] += 1
 
 
-async def run(requests: int, model: str, delay_us: int | None = None) -> None:
+async def run(requests: int, model: str, delay_us: int | None = None, binary: bool = False) -> None:
     global counting
     options: dict[str, Any] = {"http_port": -1, "grpc_port": -1, "metrics_port": -1}
     if delay_us is not None:  # the demo model, with another queue delay
@@ -91,21 +92,37 @@ async def run(requests: int, model: str, delay_us: int | None = None) -> None:
     config = load_server_config(None, options)
     server = Server(config)
     await server.start()
-    body = json.dumps(
-        {
-            "inputs": [
-                {"name": n, "datatype": "INT32", "shape": [1, 16], "data": [1] * 16}
-                for n in ("INPUT0", "INPUT1")
-            ]
-        }
-    ).encode()
+    field = None
+    if binary:  # Triton's binary tensor extension, as tritonclient and perf_analyzer send
+        data = bytes(64)
+        header = json.dumps(
+            {
+                "inputs": [
+                    {"name": n, "datatype": "INT32", "shape": [1, 16],
+                     "parameters": {"binary_data_size": len(data)}}
+                    for n in ("INPUT0", "INPUT1")
+                ],
+                "outputs": [{"name": n, "parameters": {"binary_data": True}}
+                            for n in ("OUTPUT0", "OUTPUT1")],
+            }
+        ).encode()  # fmt: skip
+        body, field = header + data + data, str(len(header))
+    else:
+        body = json.dumps(
+            {
+                "inputs": [
+                    {"name": n, "datatype": "INT32", "shape": [1, 16], "data": [1] * 16}
+                    for n in ("INPUT0", "INPUT1")
+                ]
+            }
+        ).encode()
     dp = server.dataplane
     started = [0.0, 0.0]
 
     async def one() -> None:
         ticket = dp.admit(model, "", len(body))
         try:
-            await infer.answer(dp, ticket, model, "", body, None)
+            await infer.answer(dp, ticket, model, "", body, field)
         finally:
             ticket.release()
 
@@ -130,8 +147,8 @@ def report(requests: int, top: int) -> str:
     thr_py = sum(v for (k, f), v in per.items() if k == "thread" and not f.startswith("<C>"))
     thr_c = sum(v for (k, f), v in per.items() if k == "thread" and f.startswith("<C>"))
     lines = [
-        f"{requests} requests of `simple` through the exchange (HTTP/JSON wire), counted "
-        "per request:",
+        f"{requests} requests of `simple` through the exchange (HTTP wire), counted per "
+        "request:",
         "",
         "| thread | Python calls | C calls |",
         "|---|---|---|",
@@ -174,16 +191,22 @@ def main() -> None:
         "an instruction counter around it (valgrind --tool=callgrind; the difference of "
         "two --requests gives a request's)",
     )
+    ap.add_argument(
+        "--binary",
+        action="store_true",
+        help="binary tensors (Triton's extension, as perf_analyzer and tritonclient send "
+        "them) instead of JSON numbers",
+    )
     a = ap.parse_args()
     if a.no_count:
-        asyncio.run(run(a.requests, a.model, a.queue_delay_us))
+        asyncio.run(run(a.requests, a.model, a.queue_delay_us, a.binary))
         wall, cpu = timed[0]
         print(f"{wall:.1f} us wall, {cpu:.1f} us CPU (the whole process) per request")
         return
     threading.setprofile(_hook)  # threads started from now on: the instances'
     sys.setprofile(_hook)
     try:
-        asyncio.run(run(a.requests, a.model, a.queue_delay_us))
+        asyncio.run(run(a.requests, a.model, a.queue_delay_us, a.binary))
     finally:
         sys.setprofile(None)
         threading.setprofile(None)  # type: ignore[arg-type]

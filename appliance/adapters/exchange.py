@@ -78,6 +78,14 @@ class Wire(Generic[A]):
         :func:`serve` raises :class:`Dropped`."""
         return True
 
+    def quick(
+        self, payload: Any, ticket: Ticket
+    ) -> tuple[InferenceRequest, OutputFormat] | None:
+        """A plain payload read straight into its request, its inputs declared to
+        ``ticket`` (a wire's fast case, on the event loop); None: read it the general
+        way (:meth:`read`, then the form's declare and build), which decides."""
+        return None
+
     def build(self, form: RequestForm, shm: SharedMemoryRegistry) -> InferenceRequest:
         """The declared form -> the request (a wire with files to read overrides it)."""
         return request_form.build(form, shm)
@@ -182,6 +190,9 @@ async def _decode(
     if heavy:
         form, request = await asyncio.to_thread(_read_declared, wire, payload, ticket, shm)
         return ticket, request, form.fmt
+    quick = wire.quick(payload, ticket)
+    if quick is not None:
+        return ticket, *quick
     form = wire.read(payload, ticket)
     return ticket, await _built(wire, form, ticket, shm), form.fmt
 

@@ -14,12 +14,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from appliance.adapters import exchange, forwarding
-from appliance.adapters.codec import kserve
+from appliance.adapters.codec import kserve, kserve_plan
 from appliance.adapters.request_form import OutputFormat, RequestForm
 from appliance.core.admission import Ticket
 from appliance.core.dataplane import DataPlane
 from appliance.errors import Code
-from appliance.request import InferenceResponse
+from appliance.request import InferenceRequest, InferenceResponse
 
 # ApplianceError codes -> HTTP statuses, as Triton answers them
 STATUS = {
@@ -51,6 +51,16 @@ class _HttpWire(exchange.Wire[Answer]):
         if forwarded:
             forwarding.apply(form, forwarded)
         return form
+
+    def quick(self, payload: Any, ticket: Ticket) -> tuple[InferenceRequest, OutputFormat] | None:
+        """A plain binary request (:mod:`appliance.adapters.codec.kserve_plan`)."""
+        body, field, model, version, forwarded = payload
+        if forwarded or field is None or not (field.isascii() and field.isdigit()):
+            return None
+        plan = kserve_plan.plan_of(ticket.servable)
+        if plan is None or len(field) > 19:
+            return None
+        return plan.read(body, int(field), ticket, model, version)
 
     def encode(self, response: InferenceResponse, fmt: OutputFormat, shm: Any) -> Answer:
         return kserve.encode_parts(response, fmt, shm)
