@@ -41,11 +41,15 @@ from appliance.adapters.request_form import OutputFormat, RequestForm
 from appliance.core.admission import Ticket
 from appliance.core.dataplane import DataPlane
 from appliance.core.queue_bytes import Hold
+from appliance.core.servable import Servable
 from appliance.core.shared_memory import SharedMemoryRegistry
 from appliance.errors import ApplianceError
 from appliance.request import InferenceRequest, InferenceResponse
 
 A = TypeVar("A")
+# a plain payload read by its version's plan before admission (:meth:`Wire.plan`): the
+# version, the request, its output format, its element count
+Planned = tuple[Servable, InferenceRequest, OutputFormat, int]
 
 
 class Dropped(Exception):
@@ -84,6 +88,16 @@ class Wire(Generic[A]):
         """A plain payload read straight into its request, its inputs declared to
         ``ticket`` (a wire's fast case, on the event loop); None: read it the general
         way (:meth:`read`, then the form's declare and build), which decides."""
+        return None
+
+    def plan(
+        self, payload: Any, serving: Callable[[str, str], Servable | None], max_elements: int
+    ) -> Planned | None:
+        """A plain payload that names its model (gRPC's message) and holds at most
+        ``max_elements``, read straight into its request by the plan of the version
+        ``serving`` gives for that name, before it is admitted (a wire's fast case, on
+        the event loop): (that version, the request, its format, its element count),
+        or None: read it the general way (:meth:`read`), which decides."""
         return None
 
     def build(self, form: RequestForm, shm: SharedMemoryRegistry) -> InferenceRequest:
@@ -176,6 +190,15 @@ async def _decode(
         if heavy:
             form = await asyncio.to_thread(wire.read, payload, None)
         else:
+            limit = dataplane.lifecycle.server.max_request_elements
+            planned = wire.plan(payload, dataplane.serving, limit)
+            if planned is not None:  # plain: admitted as the general reader's would be
+                servable, request, fmt, elements = planned
+                ticket = dataplane.admit(
+                    request.model_name, request.model_version, held=hold, servable=servable
+                )
+                ticket.planned(elements)
+                return ticket, request, fmt
             form = wire.read(payload, None)
         ticket = dataplane.admit(form.model, form.version, held=hold)
         try:  # the caller never sees this ticket when the request fails here

@@ -76,6 +76,14 @@ class Ticket:
         if datatype == "BYTES":
             self.object_elements += count
 
+    def planned(self, elements: int) -> None:
+        """Every input of the request was declared at once, ``elements`` in all, by a
+        plan that checked them as :meth:`declare` would
+        (:mod:`appliance.adapters.codec.kserve_plan`: within the element limit, each
+        input as the version's rules declare it)."""
+        self.elements = elements
+        self.declared = True
+
     def trusts(self, servable: Servable) -> bool:
         """Whether ``servable`` may skip the per-input checks: every input was declared
         to this ticket, and the request goes to the version that admitted it (a hot

@@ -155,7 +155,22 @@ class DataPlane:
 
     # ---- inference ---------------------------------------------------------------------
 
-    def admit(self, name: str, version: str, nbytes: int = 0, held: Hold | None = None) -> Ticket:
+    def serving(self, name: str, version: str) -> Servable | None:
+        """The version :meth:`admit` would admit a request for now, or None where it
+        would refuse it (nothing counted: the refusal is :meth:`admit`'s to make)."""
+        try:
+            return self.lifecycle.get(*_checked(name, version))
+        except ApplianceError:
+            return None
+
+    def admit(
+        self,
+        name: str,
+        version: str,
+        nbytes: int = 0,
+        held: Hold | None = None,
+        servable: Servable | None = None,
+    ) -> Ticket:
         """The request's :class:`~appliance.core.admission.Ticket`, taken by an adapter
         *before* it reads the payload: the model version looked up once (NOT_FOUND /
         UNAVAILABLE for one that cannot serve: refused before the payload is read), its
@@ -165,8 +180,9 @@ class DataPlane:
         now counted at the model. Pass the ticket to :meth:`infer` and release it once
         answered. Shutting down is answered by :meth:`infer`, after the body was read:
         a connection whose request body is left unread would hold the shutdown while
-        the server drains it."""
-        mv = self.lifecycle.get(*_checked(name, version))
+        the server drains it. ``servable``: what :meth:`serving` returned for ``name``
+        and ``version`` in this turn of the event loop (not looked up again)."""
+        mv = servable if servable is not None else self.lifecycle.get(*_checked(name, version))
         try:
             if held is not None:
                 hold = held

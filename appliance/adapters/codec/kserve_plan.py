@@ -9,6 +9,10 @@ declare (each input's datatype, numpy dtype and dims with the batch dimension), 
 header parsed once, each input checked against its declaration and viewed in the
 body (no copy), the request's elements counted against the server's limit and
 declared to its :class:`~appliance.core.admission.Ticket` at once.
+:meth:`Plan.read_message` does the same for gRPC's ``ModelInferRequest`` once
+protobuf has parsed it (every input in ``raw_input_contents``, no parameters): there
+the request names its model, so the plan reads it before the ticket is taken, and the
+exchange declares its elements to the ticket it admits.
 
 It decides nothing on its own: a body it does not recognise in every detail
 (parameters, shared memory, JSON data, an unknown or repeated name, another shape,
@@ -16,8 +20,9 @@ a size that does not add up, an input missing) gets ``None``, and the exchange r
 it the general way (:mod:`appliance.adapters.codec.kserve`,
 :mod:`appliance.adapters.request_form`), which accepts it or refuses it with the
 precise error. So the plan is a fast case of the one exchange, never a second set of
-rules: ``tests/adapters/test_kserve_plan.py`` checks, on valid bodies and on hostile
-ones, that whatever the plan accepts the general reader decodes to the same request.
+rules: ``tests/adapters/test_kserve_plan.py`` (and ``test_kserve_plan_grpc.py`` for
+the messages) checks, on valid bodies and on hostile ones, that whatever the plan
+accepts the general reader decodes to the same request.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from appliance.adapters.request_form import OutputFormat
 from appliance.core.admission import Ticket
 from appliance.core.servable import Servable
 from appliance.request import InferenceRequest
+
+# a gRPC request parameter the unary call ignores (a stream's)
+_EMPTY_FINAL = "triton_enable_empty_final_response"
 
 # the keys of a plain request's parts: anything else is the general reader's
 _INPUT_KEYS = frozenset(("name", "datatype", "shape", "parameters"))
@@ -102,18 +110,13 @@ class Plan:
             params = raw["parameters"]
             if type(params) is not dict or len(params) != 1:
                 return None
-            size = params.get("binary_data_size")
+            size: Any = params.get("binary_data_size")  # an int once counted
             shape = raw["shape"]
-            count = datatypes.plain_count(shape)
-            if count is None or type(size) is not int or not datatypes.fits(spec.dims, shape):
-                return None
-            if count * spec.itemsize != size or offset + size > len(body):
+            count = self._count(spec, shape, size, rows)
+            if count < 0 or offset + size > len(body):
                 return None
             if self.batch > 0:
-                first = shape[0]
-                if not 1 <= first <= self.batch or (rows != -1 and first != rows):
-                    return None
-                rows = first
+                rows = shape[0]
             arrays[name] = np.frombuffer(body, spec.dtype, count, offset).reshape(shape)
             offset += size
             elements += count
@@ -124,9 +127,73 @@ class Plan:
         request_id = doc.get("id", "")
         if outputs is None or type(request_id) is not str:
             return None
-        ticket.elements = elements
-        ticket.declared = True
+        ticket.planned(elements)
         return InferenceRequest(model, arrays, version, outputs, request_id), fmt
+
+    def read_message(
+        self, msg: Any, max_elements: int
+    ) -> tuple[InferenceRequest, OutputFormat, int] | None:
+        """The request in ``msg``, a ``ModelInferRequest`` protobuf parsed (gRPC), when
+        it is plain: every input of the version once, its data the next entry of
+        ``raw_input_contents``, no parameters on any tensor nor on the request (but
+        Triton's ``triton_enable_empty_final_response``, which perf_analyzer and
+        Triton's clients send, and which asks a stream, not one call), the outputs
+        asked for by name; its elements within ``max_elements``. (request, format,
+        elements), to be declared to the ticket admitted for it
+        (:meth:`~appliance.core.admission.Ticket.planned`), or None (the general
+        reader's then)."""
+        specs = self.inputs
+        tensors, contents = msg.inputs, msg.raw_input_contents
+        if len(tensors) != len(specs) or len(contents) != len(specs):
+            return None
+        params = msg.parameters
+        if params and (len(params) != 1 or _EMPTY_FINAL not in params):
+            return None  # (that one asks a stream for an empty final response: not ours)
+        arrays: dict[str, np.ndarray] = {}
+        elements, rows = 0, -1
+        for tensor, data in zip(tensors, contents):  # noqa: B905 (lengths checked)
+            name = tensor.name
+            spec = specs.get(name)
+            if spec is None or name in arrays or tensor.datatype != spec.datatype:
+                return None
+            if tensor.parameters or tensor.HasField("contents"):
+                return None
+            shape = list(tensor.shape)
+            count = self._count(spec, shape, len(data), rows)
+            if count < 0:
+                return None
+            if self.batch > 0:
+                rows = shape[0]
+            arrays[name] = np.frombuffer(data, spec.dtype, count).reshape(shape)
+            elements += count
+        if elements > max_elements:
+            return None
+        outputs: list[str] = []
+        for tensor in msg.outputs:
+            name = tensor.name
+            if name not in self.outputs or name in outputs or tensor.parameters:
+                return None
+            outputs.append(name)
+        request = InferenceRequest(
+            msg.model_name, arrays, msg.model_version, tuple(outputs), msg.id
+        )
+        return request, OutputFormat(), elements
+
+    def _count(self, spec: _Input, shape: Any, size: Any, rows: int) -> int:
+        """The element count of one input of ``shape`` and ``size`` bytes when it is
+        declared as ``spec`` says (rank, fixed dims, datatype's size) with the batch
+        size of the request's other inputs (``rows``; -1 before the first) within the
+        version's maximum; -1 when it is not."""
+        count = datatypes.plain_count(shape)
+        if count is None or type(size) is not int or not datatypes.fits(spec.dims, shape):
+            return -1
+        if count * spec.itemsize != size:
+            return -1
+        if self.batch > 0:
+            first = shape[0]
+            if not 1 <= first <= self.batch or (rows != -1 and first != rows):
+                return -1
+        return count
 
 
 def _outputs(raw: Any, names: frozenset[str], fmt: OutputFormat) -> tuple[str, ...] | None:

@@ -19,12 +19,14 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from appliance.adapters import exchange, forwarding, offload, request_form
+from appliance.adapters.codec import kserve_plan
 from appliance.adapters.grpc import calls, codec, stream
 from appliance.adapters.grpc import settings as grpc_settings
 from appliance.adapters.grpc import wire as grpc_wire
 from appliance.adapters.grpc.calls import Held
 from appliance.core.admission import Ticket
 from appliance.core.dataplane import DataPlane
+from appliance.core.servable import Servable
 from appliance.errors import ApplianceError, Code
 from appliance.request import InferenceResponse
 
@@ -73,22 +75,56 @@ def _params(params: Any) -> dict[str, Any]:
     }
 
 
+class _Message:
+    """ModelInfer's payload: the message's bytes, the call's headers the server forwards
+    as parameters, and the message once protobuf has parsed it (by the plan or the
+    reader, whichever looks first: parsed once)."""
+
+    __slots__ = ("forwarded", "parsed", "wire")
+
+    def __init__(self, wire: bytes, forwarded: forwarding.Headers) -> None:
+        self.wire = wire
+        self.forwarded = forwarded
+        self.parsed: Any = None
+
+    def message(self) -> Any:
+        if self.parsed is None:
+            self.parsed = grpc_wire.parse_request(self.wire)
+        return self.parsed
+
+
 class _InferWire(exchange.Wire[bytes]):
     """ModelInfer: the message's bytes -> the form (parsed once by protobuf's C parser;
     a big message's raw inputs as views of it); the answer -> the framed
-    ``ModelInferResponse`` bytes, outputs joined once (:mod:`appliance.adapters.grpc.wire`)."""
+    ``ModelInferResponse`` bytes, outputs joined once (:mod:`appliance.adapters.grpc.wire`).
+    A plain message is read by its version's plan (:mod:`appliance.adapters.codec.kserve_plan`)."""
 
     endpoint = "ModelInfer RPC"
     joins = True
 
     def read(self, payload: Any, ticket: Ticket | None) -> request_form.RequestForm:
-        wire, forwarded = payload
-        message = grpc_wire.parse_request(wire)
+        wire = payload.wire
+        message = payload.message()
         raw = grpc_wire.raw_contents(wire) if len(wire) > offload.OFFLOAD_BYTES else None
         form = codec.parse_request(message, raw)
-        if forwarded:  # the call's headers the server forwards as parameters
-            forwarding.apply(form, forwarded)
+        if payload.forwarded:  # the call's headers the server forwards as parameters
+            forwarding.apply(form, payload.forwarded)
         return form
+
+    def plan(
+        self, payload: Any, serving: Callable[[str, str], Servable | None], max_elements: int
+    ) -> exchange.Planned | None:
+        if payload.forwarded:
+            return None
+        message = payload.message()
+        servable = serving(message.model_name, message.model_version)
+        if servable is None:
+            return None
+        plan = kserve_plan.plan_of(servable)
+        if plan is None:
+            return None
+        read = plan.read_message(message, max_elements)
+        return None if read is None else (servable, *read)
 
     def encode(self, response: InferenceResponse, fmt: Any, shm: Any) -> bytes:
         return grpc_wire.encode_response(response, fmt.shared_memory, shm, True)
@@ -164,7 +200,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         size = len(wire)
         forwarded = self._forwarded(context)
         await exchange.serve(
-            self.dp, INFER, (wire, forwarded), size, hold=hold, deliver=context.answer
+            self.dp, INFER, _Message(wire, forwarded), size, hold=hold, deliver=context.answer
         )
         return calls.ANSWERED
 
