@@ -536,10 +536,14 @@ def test_the_wire_encoder_writes_what_protobuf_writes() -> None:
         "text": np.array([b"a", b"\xff\x00"], dtype=object),
         "empty": np.zeros((0, 3), np.float32),
         "big": np.ones((3, 300, 200), np.float32),
+        "edges": np.zeros((127, 128, 1), np.uint8),  # a dim past one varint byte
+        "wide": np.ones((1, 2), ">i4"),  # big-endian: written little-endian
     }
     shm = SharedMemoryRegistry(enabled=False)
-    for rid in ("", "req-7"):
-        response = InferenceResponse("simple", "1", outputs, rid)
+    # every response twice: its fixed fields are encoded once and kept
+    for name, version, rid in [("simple", "1", ""), ("simple", "1", "req-7"),
+                               ("mod\u00e8le", "", ""), ("mod\u00e8le", "12", "x" * 200)] * 2:  # fmt: skip
+        response = InferenceResponse(name, version, outputs, rid)
         wire = grpc_wire.encode_response(response, {}, shm)
         expected = codec.encode_response(response, {}, shm)
         assert wire == expected.SerializeToString()

@@ -104,9 +104,13 @@ def raw_contents(data: bytes) -> list[memoryview]:
     return out
 
 
+# one-byte varints, the common case of every key and small length
+_SMALL = [bytes((n,)) for n in range(0x80)]
+
+
 def _uvarint(n: int) -> bytes:
     if n < 0x80:
-        return bytes((n,))
+        return _SMALL[n]
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
@@ -126,6 +130,28 @@ def _text(number: int, value: str) -> bytes:
     return _field(number, raw) + raw if raw else b""
 
 
+# the fixed fields of what a model answers, encoded once: (model name, version) -> the
+# response's first two fields; (output name, dtype) -> the output tensor's name and
+# datatype. Their keys are the loaded models' own names (bounded: cleared when full)
+_fixed: dict[tuple[Any, Any], bytes] = {}
+_FIXED_MAX = 4096
+
+
+def _keep(key: tuple[Any, Any], encoded: bytes) -> bytes:
+    if len(_fixed) >= _FIXED_MAX:
+        _fixed.clear()
+    _fixed[key] = encoded
+    return encoded
+
+
+def _shape(shape: tuple[int, ...]) -> bytes:
+    """An output tensor's shape field (packed int64), empty for a scalar."""
+    if not shape:
+        return b""
+    packed = bytes(shape) if max(shape) < 0x80 else b"".join(_uvarint(int(d)) for d in shape)
+    return _field(3, packed) + packed
+
+
 def encode_response(
     response: InferenceResponse,
     shm_outputs: dict[str, SharedMemoryRef],
@@ -137,30 +163,33 @@ def encode_response(
     ``raw_output_contents`` entry per output, in output order (clients index them by
     the output's position), empty for an output written to its shared-memory region.
     ``framed``: with gRPC's 5-byte message prefix in front, in the same join."""
-    parts: list[bytes | memoryview] = [
-        _text(1, response.model_name),
-        _text(2, response.model_version),
-        _text(3, response.id),
-    ]
+    name, version = response.model_name, response.model_version
+    head = _fixed.get((name, version))
+    if head is None:
+        head = _keep((name, version), _text(1, name) + _text(2, version))
+    parts: list[bytes | memoryview] = [head]
+    if response.id:
+        parts.append(_text(3, response.id))
     raws: list[bytes | memoryview] = []
-    for name, arr in response.outputs.items():
-        shape = b"".join(_uvarint(int(d)) for d in arr.shape)
-        tensor = _text(1, name) + _text(2, datatypes.from_numpy_dtype(arr.dtype))
-        if shape:
-            tensor += _field(3, shape) + shape
+    for output, arr in response.outputs.items():
+        dtype = arr.dtype
+        head = _fixed.get((output, dtype))
+        if head is None:
+            named = _text(1, output) + _text(2, datatypes.from_numpy_dtype(dtype))
+            head = _keep((output, dtype), named)
+        tensor = head + _shape(arr.shape)
         parts.append(_field(5, tensor) + tensor)
-        data = datatypes.to_raw(arr)
-        ref = shm_outputs.get(name)
-        if ref is not None:
-            assert shm is not None  # the codec refused shared-memory outputs without one
-            shm.write(ref.region, ref.offset, ref.byte_size, data, f"output '{name}'")
-            data = b""
+        data = datatypes.to_raw(arr)  # bytes, or a view of bytes ("B"): len() is its size
+        if shm_outputs:
+            ref = shm_outputs.get(output)
+            if ref is not None:
+                assert shm is not None  # the codec refused shared-memory outputs without one
+                shm.write(ref.region, ref.offset, ref.byte_size, data, f"output '{output}'")
+                data = b""
         raws.append(data)
     for data in raws:
-        size = data.nbytes if isinstance(data, memoryview) else len(data)
-        parts.append(_field(6, data, size))
+        parts.append(_field(6, data))
         parts.append(data)
     if framed:
-        total = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in parts)
-        parts.insert(0, struct.pack(">BI", 0, total))
+        parts.insert(0, struct.pack(">BI", 0, sum(map(len, parts))))
     return b"".join(parts)
