@@ -541,8 +541,9 @@ def test_the_wire_encoder_writes_what_protobuf_writes() -> None:
     }
     shm = SharedMemoryRegistry(enabled=False)
     # every response twice: its fixed fields are encoded once and kept
-    for name, version, rid in [("simple", "1", ""), ("simple", "1", "req-7"),
-                               ("mod\u00e8le", "", ""), ("mod\u00e8le", "12", "x" * 200)] * 2:  # fmt: skip
+    cases = [("simple", "1", ""), ("simple", "1", "req-7"), ("mod\u00e8le", "", ""),
+             ("mod\u00e8le", "12", "x" * 200)]  # fmt: skip
+    for name, version, rid in cases * 2:
         response = InferenceResponse(name, version, outputs, rid)
         wire = grpc_wire.encode_response(response, {}, shm)
         expected = codec.encode_response(response, {}, shm)
