@@ -22,6 +22,7 @@ from appliance.core.limits import RequestRules
 from appliance.core.queue_bytes import QueuedBytes
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError
+from appliance.request import InferenceRequest
 
 MAX_ELEMENTS = 4096
 
@@ -107,21 +108,33 @@ def _compare(version: _Version, body: bytes, header_length: int) -> bool:
             return False
         request, fmt = quick
         assert (request.model_name, request.model_version) == ("m", "7")
-        assert (request.outputs, request.id) == (general.outputs, general.id)
-        assert (request.timeout_us, request.parameters, request.priority) == (
-            general.timeout_us, general.parameters, general.priority,
-        )  # fmt: skip
         assert (fmt.binary, fmt.binary_default, fmt.shared_memory) == (
             form.fmt.binary, form.fmt.binary_default, form.fmt.shared_memory,
         )  # fmt: skip
-        assert list(request.inputs) == list(general.inputs)
-        for name, arr in general.inputs.items():
-            got = request.inputs[name]
-            assert (got.dtype, got.shape) == (arr.dtype, arr.shape)
-            assert np.array_equal(got, arr)
+        assert_same_request(request, general)
         return True
 
     return asyncio.run(both())
+
+
+def assert_same_request(request: InferenceRequest, general: InferenceRequest) -> None:
+    """The plan's request is the general reader's: names, outputs, settings, and each
+    input's dtype, shape and values, in the same order."""
+    assert (request.model_name, request.model_version) == (
+        general.model_name, general.model_version,
+    )  # fmt: skip
+    assert (request.outputs, request.id) == (general.outputs, general.id)
+    assert (request.timeout_us, request.parameters, request.priority) == (
+        general.timeout_us, general.parameters, general.priority,
+    )  # fmt: skip
+    assert (request.sequence_id, request.classification) == (
+        general.sequence_id, general.classification,
+    )  # fmt: skip
+    assert list(request.inputs) == list(general.inputs)
+    for name, arr in general.inputs.items():
+        got = request.inputs[name]
+        assert (got.dtype, got.shape) == (arr.dtype, arr.shape)
+        assert np.array_equal(got, arr)
 
 
 def test_a_plain_binary_request_reads_as_the_general_reader_reads_it() -> None:
@@ -231,19 +244,22 @@ def test_batch_sizes_are_the_general_readers() -> None:
     assert not _compare(BATCHED, *_body(header, chunks[0], more[1]))
 
 
+# one input of any length: the server's element limit decides
+WIDE = _Version(
+    {
+        "name": "wide",
+        "max_batch_size": 0,
+        "input": [{"name": "W", "data_type": "TYPE_UINT8", "dims": [-1]}],
+        "output": [{"name": "V", "data_type": "TYPE_UINT8", "dims": [-1]}],
+    }
+)
+
+
 def test_the_element_limit_is_the_general_readers() -> None:
-    wide = _Version(
-        {
-            "name": "wide",
-            "max_batch_size": 0,
-            "input": [{"name": "W", "data_type": "TYPE_UINT8", "dims": [-1]}],
-            "output": [{"name": "V", "data_type": "TYPE_UINT8", "dims": [-1]}],
-        }
-    )
     for size in (MAX_ELEMENTS, MAX_ELEMENTS + 1):
         header = {"inputs": [{"name": "W", "datatype": "UINT8", "shape": [size],
                               "parameters": {"binary_data_size": size}}]}  # fmt: skip
-        assert _compare(wide, *_body(header, bytes(size))) == (size <= MAX_ELEMENTS)
+        assert _compare(WIDE, *_body(header, bytes(size))) == (size <= MAX_ELEMENTS)
 
 
 def test_models_a_plain_request_means_more_to_are_left_to_the_general_reader() -> None:

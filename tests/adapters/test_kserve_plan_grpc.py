@@ -12,7 +12,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_kserve_plan import BATCHED, FIXED, MAX_ELEMENTS, _ticket, _Version
+from test_kserve_plan import (
+    BATCHED,
+    FIXED,
+    MAX_ELEMENTS,
+    WIDE,
+    _ticket,
+    _Version,
+    assert_same_request,
+)
 
 from appliance.adapters import request_form
 from appliance.adapters.codec.kserve_plan import plan_of
@@ -57,22 +65,8 @@ def _compare(version: _Version, msg: Any) -> bool:
             return False
         request, fmt, elements = quick
         assert elements == ticket.elements
-        assert (request.model_name, request.model_version) == (
-            general.model_name, general.model_version,
-        )  # fmt: skip
-        assert (request.outputs, request.id) == (general.outputs, general.id)
-        assert (request.timeout_us, request.parameters, request.priority) == (
-            general.timeout_us, general.parameters, general.priority,
-        )  # fmt: skip
-        assert (request.sequence_id, request.classification) == (
-            general.sequence_id, general.classification,
-        )  # fmt: skip
         assert (fmt.binary, fmt.shared_memory) == (form.fmt.binary, form.fmt.shared_memory)
-        assert list(request.inputs) == list(general.inputs)
-        for name, arr in general.inputs.items():
-            got = request.inputs[name]
-            assert (got.dtype, got.shape) == (arr.dtype, arr.shape)
-            assert np.array_equal(got, arr)
+        assert_same_request(request, general)
         return True
 
     return asyncio.run(both())
@@ -202,20 +196,12 @@ def test_random_wire_bytes_never_read_otherwise(seed: int) -> None:
 def test_batch_sizes_and_the_element_limit_are_the_general_readers() -> None:
     for rows in (0, 1, 8, 9):
         assert _compare(BATCHED, _plain(rows, 2)) == (1 <= rows <= 8)
-    wide = _Version(
-        {
-            "name": "wide",
-            "max_batch_size": 0,
-            "input": [{"name": "W", "data_type": "TYPE_UINT8", "dims": [-1]}],
-            "output": [{"name": "V", "data_type": "TYPE_UINT8", "dims": [-1]}],
-        }
-    )
     for size in (MAX_ELEMENTS, MAX_ELEMENTS + 1):
         msg = service_pb2.ModelInferRequest(model_name="m", model_version="7")
         w = msg.inputs.add(name="W", datatype="UINT8")
         w.shape.append(size)
         msg.raw_input_contents.append(bytes(size))
-        assert _compare(wide, msg) == (size <= MAX_ELEMENTS)
+        assert _compare(WIDE, msg) == (size <= MAX_ELEMENTS)
 
 
 def test_the_grpc_wire_plans_a_plain_message_and_leaves_the_rest_to_its_reader() -> None:
