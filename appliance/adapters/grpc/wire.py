@@ -119,10 +119,10 @@ def _uvarint(n: int) -> bytes:
     return bytes(out)
 
 
-def _field(number: int, payload: bytes | memoryview, size: int | None = None) -> bytes:
-    """Key and length of a length-delimited field (the payload follows)."""
-    n = len(payload) if size is None else size
-    return _uvarint(number << 3 | _LEN) + _uvarint(n)
+def _field(number: int, payload: bytes | memoryview) -> bytes:
+    """Key and length of a length-delimited field (the payload follows; a view is one
+    of bytes, so its len() is its size)."""
+    return _uvarint(number << 3 | _LEN) + _uvarint(len(payload))
 
 
 def _text(number: int, value: str) -> bytes:
@@ -133,14 +133,15 @@ def _text(number: int, value: str) -> bytes:
 # the fixed fields of what a model answers, encoded once: (model name, version) -> the
 # response's first two fields; (output name, dtype) -> the output tensor's name and
 # datatype. Their keys are the loaded models' own names (bounded: cleared when full)
-_fixed: dict[tuple[Any, Any], bytes] = {}
-_FIXED_MAX = 4096
+_models: dict[tuple[str, str], bytes] = {}
+_outputs: dict[tuple[str, Any], bytes] = {}
+_KEPT_MAX = 4096
 
 
-def _keep(key: tuple[Any, Any], encoded: bytes) -> bytes:
-    if len(_fixed) >= _FIXED_MAX:
-        _fixed.clear()
-    _fixed[key] = encoded
+def _keep(kept: dict[Any, bytes], key: Any, encoded: bytes) -> bytes:
+    if len(kept) >= _KEPT_MAX:
+        kept.clear()
+    kept[key] = encoded
     return encoded
 
 
@@ -164,19 +165,19 @@ def encode_response(
     the output's position), empty for an output written to its shared-memory region.
     ``framed``: with gRPC's 5-byte message prefix in front, in the same join."""
     name, version = response.model_name, response.model_version
-    head = _fixed.get((name, version))
+    head = _models.get((name, version))
     if head is None:
-        head = _keep((name, version), _text(1, name) + _text(2, version))
+        head = _keep(_models, (name, version), _text(1, name) + _text(2, version))
     parts: list[bytes | memoryview] = [head]
     if response.id:
         parts.append(_text(3, response.id))
     raws: list[bytes | memoryview] = []
     for output, arr in response.outputs.items():
         dtype = arr.dtype
-        head = _fixed.get((output, dtype))
+        head = _outputs.get((output, dtype))
         if head is None:
             named = _text(1, output) + _text(2, datatypes.from_numpy_dtype(dtype))
-            head = _keep((output, dtype), named)
+            head = _keep(_outputs, (output, dtype), named)
         tensor = head + _shape(arr.shape)
         parts.append(_field(5, tensor) + tensor)
         data = datatypes.to_raw(arr)  # bytes, or a view of bytes ("B"): len() is its size

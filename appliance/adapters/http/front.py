@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Callable
 from typing import cast
 
 from appliance.adapters.access import AccessPolicy, Scope
@@ -38,6 +37,7 @@ from appliance.adapters.http import head as http_head
 from appliance.adapters.http import infer as http_infer
 from appliance.adapters.http import reads
 from appliance.adapters.http.backstage import Backstage
+from appliance.adapters.http.deadline import Deadline
 from appliance.adapters.http.handover import hand_over
 from appliance.core.admission import Ticket
 from appliance.core.dataplane import DataPlane
@@ -49,7 +49,6 @@ PAUSE_BYTES = 1 << 20  # buffered bytes of later requests before reading pauses
 _MAX_LINGER_S = 10.0  # aiohttp's lingering default
 _JOIN_BYTES = 64 * 1024  # answers up to this size are copied into one buffer
 _DIRECT_BYTES = 64 * 1024  # bodies above this size are received into their own buffer
-_TIMER_SLACK_S = 0.002  # a timer firing this close to its deadline counts as on time
 
 
 class Front:
@@ -99,9 +98,7 @@ class Connection(asyncio.Protocol):
         self.lingering = False  # answered 413/408: dropping the rest, then closing
         self.write_paused = False
         self.read_paused = False
-        self.timer: asyncio.TimerHandle | None = None
-        self.deadline = 0.0  # when ``late`` is due (loop time)
-        self.late: Callable[[], None] | None = None  # what the timer calls then
+        self.deadline = Deadline(self.loop)  # the head's, the body's or lingering's
         self.scanned = 0  # buffer bytes already searched for the end of a head
         self.ticket: Ticket | None = None  # the admission of the request in ``head``
         self.skip = 0  # body bytes of a request answered early, still to drop
@@ -121,7 +118,7 @@ class Connection(asyncio.Protocol):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.front.connections.add(self)
-        self._arm(self.front.header_timeout_s, self._head_late)
+        self.deadline.arm(self.front.header_timeout_s, self._head_late)
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:
@@ -153,7 +150,7 @@ class Connection(asyncio.Protocol):
         return True  # half-closed: the request being answered still gets its answer
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_timer()
+        self.deadline.stop()
         self.front.connections.discard(self)
         if self.head is not None:
             log.debug("client left in the middle of a request body: %s", exc)
@@ -195,7 +192,7 @@ class Connection(asyncio.Protocol):
             self.skip -= dropped
             if self.skip:
                 return False
-            self._arm(self.front.header_timeout_s, self._head_late)
+            self.deadline.arm(self.front.header_timeout_s, self._head_late)
         if self.head is None and not self._take_head():
             again, self.early = self.early, False
             return again
@@ -212,7 +209,7 @@ class Connection(asyncio.Protocol):
                 return False  # the body is still arriving
             body = bytes(memoryview(self.buffer)[self.head_size : size])
             del self.buffer[:size]
-        self._disarm()
+        self.deadline.disarm()
         ticket, self.head, self.ticket = self.ticket, None, None
         assert ticket is not None
         self.busy, self.keep_alive = True, head.keep_alive
@@ -267,7 +264,7 @@ class Connection(asyncio.Protocol):
             here.release()
             del self.buffer[: end + 4 + self.filled]
             self.head_size = 0
-        self._arm(front.body_timeout_s, self._body_late)
+        self.deadline.arm(front.body_timeout_s, self._body_late)
         return True
 
     def _read(self, head: http_head.Head, head_size: int) -> None:
@@ -280,7 +277,7 @@ class Connection(asyncio.Protocol):
         if not keep:
             self.close()  # (what was written still goes out)
             return
-        self._arm(front.header_timeout_s, self._head_late)
+        self.deadline.arm(front.header_timeout_s, self._head_late)
         self.early = True  # _advance goes on with what follows
 
     def _early(self, head: http_head.Head, head_size: int, status: int, message: str) -> None:
@@ -294,9 +291,9 @@ class Connection(asyncio.Protocol):
             return
         self.skip = head.content_length
         if self.skip:
-            self._arm(self.front.linger_s, self.close)
+            self.deadline.arm(self.front.linger_s, self.close)
         else:
-            self._arm(self.front.header_timeout_s, self._head_late)
+            self.deadline.arm(self.front.header_timeout_s, self._head_late)
         self.early = True  # _advance goes on with what follows (a loop, not a recursion)
 
     async def _answer(self, head: http_head.Head, ticket: Ticket, body: bytes | bytearray) -> None:
@@ -346,7 +343,7 @@ class Connection(asyncio.Protocol):
         if self.read_paused:
             self.read_paused = False
             self.transport.resume_reading()
-        self._arm(self.front.header_timeout_s, self._head_late)
+        self.deadline.arm(self.front.header_timeout_s, self._head_late)
         if self.buffer:
             self._advance()
 
@@ -382,7 +379,7 @@ class Connection(asyncio.Protocol):
         transport = self._transport()
         if transport.can_write_eof():
             transport.write_eof()
-        self._arm(self.front.linger_s, self.close)
+        self.deadline.arm(self.front.linger_s, self.close)
 
     def _drop_request(self) -> None:
         """Forget the request whose body was awaited, and its admission."""
@@ -391,7 +388,7 @@ class Connection(asyncio.Protocol):
             self.ticket.release()
             self.ticket = None
 
-    # ---- timers and hand-over --------------------------------------------------------
+    # ---- what is late, and the hand-over ---------------------------------------------
 
     def _head_late(self) -> None:
         """No complete head within the header timeout: closed without an answer, as
@@ -409,42 +406,11 @@ class Connection(asyncio.Protocol):
             f"(http_body_timeout_s)",
         )
 
-    def _arm(self, delay: float, callback: Callable[[], None]) -> None:
-        """Call ``callback`` in ``delay`` seconds unless re-armed or disarmed first. One
-        loop timer a connection, moved only when the new deadline comes earlier: a
-        request's re-arming is an attribute write, not a timer made and cancelled."""
-        self.deadline = deadline = self.loop.time() + delay
-        self.late = callback
-        timer = self.timer
-        if timer is None or timer.when() > deadline:
-            if timer is not None:
-                timer.cancel()
-            self.timer = self.loop.call_at(deadline, self._due)
-
-    def _due(self) -> None:
-        self.timer = None
-        if self.late is None:
-            return  # disarmed meanwhile
-        if self.loop.time() < self.deadline - _TIMER_SLACK_S:  # re-armed later meanwhile
-            self.timer = self.loop.call_at(self.deadline, self._due)
-            return
-        late, self.late = self.late, None
-        late()
-
-    def _disarm(self) -> None:
-        self.late = None  # (a pending timer then does nothing)
-
-    def _stop_timer(self) -> None:
-        self.late = None
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-
     def _hand_over(self) -> None:
         """aiohttp serves this connection from the first byte of the current request on
         (:mod:`appliance.adapters.http.handover`); with nothing behind this front, the
         request is refused (404) and the connection closed."""
-        self._stop_timer()
+        self.deadline.stop()
         self._drop_request()
         backstage = self.front.backstage
         if backstage is None:
@@ -465,7 +431,7 @@ class Connection(asyncio.Protocol):
         return not self.transport.is_closing()
 
     def close(self) -> None:
-        self._stop_timer()
+        self.deadline.stop()
         self._drop_request()
         if self.transport is not None:
             self.transport.close()
