@@ -359,8 +359,10 @@ class DynamicBatcher:
 
     def _deliver(self, items: list[Pending], outcome: Outcome, start_ns: int, index: int) -> None:
         with self._ready:
-            if self._undelivered.pop(index, None) is not None:
-                self._ready.notify_all()  # the instance may hold a batch for this
+            # an instance holds a batch for these answers only when something is queued
+            # (else waking it costs a context switch and a turn for the lock, for nothing)
+            if self._undelivered.pop(index, None) is not None and self._queue.items:
+                self._ready.notify_all()
         for it in items:
             if it.timer is not None:
                 it.timer.cancel()

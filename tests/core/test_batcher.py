@@ -800,3 +800,43 @@ def test_a_request_while_others_are_in_flight_goes_to_the_thread_to_batch_with_t
         await shutdown(batcher, group)
 
     run(main())
+
+
+class CountingCondition(threading.Condition):
+    """A condition that counts its wake-ups of waiting threads."""
+
+    def __init__(self, lock: Any = None) -> None:
+        super().__init__(lock)
+        self.notified = 0
+
+    def notify(self, n: int = 1) -> None:
+        self.notified += 1
+        super().notify(n)
+
+    def notify_all(self) -> None:
+        self.notified += 1
+        super().notify_all()
+
+
+def test_a_lone_request_wakes_its_instance_once_not_again_when_its_answer_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The arrival wakes the idle instance; the loop taking the answer with nothing
+    queued does not (no batch is held for it): a context switch a request saved."""
+    import appliance.core.batcher as batcher_module
+
+    counting = type("threading", (), {"Condition": CountingCondition, "Lock": threading.Lock})
+    monkeypatch.setattr(batcher_module, "threading", counting)
+    delayed = BatchPolicy(max_batch_size=8, max_queue_delay_s=0.001, dynamic=True)
+
+    async def main() -> None:
+        batcher, group, _ = await make_batcher(Doubler(), delayed)
+        ready = batcher._ready
+        assert isinstance(ready, CountingCondition)
+        for value in (1, 2, 3):
+            result = await asyncio.wait_for(submit(batcher, x(value)), LIMIT_S)
+            np.testing.assert_array_equal(result.outputs["y"], x(2 * value))
+        assert ready.notified == 3  # one a request: its arrival
+        await shutdown(batcher, group)
+
+    run(main())
