@@ -55,6 +55,8 @@ def start_serve(
         proc.kill()
         raise AssertionError("the server did not start:\n" + "".join(lines))
     for _ in range(int(scaled(600))):  # ready once the models loaded (bounded: 60 s)
+        if any("NOT ready" in line for line in lines):
+            break  # started, with a model that did not load: ready it will not be
         try:
             url = f"http://127.0.0.1:{port[0]}/v2/health/ready"
             if urllib.request.urlopen(url, timeout=5).status == 200:

@@ -4,13 +4,17 @@ model's own limit, refusals that disturb nothing, and the figures in stats and m
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from serve_process import start_serve
 from tritonclient.utils import InferenceServerException
 
 from appliance.config.fields import ConfigError, parse_limit, physical_memory
@@ -107,13 +111,35 @@ def test_bad_memory_limits_name_the_field(value: str) -> None:
 # ---- end to end: real models, real measurements ----------------------------------------
 
 
+@pytest.fixture
+def own_process() -> Iterator[Callable[..., tuple[str, str]]]:
+    """``appliance serve`` of a repository in a process of its own, as on a device:
+    (its HTTP address, its metrics URL). A measurement is the process's own growth,
+    so inside the test process it would depend on what ran there before: ONNX
+    Runtime's one-time memory goes to the first session a process creates, and the
+    servers and garbage of earlier tests share the process."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(repository: Path, *options: str) -> tuple[str, str]:
+        proc, port, lines = start_serve("--model-repository", str(repository), *options)
+        started.append(proc)
+        found = re.search(r"metrics (http://127\.0\.0\.1:\d+/metrics)", "".join(lines))
+        assert found, "".join(lines)
+        return f"127.0.0.1:{port}", found.group(1)
+
+    yield start
+    for proc in started:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 def test_instances_are_admitted_while_they_fit_the_models_limit(
-    run_appliance, tmp_path: Path
+    own_process: Callable[..., tuple[str, str]], tmp_path: Path
 ) -> None:
     # a small model first: ONNX Runtime's one-time start-up memory is charged to it
     modelgen.write_model(tmp_path, "a_first", modelgen.simple_add_sub())
-    srv = run_appliance(tmp_path)
-    client = httpclient.InferenceServerClient(srv.url)
+    url, metrics_url = own_process(tmp_path)
+    client = httpclient.InferenceServerClient(url)
     # the big one loaded alone, once the server is up: nothing else that starts up
     # allocates or frees beside its measurement
     modelgen.write_model(tmp_path, "big", _big(), UNSHARED)
@@ -136,7 +162,7 @@ def test_instances_are_admitted_while_they_fit_the_models_limit(
     admitted = client.get_model_config("big")["instance_group"][0]["count"]
     assert 1 <= admitted < 4
     assert one <= _memory(client, "big") <= limit
-    metrics = _scrape(srv.metrics_url)
+    metrics = _scrape(metrics_url)
     assert metrics['appliance_model_instances{model="big",version="1"}'] == admitted
     assert metrics['appliance_model_instances_requested{model="big",version="1"}'] == 4
     _infer_big(client, "big")
@@ -151,16 +177,16 @@ def test_instances_are_admitted_while_they_fit_the_models_limit(
 
 
 def test_a_model_that_cannot_fit_one_instance_is_refused_and_nothing_else_changes(
-    run_appliance, tmp_path: Path
+    own_process: Callable[..., tuple[str, str]], tmp_path: Path
 ) -> None:
+    # what the small model costs a fresh server (ONNX Runtime's one-time start-up memory
+    # is charged to the first session of a process: each server here is a new one)
     modelgen.write_model(tmp_path, "a_first", modelgen.simple_add_sub())
-    probe = run_appliance(tmp_path)
-    small = _memory(httpclient.InferenceServerClient(probe.url), "a_first")
-    probe.stop()
+    small = _memory(httpclient.InferenceServerClient(own_process(tmp_path)[0]), "a_first")
     modelgen.write_model(tmp_path, "big", _big())
     limit = small + 8 * MiB  # the big model needs ~24 MiB
-    srv = run_appliance(tmp_path, memory_limit=f"{limit}B")
-    client = httpclient.InferenceServerClient(srv.url)
+    url, metrics_url = own_process(tmp_path, "--memory-limit", f"{limit}B")
+    client = httpclient.InferenceServerClient(url)
     rows = {r["name"]: r for r in client.get_model_repository_index()}
     assert rows["a_first"]["state"] == "READY"
     reason = rows["big"]["reason"]
@@ -176,7 +202,7 @@ def test_a_model_that_cannot_fit_one_instance_is_refused_and_nothing_else_change
     for i in inputs:
         i.set_data_from_numpy(np.ones((1, 16), np.int32))
     np.testing.assert_array_equal(client.infer("a_first", inputs).as_numpy("OUTPUT0"), 2)
-    metrics = _scrape(srv.metrics_url)
+    metrics = _scrape(metrics_url)
     assert metrics["appliance_memory_budget_bytes"] == limit
     assert metrics["appliance_memory_budget_used_bytes"] == _memory(client, "a_first")
 
