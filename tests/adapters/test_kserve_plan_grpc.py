@@ -228,3 +228,23 @@ def test_the_grpc_wire_plans_a_plain_message_and_leaves_the_rest_to_its_reader()
     assert api.INFER.plan(api._Message(wire, ()), serving, elements - 1) is None
     form = api.INFER.read(api._Message(wire, (("x-h", "1"),)), None)
     assert form.parameters == {"x-h": "1"}
+
+
+def test_the_stream_wire_plans_a_plain_message_as_the_call_does() -> None:
+    """ModelStreamInfer's wire (the message already parsed by the stream) plans what
+    ModelInfer's plans, alike, and leaves a stream's forwarded headers to the reader;
+    the stream reads ``triton_enable_empty_final_response`` from the message itself."""
+    api = pytest.importorskip("appliance.adapters.grpc.api")
+    stream = pytest.importorskip("appliance.adapters.grpc.stream")
+    msg = _plain()
+    msg.parameters["triton_enable_empty_final_response"].bool_param = True
+    wire = msg.SerializeToString()
+    call = api.INFER.plan(api._Message(wire, ()), lambda n, v: BATCHED, MAX_ELEMENTS)
+    streamed = stream.STREAM_INFER.plan((msg, ()), lambda n, v: BATCHED, MAX_ELEMENTS)
+    assert call is not None and streamed is not None
+    assert streamed[0] is call[0] is BATCHED and streamed[3] == call[3]
+    assert_same_request(streamed[1], call[1])
+    assert _compare(BATCHED, msg)  # and the stream's own reader reads it alike
+    forwarded = (("x-h", "1"),)
+    assert stream.STREAM_INFER.plan((msg, forwarded), lambda n, v: BATCHED, MAX_ELEMENTS) is None
+    assert stream.STREAM_INFER.plan((msg, ()), lambda n, v: None, MAX_ELEMENTS) is None

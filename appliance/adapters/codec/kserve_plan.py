@@ -28,6 +28,7 @@ accepts the general reader decodes to the same request.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -234,3 +235,19 @@ def plan_of(servable: Servable) -> Plan | None:
         plan = Plan(servable) if Plan.applies(servable) else None
         _plans[servable] = plan
         return plan
+
+
+def plan_message(
+    msg: Any, serving: Callable[[str, str], Servable | None], max_elements: int
+) -> tuple[Servable, InferenceRequest, OutputFormat, int] | None:
+    """A parsed ``ModelInferRequest`` read by the plan of the version it names (looked
+    up with ``serving``): (that version, request, format, elements), or None (the
+    general reader's then). Both gRPC calls plan with it, one call and a stream."""
+    servable = serving(msg.model_name, msg.model_version)
+    if servable is None:
+        return None
+    plan = plan_of(servable)
+    if plan is None:
+        return None
+    read = plan.read_message(msg, max_elements)
+    return None if read is None else (servable, *read)

@@ -116,15 +116,7 @@ class _InferWire(exchange.Wire[bytes]):
     ) -> exchange.Planned | None:
         if payload.forwarded:
             return None
-        message = payload.message()
-        servable = serving(message.model_name, message.model_version)
-        if servable is None:
-            return None
-        plan = kserve_plan.plan_of(servable)
-        if plan is None:
-            return None
-        read = plan.read_message(message, max_elements)
-        return None if read is None else (servable, *read)
+        return kserve_plan.plan_message(payload.message(), serving, max_elements)
 
     def encode(self, response: InferenceResponse, fmt: Any, shm: Any) -> bytes:
         return grpc_wire.encode_response(response, fmt.shared_memory, shm, True)

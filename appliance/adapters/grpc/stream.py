@@ -20,12 +20,14 @@ from tritonclient.grpc import service_pb2
 
 from appliance import datatypes
 from appliance.adapters import exchange, forwarding, request_form
+from appliance.adapters.codec import kserve_plan
 from appliance.adapters.grpc import calls, codec
 from appliance.adapters.grpc import wire as grpc_wire
 from appliance.adapters.grpc.calls import Held
 from appliance.core.admission import Ticket
 from appliance.core.dataplane import DataPlane
 from appliance.core.queue_bytes import Hold
+from appliance.core.servable import Servable
 from appliance.errors import ApplianceError
 from appliance.request import InferenceResponse
 
@@ -59,6 +61,16 @@ class _StreamWire(exchange.Wire[Any]):
         if forwarded:  # the stream's headers the server forwards as parameters
             forwarding.apply(form, forwarded)
         return form
+
+    def plan(
+        self, payload: Any, serving: Callable[[str, str], Servable | None], max_elements: int
+    ) -> exchange.Planned | None:
+        """A plain message, as ModelInfer's wire plans it (the stream reads
+        ``triton_enable_empty_final_response`` from the message itself)."""
+        message, forwarded = payload
+        if forwarded:
+            return None
+        return kserve_plan.plan_message(message, serving, max_elements)
 
     def encode(self, response: InferenceResponse, fmt: Any, shm: Any) -> Any:
         return codec.encode_response(response, fmt.shared_memory, shm)
