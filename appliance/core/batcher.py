@@ -13,6 +13,11 @@ out the delay only when it can change the decision (``wake_rows``), and a batch 
 is not full waits, within the queue delay, for the loop to take the instance's last
 answers (``catch_up``): the requests the loop reads meanwhile ride it.
 
+A cheap model's lone request skips the threads (:mod:`appliance.core.inline`): with
+no other request in flight it runs on the loop, at once when the scheduler would send
+it at once, else after waiting out the queue delay on the loop's microsecond timer
+(held, not queued; an arrival meanwhile sends it to the queue to batch there).
+
 Concurrency contract: the queue and the in-flight lists are guarded by one lock;
 each request's future is resolved on the event loop by exactly one party, the
 delivery of its batch (result, error), its timeout, or ``stop`` (unloaded), and
@@ -52,6 +57,7 @@ from appliance.core.batching import (
 from appliance.core.hand_back import HandBack
 from appliance.core.inline import InlineRunner
 from appliance.core.instances import InstanceGroup
+from appliance.core.loop_timer import LoopTimer
 from appliance.core.queue_bytes import CONTENDED
 from appliance.core.rate_limiter import RateLimiter, Ticket, take_turn, wake
 from appliance.core.stats import ModelStats
@@ -105,6 +111,11 @@ class DynamicBatcher:
         self._hand_back = HandBack()  # rounds handing engines' working memory back
         # a cheap lone request on the event loop (None: no engine may run there)
         self._inline = InlineRunner.of([i.backend for i in instances.instances])
+        # a cheap lone request waiting out the queue delay on the loop (see submit), and
+        # the loop's microsecond timer for it (made at the first such request; False:
+        # the system has none)
+        self._held: Pending | None = None
+        self._timer: LoopTimer | bool | None = None
         self._batched = policy.max_batch_size > 0
         # the server's rate limiter (None: off): each instance's ticket, one per instance
         self._limiter = limiter
@@ -121,7 +132,7 @@ class DynamicBatcher:
 
     @property
     def pending(self) -> int:
-        return len(self._queue.items)
+        return len(self._queue.items) + (self._held is not None)
 
     async def submit(
         self,
@@ -145,14 +156,15 @@ class DynamicBatcher:
             raise unavailable(f"model '{self.model}' is unloading", FailureReason.REJECTED)
         if self._queue.full(level):
             raise queue_full(request_id)
-        if (
-            self._inline is not None
-            and self._inline.cost.cheap()
-            and not CONTENDED.get()
-            and sends_alone(self.policy, rows)
-            and (result := self._run_inline(inputs, outputs, rows)) is not None
-        ):
-            return result
+        hold = False
+        if self._held is not None:  # a second arrival: the held request batches with it
+            self._queue_held()
+        elif self._inline is not None and self._inline.cost.cheap() and not CONTENDED.get():
+            if sends_alone(self.policy, rows):
+                if (result := self._run_inline(inputs, outputs, rows)) is not None:
+                    return result
+            else:
+                hold = self._may_hold()
         item = Pending(
             inputs,
             outputs,
@@ -165,11 +177,10 @@ class DynamicBatcher:
         )
         if timeout_s:
             item.timer = self._call_later(timeout_s, self._expire, item)
-        with self._ready:
-            wakes = self._queue.arrive(item, self._wake_rows)
-            self._stats.pending = len(self._queue.items)
-            if wakes:
-                self._ready.notify()
+        if hold:
+            self._hold(item)
+        else:
+            self._arrive(item)
         try:
             return await item.future
         except asyncio.CancelledError:
@@ -179,7 +190,76 @@ class DynamicBatcher:
                 flag.set()
             raise
 
+    def _arrive(self, item: Pending) -> None:
+        """Queue ``item`` for the instances' threads (waking one if it may change what
+        it decides)."""
+        with self._ready:
+            wakes = self._queue.arrive(item, self._wake_rows)
+            self._stats.pending = len(self._queue.items)
+            if wakes:
+                self._ready.notify()
+
     # ---- a cheap lone request, on the event loop --------------------------------------
+
+    def _may_hold(self) -> bool:
+        """Whether a cheap lone request that waits out the queue delay may wait on the
+        loop: nothing queued or held, an instance idle to run it when the delay is
+        over, and the loop's microsecond timer (:mod:`appliance.core.loop_timer`)."""
+        assert self._inline is not None
+        with self._ready:
+            if self._queue.items or self._hand_back.active or not self._accepting:
+                return False
+            if self._inline.idle(self._running, self._undelivered) is None:
+                return False
+        if self._timer is None:
+            self._timer = LoopTimer.create(self._loop, self._held_due) or False
+        return self._timer is not False
+
+    def _hold(self, item: Pending) -> None:
+        """Keep ``item`` on the loop for its queue delay, as an instance would keep it
+        in the queue (Triton's: a lone request waits the delay out for others to
+        join). An arrival meanwhile sends it to the queue, with its arrival time, to
+        batch there (:meth:`_queue_held`); else the timer runs it here
+        (:meth:`_held_due`): no thread wakes for it, nothing crosses back."""
+        assert isinstance(self._timer, LoopTimer)
+        self._held = item
+        self._stats.pending = 1
+        self._timer.arm(self.policy.max_queue_delay_s)
+
+    def _unhold(self) -> Pending | None:
+        item, self._held = self._held, None
+        if item is not None and isinstance(self._timer, LoopTimer):
+            self._timer.disarm()
+            self._stats.pending = len(self._queue.items)
+        return item
+
+    def _queue_held(self) -> None:
+        """The held request goes to the instances' queue (another request arrived, or
+        the batcher is stopping): it waits there for the rest of its delay."""
+        if (item := self._unhold()) is not None:
+            self._arrive(item)
+
+    def _held_due(self) -> None:
+        """The held request's delay is over and it is still alone: run it here, on an
+        idle instance's engine; to the queue if none is idle now (sent at once)."""
+        item = self._unhold()
+        if item is None or item.future.done():
+            return
+        start_ns = time.perf_counter_ns()
+        try:
+            result = self._run_inline(item.inputs, item.outputs, item.rows)
+        except ApplianceError as exc:
+            if item.timer is not None:
+                item.timer.cancel()
+            item.future.set_exception(exc)
+            return
+        if result is None:
+            self._arrive(item)
+            return
+        if item.timer is not None:
+            item.timer.cancel()
+        result.queue_ns = start_ns - item.enqueued_ns
+        item.future.set_result(result)
 
     def _run_inline(
         self, inputs: dict[str, np.ndarray], outputs: tuple[str, ...], rows: int
@@ -225,6 +305,9 @@ class DynamicBatcher:
         """Take ``item`` out of the queue if no instance took it yet."""
         if item.timer is not None:
             item.timer.cancel()
+        if item is self._held:
+            self._unhold()
+            return True
         with self._ready:
             if not self._queue.remove(item):
                 return False  # already executing: its delivery skips the done future
@@ -390,6 +473,7 @@ class DynamicBatcher:
     def _fail_all(self, error: ApplianceError, running: ApplianceError | None = None) -> None:
         """Fail every queued request with ``error`` (and, given ``running``, every
         request an instance is still running with that)."""
+        self._queue_held()
         with self._ready:
             queued = self._queue.clear()
             busy = [it for items in self._running.values() for it in items]
@@ -417,6 +501,9 @@ class DynamicBatcher:
         """Stop accepting, drain queued and running work for up to ``timeout_s``,
         then fail whatever is left with UNAVAILABLE; the instances take nothing more
         (a batch still running finishes on its thread, its answer dropped)."""
+        self._queue_held()  # (drained with the queue)
+        if isinstance(self._timer, LoopTimer):
+            self._timer.close()
         with self._ready:
             self._accepting = False
             self._hand_back.cancel()

@@ -129,7 +129,7 @@ def sends_alone(policy: BatchPolicy, rows: int) -> bool:
 
 # a run the event loop may take in place of two thread hand-offs (of the order of what
 # the offload rule lets it spend decoding a small payload)
-INLINE_BOUND_NS = 50_000
+INLINE_BOUND_NS = 100_000
 INLINE_WARM = 8  # one-request executions on the instance's thread before any inline run
 
 

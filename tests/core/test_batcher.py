@@ -35,6 +35,7 @@ from appliance.core.batching import (
     wake_rows,
 )
 from appliance.core.instances import InstanceGroup
+from appliance.core.queue_bytes import CONTENDED
 from appliance.core.stats import ModelStats
 from appliance.errors import ApplianceError, Code, FailureReason
 
@@ -741,15 +742,17 @@ def test_a_cheap_lone_request_runs_on_the_loop_once_its_model_is_measured_cheap(
     run(main())
 
 
-def test_no_inline_run_with_a_queue_delay_or_an_engine_that_is_not_inline_safe() -> None:
+def test_no_inline_run_for_an_engine_that_is_not_inline_safe() -> None:
     async def main() -> None:
         delayed = BatchPolicy(max_batch_size=8, max_queue_delay_s=0.001, dynamic=True)
-        for backend, policy in ((InlineDoubler(), delayed), (Doubler(), MERGE)):
+        for policy in (delayed, MERGE):
+            backend = Doubler()
             batcher, group, _ = await make_batcher(backend, policy)
             for v in range(INLINE_WARM + 4):
                 await asyncio.wait_for(submit(batcher, x(v)), LIMIT_S)
             assert set(backend.threads) == {"m#0_0"}, policy
             await shutdown(batcher, group)
+
     run(main())
 
 
@@ -766,7 +769,7 @@ def test_a_request_finding_its_instance_busy_queues_behind_the_batch_it_runs() -
         assert backend.threads[-1] == threading.current_thread().name  # idle: inline
         backend.release.clear()
         backend.started.clear()
-        held = submit(batcher, x(1))  # runs on the thread, held there
+        held = submit_contended(batcher, x(1))  # runs on the thread, held there
         await until(backend.started.is_set)
         behind = submit(batcher, x(5, rows=2))
         await until(lambda: batcher.pending == 1)  # queued, not run on the loop
@@ -779,20 +782,24 @@ def test_a_request_finding_its_instance_busy_queues_behind_the_batch_it_runs() -
     run(main())
 
 
+def submit_contended(batcher: DynamicBatcher, arr: np.ndarray) -> asyncio.Task[BatchResult]:
+    """:func:`submit` with other requests in flight (the data plane's word)."""
+
+    async def contended() -> BatchResult:
+        CONTENDED.set(True)  # (the task's own context: the test's is left as it is)
+        return await batcher.submit({"x": arr}, ("y",), arr.shape[0], arr.shape[1:], None)
+
+    return asyncio.get_running_loop().create_task(contended())
+
+
 def test_a_request_while_others_are_in_flight_goes_to_the_thread_to_batch_with_them() -> None:
     async def main() -> None:
-        from appliance.core.queue_bytes import CONTENDED
-
         backend = InlineDoubler()
         batcher, group, _ = await make_batcher(backend, MERGE)
         for v in range(INLINE_WARM):
             await asyncio.wait_for(submit(batcher, x(v)), LIMIT_S)
 
-        async def contended() -> BatchResult:
-            CONTENDED.set(True)  # (the data plane's word: other requests hold bytes)
-            return await batcher.submit({"x": x(4)}, ("y",), 1, (2,), None)
-
-        result = await asyncio.wait_for(contended(), LIMIT_S)
+        result = await asyncio.wait_for(submit_contended(batcher, x(4)), LIMIT_S)
         np.testing.assert_array_equal(result.outputs["y"], x(8))
         assert set(backend.threads) == {"m#0_0"}
         await asyncio.wait_for(submit(batcher, x(1)), LIMIT_S)  # alone again: inline
@@ -838,5 +845,100 @@ def test_a_lone_request_wakes_its_instance_once_not_again_when_its_answer_is_tak
             np.testing.assert_array_equal(result.outputs["y"], x(2 * value))
         assert ready.notified == 3  # one a request: its arrival
         await shutdown(batcher, group)
+
+    run(main())
+
+
+# ---- a cheap lone request waiting out the queue delay on the loop ---------------------
+
+# a lone row waits out the delay; two rows (a preferred size) are sent at once
+HELD = BatchPolicy(8, (2,), 0.05, True)
+
+
+async def warm_cheap(
+    policy: BatchPolicy = HELD,
+) -> tuple[InlineDoubler, DynamicBatcher, InstanceGroup, ModelStats]:
+    """A batcher whose inline-safe engine is measured cheap (its first runs on the
+    instance's thread: each alone, contended, of a preferred size so none waits)."""
+    backend = InlineDoubler()
+    batcher, group, stats = await make_batcher(backend, policy)
+    for v in range(INLINE_WARM):
+        await asyncio.wait_for(submit_contended(batcher, x(v, rows=2)), LIMIT_S)
+    assert set(backend.threads) == {"m#0_0"}
+    return backend, batcher, group, stats
+
+
+def test_a_cheap_lone_request_waits_out_the_queue_delay_on_the_loop_then_runs_there() -> None:
+    async def main() -> None:
+        backend, batcher, group, stats = await warm_cheap()
+        calls = len(backend.calls)
+        task = submit(batcher, x(3))
+        await asyncio.sleep(0)
+        assert batcher.pending == 1 and stats.pending == 1  # held: counted as queued
+        assert len(backend.calls) == calls  # not run before its delay
+        result = await asyncio.wait_for(task, LIMIT_S)
+        np.testing.assert_array_equal(result.outputs["y"], x(6))
+        assert backend.threads[-1] == threading.current_thread().name  # on the loop
+        assert result.queue_ns >= HELD.max_queue_delay_s * 1e9  # it waited the delay out
+        assert batcher.pending == 0 and stats.pending == 0
+        assert stats.execution_count == INLINE_WARM + 1
+        await shutdown(batcher, group)
+
+    run(main())
+
+
+def test_an_arrival_during_the_hold_batches_with_the_held_request_on_the_thread() -> None:
+    async def main() -> None:
+        backend, batcher, group, stats = await warm_cheap()
+        first = submit(batcher, x(1))
+        await asyncio.sleep(0)  # held on the loop
+        second = submit(batcher, x(2))
+        results = await asyncio.wait_for(asyncio.gather(first, second), LIMIT_S)
+        np.testing.assert_array_equal(results[0].outputs["y"], x(2))
+        np.testing.assert_array_equal(results[1].outputs["y"], x(4))
+        np.testing.assert_array_equal(backend.calls[-1], np.concatenate([x(1), x(2)]))
+        assert backend.threads[-1] == "m#0_0"  # one batch of two, on the instance
+        assert stats.execution_count == INLINE_WARM + 1
+        await shutdown(batcher, group)
+
+    run(main())
+
+
+def test_a_held_request_cancelled_or_timed_out_is_dropped_and_the_next_one_runs() -> None:
+    async def main() -> None:
+        backend, batcher, group, _ = await warm_cheap()
+        calls = len(backend.calls)
+        cancelled = submit(batcher, x(1))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert batcher.pending == 0
+        late = submit(batcher, x(2), timeout_s=0.001)  # a timeout inside the delay
+        with pytest.raises(ApplianceError, match="timeout") as info:
+            await asyncio.wait_for(late, LIMIT_S)
+        assert info.value.code == Code.UNAVAILABLE
+        assert len(backend.calls) == calls  # neither ran
+        result = await asyncio.wait_for(submit(batcher, x(5)), LIMIT_S)
+        np.testing.assert_array_equal(result.outputs["y"], x(10))
+        assert backend.threads[-1] == threading.current_thread().name
+        await shutdown(batcher, group)
+
+    run(main())
+
+
+def test_stopping_drains_a_held_request_and_refuses_the_next() -> None:
+    async def main() -> None:
+        backend, batcher, group, _ = await warm_cheap(BatchPolicy(8, (2,), LIMIT_S, True))
+        held = submit(batcher, x(4))
+        await asyncio.sleep(0)
+        assert batcher.pending == 1
+        await batcher.stop(LIMIT_S)  # answered well before its delay of LIMIT_S
+        result = await asyncio.wait_for(held, LIMIT_S)
+        np.testing.assert_array_equal(result.outputs["y"], x(8))
+        assert backend.threads[-1] == "m#0_0"  # drained by the instance
+        with pytest.raises(ApplianceError, match="unloading"):
+            await submit(batcher, x(1))
+        await group.close()
 
     run(main())
