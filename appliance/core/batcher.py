@@ -154,12 +154,12 @@ class DynamicBatcher:
         """
         if not self._accepting:
             raise unavailable(f"model '{self.model}' is unloading", FailureReason.REJECTED)
+        if self._held is not None:  # a second arrival: the held request batches with it
+            self._queue_held()  # (first: it counts against the queue's bound)
         if self._queue.full(level):
             raise queue_full(request_id)
         hold = False
-        if self._held is not None:  # a second arrival: the held request batches with it
-            self._queue_held()
-        elif self._inline is not None and self._inline.cost.cheap() and not CONTENDED.get():
+        if self._inline is not None and self._inline.cost.cheap() and not CONTENDED.get():
             if sends_alone(self.policy, rows):
                 if (result := self._run_inline(inputs, outputs, rows)) is not None:
                     return result

@@ -927,6 +927,27 @@ def test_a_held_request_cancelled_or_timed_out_is_dropped_and_the_next_one_runs(
     run(main())
 
 
+def test_a_held_request_counts_against_the_queue_bound() -> None:
+    async def main() -> None:
+        backend = InlineDoubler()
+        batcher, group, _ = await make_batcher(backend, HELD, max_queue_size=1)
+        for v in range(INLINE_WARM):
+            await asyncio.wait_for(submit_contended(batcher, x(v, rows=2)), LIMIT_S)
+        held = submit(batcher, x(1))
+        await asyncio.sleep(0)
+        assert batcher.pending == 1
+        with pytest.raises(ApplianceError) as info:  # the one place is taken
+            await asyncio.wait_for(submit(batcher, x(2)), LIMIT_S)
+        assert info.value.code == Code.UNAVAILABLE
+        assert batcher.pending == 1
+        result = await asyncio.wait_for(held, LIMIT_S)  # served from the queue
+        np.testing.assert_array_equal(result.outputs["y"], x(2))
+        assert backend.threads[-1] == "m#0_0"
+        await shutdown(batcher, group)
+
+    run(main())
+
+
 def test_stopping_drains_a_held_request_and_refuses_the_next() -> None:
     async def main() -> None:
         backend, batcher, group, _ = await warm_cheap(BatchPolicy(8, (2,), LIMIT_S, True))
