@@ -856,12 +856,12 @@ HELD = BatchPolicy(8, (2,), 0.05, True)
 
 
 async def warm_cheap(
-    policy: BatchPolicy = HELD,
+    policy: BatchPolicy = HELD, max_queue_size: int = 16
 ) -> tuple[InlineDoubler, DynamicBatcher, InstanceGroup, ModelStats]:
     """A batcher whose inline-safe engine is measured cheap (its first runs on the
     instance's thread: each alone, contended, of a preferred size so none waits)."""
     backend = InlineDoubler()
-    batcher, group, stats = await make_batcher(backend, policy)
+    batcher, group, stats = await make_batcher(backend, policy, max_queue_size)
     for v in range(INLINE_WARM):
         await asyncio.wait_for(submit_contended(batcher, x(v, rows=2)), LIMIT_S)
     assert set(backend.threads) == {"m#0_0"}
@@ -929,10 +929,7 @@ def test_a_held_request_cancelled_or_timed_out_is_dropped_and_the_next_one_runs(
 
 def test_a_held_request_counts_against_the_queue_bound() -> None:
     async def main() -> None:
-        backend = InlineDoubler()
-        batcher, group, _ = await make_batcher(backend, HELD, max_queue_size=1)
-        for v in range(INLINE_WARM):
-            await asyncio.wait_for(submit_contended(batcher, x(v, rows=2)), LIMIT_S)
+        backend, batcher, group, _ = await warm_cheap(max_queue_size=1)
         held = submit(batcher, x(1))
         await asyncio.sleep(0)
         assert batcher.pending == 1
