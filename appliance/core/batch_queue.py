@@ -107,6 +107,22 @@ def timed_out() -> ApplianceError:
     return unavailable("Request timeout expired", FailureReason.REJECTED)
 
 
+def unloaded(model: str, when: str) -> ApplianceError:
+    """The answer to a request its model was unloaded ``when`` ("before", "while") it
+    ran, once the unload's drain gave up."""
+    text = f"model '{model}' was unloaded {when} the request ran"
+    return unavailable(text, FailureReason.REJECTED)
+
+
+def fail(item: Pending, error: ApplianceError) -> None:
+    """Answer ``item`` with ``error`` (its queue timeout cancelled), unless its caller
+    went away."""
+    if item.timer is not None:
+        item.timer.cancel()
+    if not item.future.done():
+        item.future.set_exception(error)
+
+
 class BatchQueue:
     """The queued requests in batch order, with each level's count and the rows."""
 

@@ -13,10 +13,8 @@ out the delay only when it can change the decision (``wake_rows``), and a batch 
 is not full waits, within the queue delay, for the loop to take the instance's last
 answers (``catch_up``): the requests the loop reads meanwhile ride it.
 
-A cheap model's lone request skips the threads (:mod:`appliance.core.inline`): with
-no other request in flight it runs on the loop, at once when the scheduler would send
-it at once, else after waiting out the queue delay on the loop's microsecond timer
-(held, not queued; an arrival meanwhile sends it to the queue to batch there).
+A cheap model's lone request skips the threads: with no other request in flight it
+runs on the loop, at once or after its queue delay held there (:mod:`appliance.core.lone`).
 
 Concurrency contract: the queue and the in-flight lists are guarded by one lock;
 each request's future is resolved on the event loop by exactly one party, the
@@ -30,7 +28,6 @@ import asyncio
 import concurrent.futures.thread
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
@@ -41,23 +38,30 @@ import numpy as np
 from appliance.backends.base import Backend
 from appliance.config.scheduling_config import RateLimiterConfig
 from appliance.core import memory
-from appliance.core.batch_queue import BatchQueue, Levels, Pending, queue_full, timed_out
+from appliance.core.batch_queue import (
+    BatchQueue,
+    Levels,
+    Pending,
+    fail,
+    queue_full,
+    timed_out,
+    unloaded,
+)
 from appliance.core.batching import (
     BatchPolicy,
     BatchResult,
     Outcome,
     answer,
     attempt_batch,
-    catch_up,
-    decide,
     failed_batch,
+    next_batch,
     sends_alone,
     wake_rows,
 )
 from appliance.core.hand_back import HandBack
 from appliance.core.inline import InlineRunner
 from appliance.core.instances import InstanceGroup
-from appliance.core.loop_timer import LoopTimer
+from appliance.core.lone import LoneRequests
 from appliance.core.queue_bytes import CONTENDED
 from appliance.core.rate_limiter import RateLimiter, Ticket, take_turn, wake
 from appliance.core.stats import ModelStats
@@ -109,20 +113,26 @@ class DynamicBatcher:
         self._accepting = True
         self._halted = False  # stop() gave up: instances take nothing more
         self._hand_back = HandBack()  # rounds handing engines' working memory back
-        # a cheap lone request on the event loop (None: no engine may run there)
-        self._inline = InlineRunner.of([i.backend for i in instances.instances])
-        # a cheap lone request waiting out the queue delay on the loop (see submit), and
-        # the loop's microsecond timer for it (made at the first such request; False:
-        # the system has none)
-        self._held: Pending | None = None
-        self._timer: LoopTimer | bool | None = None
         self._batched = policy.max_batch_size > 0
+        # a cheap lone request, run or held on the event loop (None: no engine may run there)
+        self._lone: LoneRequests | None = None
+        if runner := InlineRunner.of([i.backend for i in instances.instances]):
+            self._lone = LoneRequests(
+                runner,
+                model,
+                self._batched,
+                policy.max_queue_delay_s,
+                stats,
+                self._claim,
+                self._unclaim,
+                self._arrive,
+            )
         # the server's rate limiter (None: off): each instance's ticket, one per instance
         self._limiter = limiter
         self._tickets: list[Ticket] = []
         if limiter is not None:
             self._tickets = limiter.register(model, limits, len(instances.instances), self._notify)
-            self._inline = None  # every run takes its turn with the limiter
+            self._lone = None  # every run takes its turn with the limiter
         self._serving = [
             asyncio.wrap_future(instance.occupy(self._serve, index))
             for index, instance in enumerate(instances.instances)
@@ -132,7 +142,7 @@ class DynamicBatcher:
 
     @property
     def pending(self) -> int:
-        return len(self._queue.items) + (self._held is not None)
+        return len(self._queue.items) + bool(self._lone and self._lone.held)
 
     async def submit(
         self,
@@ -154,17 +164,17 @@ class DynamicBatcher:
         """
         if not self._accepting:
             raise unavailable(f"model '{self.model}' is unloading", FailureReason.REJECTED)
-        if self._held is not None:  # a second arrival: the held request batches with it
-            self._queue_held()  # (first: it counts against the queue's bound)
+        lone, holder = self._lone, None
+        if lone is not None and lone.held is not None:  # it batches with this arrival
+            lone.to_queue()  # (first: it counts against the queue's bound)
         if self._queue.full(level):
             raise queue_full(request_id)
-        hold = False
-        if self._inline is not None and self._inline.cost.cheap() and not CONTENDED.get():
+        if lone is not None and lone.runner.cost.cheap() and not CONTENDED.get():
             if sends_alone(self.policy, rows):
-                if (result := self._run_inline(inputs, outputs, rows)) is not None:
+                if (result := lone.run(inputs, outputs, rows)) is not None:
                     return result
-            else:
-                hold = self._may_hold()
+            elif lone.can_hold():  # it waits out the queue delay on the loop
+                holder = lone
         item = Pending(
             inputs,
             outputs,
@@ -177,8 +187,8 @@ class DynamicBatcher:
         )
         if timeout_s:
             item.timer = self._call_later(timeout_s, self._expire, item)
-        if hold:
-            self._hold(item)
+        if holder is not None:
+            holder.hold(item)
         else:
             self._arrive(item)
         try:
@@ -199,91 +209,24 @@ class DynamicBatcher:
             if wakes:
                 self._ready.notify()
 
-    # ---- a cheap lone request, on the event loop --------------------------------------
+    # ---- a cheap lone request, on the event loop (core/lone) ---------------------------
 
-    def _may_hold(self) -> bool:
-        """Whether a cheap lone request that waits out the queue delay may wait on the
-        loop: nothing queued or held, an instance idle to run it when the delay is
-        over, and the loop's microsecond timer (:mod:`appliance.core.loop_timer`)."""
-        assert self._inline is not None
-        with self._ready:
-            if self._queue.items or self._hand_back.active or not self._accepting:
-                return False
-            if self._inline.idle(self._running, self._undelivered) is None:
-                return False
-        if self._timer is None:
-            self._timer = LoopTimer.create(self._loop, self._held_due) or False
-        return self._timer is not False
-
-    def _hold(self, item: Pending) -> None:
-        """Keep ``item`` on the loop for its queue delay, as an instance would keep it
-        in the queue (Triton's: a lone request waits the delay out for others to
-        join). An arrival meanwhile sends it to the queue, with its arrival time, to
-        batch there (:meth:`_queue_held`); else the timer runs it here
-        (:meth:`_held_due`): no thread wakes for it, nothing crosses back."""
-        assert isinstance(self._timer, LoopTimer)
-        self._held = item
-        self._stats.pending = 1
-        self._timer.arm(self.policy.max_queue_delay_s)
-
-    def _unhold(self) -> Pending | None:
-        item, self._held = self._held, None
-        if item is not None and isinstance(self._timer, LoopTimer):
-            self._timer.disarm()
-            self._stats.pending = len(self._queue.items)
-        return item
-
-    def _queue_held(self) -> None:
-        """The held request goes to the instances' queue (another request arrived, or
-        the batcher is stopping): it waits there for the rest of its delay."""
-        if (item := self._unhold()) is not None:
-            self._arrive(item)
-
-    def _held_due(self) -> None:
-        """The held request's delay is over and it is still alone: run it here, on an
-        idle instance's engine; to the queue if none is idle now (sent at once)."""
-        item = self._unhold()
-        if item is None or item.future.done():
-            return
-        start_ns = time.perf_counter_ns()
-        try:
-            result = self._run_inline(item.inputs, item.outputs, item.rows)
-        except ApplianceError as exc:
-            if item.timer is not None:
-                item.timer.cancel()
-            item.future.set_exception(exc)
-            return
-        if result is None:
-            self._arrive(item)
-            return
-        if item.timer is not None:
-            item.timer.cancel()
-        result.queue_ns = start_ns - item.enqueued_ns
-        item.future.set_result(result)
-
-    def _run_inline(
-        self, inputs: dict[str, np.ndarray], outputs: tuple[str, ...], rows: int
-    ) -> BatchResult | None:
-        """Run a cheap lone request on an idle instance's engine here, on the event
-        loop (core/inline); None when something is queued or no such instance is idle.
-        The instance is marked running meanwhile, so its thread takes nothing (only
-        the loop enqueues, and it is busy)."""
-        assert self._inline is not None
+    def _claim(self, keep: bool) -> int | None:
+        """An idle instance whose engine may run on the loop, when nothing is queued
+        (None: none); ``keep``: marked running, so its thread takes nothing meanwhile
+        (only the loop enqueues, and it is busy with the run)."""
+        assert self._lone is not None
         with self._ready:
             if self._queue.items or self._hand_back.active or not self._accepting:
                 return None
-            index = self._inline.idle(self._running, self._undelivered)
-            if index is None:
-                return None
-            self._running[index] = []
+            index = self._lone.runner.idle(self._running, self._undelivered)
+            if index is not None and keep:
+                self._running[index] = []
+            return index
 
-        def done() -> None:
-            with self._ready:
-                self._running.pop(index, None)
-
-        result = self._inline.run(self.model, index, inputs, outputs, rows, self._batched, done)
-        self._stats.record_execution(rows, result.input_ns, result.infer_ns, result.output_ns)
-        return result
+    def _unclaim(self, index: int) -> None:
+        with self._ready:
+            self._running.pop(index, None)
 
     def enqueue(
         self,
@@ -305,8 +248,8 @@ class DynamicBatcher:
         """Take ``item`` out of the queue if no instance took it yet."""
         if item.timer is not None:
             item.timer.cancel()
-        if item is self._held:
-            self._unhold()
+        if self._lone is not None and item is self._lone.held:
+            self._lone.take()
             return True
         with self._ready:
             if not self._queue.remove(item):
@@ -338,16 +281,10 @@ class DynamicBatcher:
                 send: tuple[int, ...] = ()
                 wait_s = IDLE_CHECK_S
                 if self._queue.items and not stop:
-                    # once stopping, waiting for fuller batches only delays the drain
-                    now = time.monotonic() if self._accepting else math.inf
-                    decision = decide(self._queue.items, now, self.policy)
-                    if decision.send:
-                        catch_up = self._catch_up_s(index, decision.send)
-                        if catch_up <= 0:
-                            send = decision.send
-                        wait_s = min(wait_s, catch_up) if catch_up > 0 else wait_s
-                    elif decision.wait_s is not None:
-                        wait_s = min(wait_s, decision.wait_s)
+                    since = self._undelivered.get(index)
+                    send, wait_s = next_batch(
+                        self._queue.items, self.policy, since, self._accepting, IDLE_CHECK_S
+                    )
                 if limiter and ticket and (send or ticket.wanting):
                     # the rate limiter: send only holding the resources (else wait in line)
                     turn = take_turn(limiter, ticket, bool(send), self._ready)
@@ -361,15 +298,6 @@ class DynamicBatcher:
                 if self._hand_back.take(index, not self._queue.items):
                     return []  # (an empty batch: hand back working memory)
                 self._ready.wait(wait_s)
-
-    def _catch_up_s(self, index: int, send: tuple[int, ...]) -> float:
-        """How long this instance holds the batch ``send`` for the loop to take its last
-        answers (:func:`appliance.core.batching.catch_up`); 0 when stopping."""
-        since = self._undelivered.get(index)
-        if since is None or not self._accepting:
-            return 0.0
-        rows = sum(self._queue.items[i].rows for i in send)
-        return catch_up(self.policy, rows, since, time.monotonic())
 
     def _abandoned(self) -> bool:
         """Nobody will ever stop this batcher: its event loop is closed, or the
@@ -446,34 +374,27 @@ class DynamicBatcher:
             # (else waking it costs a context switch and a turn for the lock, for nothing)
             if self._undelivered.pop(index, None) is not None and self._queue.items:
                 self._ready.notify_all()
-        for it in items:
-            if it.timer is not None:
-                it.timer.cancel()
         if isinstance(outcome, Exception):
             error = failed_batch(self.model, outcome)
             for it in items:
-                if not it.future.done():
-                    it.future.set_exception(error)
+                fail(it, error)
             return
+        for it in items:
+            if it.timer is not None:
+                it.timer.cancel()
         parts, input_ns, infer_ns, output_ns = outcome
         self._stats.record_execution(sum(it.rows for it in items), input_ns, infer_ns, output_ns)
-        if self._inline is not None and len(items) == 1:
-            self._inline.cost.record(input_ns + infer_ns + output_ns, inline=False)
+        if self._lone is not None and len(items) == 1:
+            self._lone.runner.cost.record(input_ns + infer_ns + output_ns, inline=False)
         for it, part in zip(items, parts, strict=True):
-            answer(
-                it.future,
-                part,
-                it.outputs,
-                start_ns - it.enqueued_ns,
-                input_ns,
-                infer_ns,
-                output_ns,
-            )
+            queue_ns = start_ns - it.enqueued_ns
+            answer(it.future, part, it.outputs, queue_ns, input_ns, infer_ns, output_ns)
 
     def _fail_all(self, error: ApplianceError, running: ApplianceError | None = None) -> None:
         """Fail every queued request with ``error`` (and, given ``running``, every
         request an instance is still running with that)."""
-        self._queue_held()
+        if self._lone is not None:
+            self._lone.to_queue()
         with self._ready:
             queued = self._queue.clear()
             busy = [it for items in self._running.values() for it in items]
@@ -482,10 +403,7 @@ class DynamicBatcher:
         if running is not None:
             failed += [(it, running) for it in busy]
         for it, why in failed:
-            if it.timer is not None:
-                it.timer.cancel()
-            if not it.future.done():
-                it.future.set_exception(why)
+            fail(it, why)
 
     def release_memory(self) -> asyncio.Future[None]:
         """Ask each instance to hand back the working memory its engine keeps
@@ -501,9 +419,9 @@ class DynamicBatcher:
         """Stop accepting, drain queued and running work for up to ``timeout_s``,
         then fail whatever is left with UNAVAILABLE; the instances take nothing more
         (a batch still running finishes on its thread, its answer dropped)."""
-        self._queue_held()  # (drained with the queue)
-        if isinstance(self._timer, LoopTimer):
-            self._timer.close()
+        if self._lone is not None:
+            self._lone.to_queue()  # (drained with the queue)
+            self._lone.close()
         with self._ready:
             self._accepting = False
             self._hand_back.cancel()
@@ -519,16 +437,7 @@ class DynamicBatcher:
         with self._ready:
             self._halted = True
             self._ready.notify_all()
-        self._fail_all(
-            unavailable(
-                f"model '{self.model}' was unloaded before the request ran",
-                FailureReason.REJECTED,
-            ),
-            unavailable(
-                f"model '{self.model}' was unloaded while the request ran",
-                FailureReason.REJECTED,
-            ),
-        )
+        self._fail_all(unloaded(self.model, "before"), unloaded(self.model, "while"))
         # one turn of the loop: the callers' wake-ups, scheduled as their futures
         # failed, run before stop() returns (so its caller sees them answered)
         await asyncio.sleep(0)

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -201,6 +202,30 @@ def catch_up(policy: BatchPolicy, rows: int, since: float, now: float) -> float:
     if delay <= 0 or not policy.dynamic or rows >= policy.max_batch_size:
         return 0.0
     return max(0.0, since + delay - now)
+
+
+def next_batch(
+    queue: Sequence[Queued],
+    policy: BatchPolicy,
+    undelivered_since: float | None,
+    accepting: bool,
+    idle_s: float,
+) -> tuple[tuple[int, ...], float]:
+    """What an idle instance does with the (non-empty) ``queue``: the positions of the
+    batch it sends now (empty: none yet), and how long it waits otherwise (at most
+    ``idle_s``). :func:`decide`, then :func:`catch_up` while the loop has not taken
+    this instance's last answers (handed over at monotonic ``undelivered_since``).
+    Once the batcher stops ``accepting``, waiting for fuller batches only delays the
+    drain: what is queued goes as it is."""
+    now = time.monotonic()
+    decision = decide(queue, now if accepting else math.inf, policy)
+    if not decision.send:
+        return (), idle_s if decision.wait_s is None else min(idle_s, decision.wait_s)
+    if undelivered_since is None or not accepting:
+        return decision.send, idle_s
+    rows = sum(queue[i].rows for i in decision.send)
+    hold_s = catch_up(policy, rows, undelivered_since, now)
+    return (decision.send, idle_s) if hold_s <= 0 else ((), min(idle_s, hold_s))
 
 
 @dataclass(slots=True)

@@ -3,10 +3,10 @@
 The instances whose engine may be called from the loop's thread
 (``Backend.inline_safe``: ONNX Runtime on the CPU) and what their one-request runs
 cost (:class:`appliance.core.batching.InlineCost`). The dynamic batcher decides when
-a request qualifies (nothing queued, no other request in flight, the scheduler would
-send it at once, the model measured cheap) and claims an idle instance under its
-lock; this runs it and measures it (docs/benchmarks.md, "Running a cheap model
-inline").
+a request qualifies (nothing queued, no other request in flight, the model measured
+cheap), :mod:`appliance.core.lone` runs it at once or after holding it for its queue
+delay on an instance the batcher claimed under its lock, and this runs it and
+measures it (docs/benchmarks.md, "Running a cheap model inline").
 """
 
 from __future__ import annotations

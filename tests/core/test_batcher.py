@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from appliance.core.batching import (
     InlineCost,
     catch_up,
     decide,
+    next_batch,
     sends_alone,
     wake_rows,
 )
@@ -173,6 +175,25 @@ def test_catch_up_holds_a_partial_batch_for_the_rest_of_the_delay_only() -> None
     assert catch_up(DYNAMIC, 8, since=10.0, now=10.25) == 0.0  # full: nothing can join
     assert catch_up(BatchPolicy(max_batch_size=8, dynamic=True), 1, 10.0, 10.0) == 0.0  # no delay
     assert catch_up(BatchPolicy(max_batch_size=8, max_queue_delay_s=1.0), 1, 10.0, 10.0) == 0.0
+
+
+def test_next_batch_holds_a_partial_batch_for_undelivered_answers_unless_stopping() -> None:
+    policy = BatchPolicy(max_batch_size=4, max_queue_delay_s=0.5, dynamic=True)
+    due = time.monotonic() - 1.0  # arrived long ago: the delay is over
+    queue = [Item(1, arrival=due), Item(1, arrival=due)]
+    assert next_batch(queue, policy, None, True, 1.0) == ((0, 1), 1.0)
+    # the loop has not taken this instance's last answers: held for the rest of the delay
+    send, wait_s = next_batch(queue, policy, time.monotonic(), True, 1.0)
+    assert send == () and 0 < wait_s <= 0.5
+    assert next_batch(queue, policy, time.monotonic(), False, 1.0) == ((0, 1), 1.0)
+    fresh = [Item(1, arrival=time.monotonic())]  # within its delay: waits at most the idle check
+    send, wait_s = next_batch(fresh, policy, None, True, 0.2)
+    assert send == () and 0 < wait_s <= 0.2
+    now = time.monotonic()
+    full = [Item(2, arrival=now), Item(2, arrival=now)]  # a full batch goes at once
+    assert next_batch(full, policy, time.monotonic(), True, 1.0) == ((0, 1), 1.0)
+    # stopping: queued requests go as they are, however fresh
+    assert next_batch(fresh, policy, None, False, 1.0) == ((0,), 1.0)
 
 
 def test_wake_rows_follow_the_policy() -> None:
