@@ -9,7 +9,6 @@ subcommand, what was wrong and, for an unknown option, the nearest known one.
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from typing import Any, NoReturn
 
@@ -48,6 +47,8 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         prog = self._named_prog()
         if message.startswith(_UNRECOGNIZED):
+            import difflib  # (only for a wrong command line: not on every start)
+
             options = dict(reversed(self._options()))  # an option's first owner wins
             unknown = [w for w in message[len(_UNRECOGNIZED) :].split() if w.startswith("-")]
             for word in unknown:

@@ -11,7 +11,8 @@ the checkout stays untouched), then:
   compiled ``.pyc`` included), leaving out pip and setuptools;
 - starts ``python -m appliance serve`` (the demo models, free loopback ports) ``--runs``
   times and measures, from process start, the time until ``/v2/health/ready`` answers
-  200, and the resident memory 3 s after that with no traffic;
+  200, and the resident memory 3 s after that with no traffic, with where it lies
+  (``/proc/PID/smaps``: anonymous memory, the heap, each library's pages);
 - records the slowest imports of the serving path (``python -X importtime``).
 
 Figures depend on the machine and its load: they are recorded, never asserted.
@@ -108,9 +109,33 @@ def _rss(pid: int) -> int:
     return 0
 
 
-def cold_start(venv: Path, grpc: bool) -> tuple[float, int, float]:
-    """Seconds from process start to ready, idle RSS 3 s later (bytes), and the
-    server's own start-up figure from its log (listening to ready, imports excluded).
+ANONYMOUS = "anonymous (Python's objects and code, ONNX Runtime's buffers, thread stacks)"
+
+
+def rss_by_mapping(pid: int) -> dict[str, tuple[int, int]]:
+    """Where ``pid``'s resident memory lies: for each kind of mapping (anonymous, the
+    heap, each mapped file by name), (resident bytes, private dirty bytes). A file's
+    clean pages are its code and read-only data, shared with every process mapping it;
+    private dirty pages are this process's own (written data, relocations)."""
+    groups: dict[str, list[int]] = {}
+    current = ANONYMOUS
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if not fields:
+            continue
+        if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's first line
+            name = fields[5] if len(fields) > 5 else ""
+            current = ANONYMOUS if not name or name.startswith("[anon") else Path(name).name
+        elif fields[0] in ("Rss:", "Private_Dirty:"):
+            slot = groups.setdefault(current, [0, 0])
+            slot[fields[0] == "Private_Dirty:"] += int(fields[1]) * 1024
+    return {k: (v[0], v[1]) for k, v in groups.items()}
+
+
+def cold_start(venv: Path, grpc: bool) -> tuple[float, int, float, dict[str, tuple[int, int]]]:
+    """Seconds from process start to ready, idle RSS 3 s later (bytes), the server's
+    own start-up figure from its log (listening to ready, imports excluded), and where
+    that memory lies (:func:`rss_by_mapping`).
     ``grpc``: the gRPC endpoint on a free port (the install has the grpc extra); else
     off, as the default install turns it off (a port asked for would stop the start)."""
     http_port = _free_port()
@@ -128,24 +153,39 @@ def cold_start(venv: Path, grpc: bool) -> tuple[float, int, float]:
             time.sleep(0.005)
         elapsed = time.perf_counter() - started
         time.sleep(3)
-        rss = _rss(proc.pid)
+        rss, where = _rss(proc.pid), rss_by_mapping(proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     own = re.search(r"ready in ([0-9.]+)s", log.read_text())
-    return elapsed, rss, float(own.group(1)) if own else float("nan")
+    return elapsed, rss, float(own.group(1)) if own else float("nan"), where
 
 
 def slow_imports(venv: Path, top: int = 12) -> list[tuple[int, str]]:
     """The serving path's slowest imports (cumulative microseconds)."""
-    probe = "import appliance.cli, appliance.server, appliance.backends.onnxruntime_backend"
-    err = _run([str(venv / "bin" / "python"), "-X", "importtime", "-c", probe]).stderr
+    err = _run([str(venv / "bin" / "python"), "-X", "importtime", "-c", SERVING_IMPORTS]).stderr
     rows = []
     for line in err.splitlines():
         parts = line.split("|")
         if len(parts) == 3 and parts[1].strip().isdigit():
             rows.append((int(parts[1]), parts[2].rstrip()))
     return sorted(rows, reverse=True)[:top]
+
+
+FLOOR_IMPORTS = "import asyncio, numpy, onnxruntime, orjson, uvloop"
+SERVING_IMPORTS = "import appliance.cli, appliance.server, appliance.backends.onnxruntime_backend"
+
+
+def python_objects(venv: Path, probe: str) -> int:
+    """Bytes in Python's small-object arenas (its objects, module code included)
+    once ``probe`` ran: what importing those modules keeps resident, however loaded."""
+    code = f"{probe}; import sys; sys._debugmallocstats()"
+    err = _run([str(venv / "bin" / "python"), "-c", code]).stderr
+    arenas = re.search(r"# arenas allocated current\s*=\s*([0-9,]+)", err)
+    size = re.search(r"([0-9,]+) arenas \* ([0-9,]+) bytes/arena", err)
+    if not arenas or not size:
+        return 0
+    return int(arenas.group(1).replace(",", "")) * int(size.group(2).replace(",", ""))
 
 
 def _without_out(argv: list[str]) -> list[str]:
@@ -176,12 +216,16 @@ def main() -> None:
         grpc = "grpc" in args.extras.split(",") or "all" in args.extras.split(",")
         starts = [cold_start(venv, grpc) for _ in range(args.runs)]
         imports = slow_imports(venv)
+        objects = {p: python_objects(venv, p) for p in ("pass", FLOOR_IMPORTS, SERVING_IMPORTS)}
         versions = _run([str(venv / "bin" / "python"), "-m", "pip", "list", "--format=freeze"])
     counted = {k: v for k, v in per_dist.items() if k not in EXCLUDED}
     total = sum(counted.values())
-    times = [t for t, _, _ in starts]
-    rss = [r for _, r, _ in starts]
-    own = [o for _, _, o in starts]
+    times = [t for t, _, _, _ in starts]
+    rss = [r for _, r, _, _ in starts]
+    own = [o for _, _, o, _ in starts]
+    where = sorted(starts, key=lambda s: s[1])[len(starts) // 2][3]  # the median start's
+    shown = sorted(where.items(), key=lambda kv: -kv[1][0])[:10]
+    rest = [v for k, v in where.items() if k not in dict(shown)]
     spec = "pip install ." + (f"[{args.extras}]" if args.extras else "")
     if args.constraints:
         spec += f" -c {args.constraints}"
@@ -189,8 +233,7 @@ def main() -> None:
         f"# Footprint of a fresh install, {datetime.date.today()}",
         "",
         "```",
-        "python3 benchmarks/bench_footprint.py "
-        + " ".join(_without_out(sys.argv[1:])),
+        "python3 benchmarks/bench_footprint.py " + " ".join(_without_out(sys.argv[1:])),
         "```",
         "",
         "| machine | |",
@@ -207,6 +250,22 @@ def main() -> None:
         f"| of which the server's own start-up (its log: listening -> ready), median | "
         f"{statistics.median(own):.2f} s |",
         f"| idle RSS 3 s after READY, median | {statistics.median(rss) / MiB:.1f} MiB |",
+        "",
+        "Where the median start's idle memory lies (`/proc/PID/smaps`; a file's clean "
+        "pages are its code and read-only data, shared with any process that maps it):",
+        "",
+        "| mapping | resident MiB | of which private dirty MiB |",
+        "|---|---:|---:|",
+        *(f"| {name} | {r / MiB:.1f} | {d / MiB:.1f} |" for name, (r, d) in shown),
+        f"| {len(rest)} other mappings | {sum(r for r, _ in rest) / MiB:.1f} | "
+        f"{sum(d for _, d in rest) / MiB:.1f} |",
+        "",
+        "Python's small-object arenas (its objects, module code included) after "
+        "importing (`sys._debugmallocstats`):",
+        "",
+        "| imports | MiB |",
+        "|---|---:|",
+        *(f"| `{probe}` | {size / MiB:.1f} |" for probe, size in objects.items()),
         "",
         "| distribution | MiB |",
         "|---|---:|",
