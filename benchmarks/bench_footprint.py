@@ -112,12 +112,12 @@ def _rss(pid: int) -> int:
 ANONYMOUS = "anonymous (Python's objects and code, ONNX Runtime's buffers, thread stacks)"
 
 
-def rss_by_mapping(pid: int) -> dict[str, tuple[int, int]]:
-    """Where ``pid``'s resident memory lies: for each kind of mapping (anonymous, the
-    heap, each mapped file by name), (resident bytes, private dirty bytes). A file's
-    clean pages are its code and read-only data, shared with every process mapping it;
-    private dirty pages are this process's own (written data, relocations)."""
-    groups: dict[str, list[int]] = {}
+def rss_by_mapping(pid: int) -> dict[str, int]:
+    """Where ``pid``'s resident memory lies: resident bytes for each kind of mapping
+    (anonymous, the heap, each mapped file by name). A file's pages are its code and
+    data: the clean ones are shared with every process that maps the file, and the
+    kernel may drop them under pressure (read again when used)."""
+    groups: dict[str, int] = {}
     current = ANONYMOUS
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         fields = line.split()
@@ -126,13 +126,12 @@ def rss_by_mapping(pid: int) -> dict[str, tuple[int, int]]:
         if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's first line
             name = fields[5] if len(fields) > 5 else ""
             current = ANONYMOUS if not name or name.startswith("[anon") else Path(name).name
-        elif fields[0] in ("Rss:", "Private_Dirty:"):
-            slot = groups.setdefault(current, [0, 0])
-            slot[fields[0] == "Private_Dirty:"] += int(fields[1]) * 1024
-    return {k: (v[0], v[1]) for k, v in groups.items()}
+        elif fields[0] == "Rss:":
+            groups[current] = groups.get(current, 0) + int(fields[1]) * 1024
+    return groups
 
 
-def cold_start(venv: Path, grpc: bool) -> tuple[float, int, float, dict[str, tuple[int, int]]]:
+def cold_start(venv: Path, grpc: bool) -> tuple[float, int, float, dict[str, int]]:
     """Seconds from process start to ready, idle RSS 3 s later (bytes), the server's
     own start-up figure from its log (listening to ready, imports excluded), and where
     that memory lies (:func:`rss_by_mapping`).
@@ -224,7 +223,7 @@ def main() -> None:
     rss = [r for _, r, _, _ in starts]
     own = [o for _, _, o, _ in starts]
     where = sorted(starts, key=lambda s: s[1])[len(starts) // 2][3]  # the median start's
-    shown = sorted(where.items(), key=lambda kv: -kv[1][0])[:10]
+    shown = sorted(where.items(), key=lambda kv: -kv[1])[:10]
     rest = [v for k, v in where.items() if k not in dict(shown)]
     spec = "pip install ." + (f"[{args.extras}]" if args.extras else "")
     if args.constraints:
@@ -251,14 +250,13 @@ def main() -> None:
         f"{statistics.median(own):.2f} s |",
         f"| idle RSS 3 s after READY, median | {statistics.median(rss) / MiB:.1f} MiB |",
         "",
-        "Where the median start's idle memory lies (`/proc/PID/smaps`; a file's clean "
-        "pages are its code and read-only data, shared with any process that maps it):",
+        "Where the median start's idle memory lies (`/proc/PID/smaps`; a library's "
+        "pages are its code and data, the clean ones shared with any process mapping it):",
         "",
-        "| mapping | resident MiB | of which private dirty MiB |",
-        "|---|---:|---:|",
-        *(f"| {name} | {r / MiB:.1f} | {d / MiB:.1f} |" for name, (r, d) in shown),
-        f"| {len(rest)} other mappings | {sum(r for r, _ in rest) / MiB:.1f} | "
-        f"{sum(d for _, d in rest) / MiB:.1f} |",
+        "| mapping | resident MiB |",
+        "|---|---:|",
+        *(f"| {name} | {size / MiB:.1f} |" for name, size in shown),
+        f"| {len(rest)} other mappings | {sum(rest) / MiB:.1f} |",
         "",
         "Python's small-object arenas (its objects, module code included) after "
         "importing (`sys._debugmallocstats`):",
