@@ -109,6 +109,10 @@ def _rss(pid: int) -> int:
     return 0
 
 
+FLOOR_IMPORTS = "import asyncio, numpy, onnxruntime, orjson, uvloop"
+SERVING_IMPORTS = "import appliance.cli, appliance.server, appliance.backends.onnxruntime_backend"
+
+
 ANONYMOUS = "anonymous (Python's objects and code, ONNX Runtime's buffers, thread stacks)"
 
 
@@ -171,10 +175,6 @@ def slow_imports(venv: Path, top: int = 12) -> list[tuple[int, str]]:
     return sorted(rows, reverse=True)[:top]
 
 
-FLOOR_IMPORTS = "import asyncio, numpy, onnxruntime, orjson, uvloop"
-SERVING_IMPORTS = "import appliance.cli, appliance.server, appliance.backends.onnxruntime_backend"
-
-
 def python_objects(venv: Path, probe: str) -> int:
     """Bytes in Python's small-object arenas (its objects, module code included)
     once ``probe`` ran: what importing those modules keeps resident, however loaded."""
@@ -223,8 +223,8 @@ def main() -> None:
     rss = [r for _, r, _, _ in starts]
     own = [o for _, _, o, _ in starts]
     where = sorted(starts, key=lambda s: s[1])[len(starts) // 2][3]  # the median start's
-    shown = sorted(where.items(), key=lambda kv: -kv[1])[:10]
-    rest = [v for k, v in where.items() if k not in dict(shown)]
+    ranked = sorted(where.items(), key=lambda kv: -kv[1])
+    shown, rest = ranked[:10], [size for _, size in ranked[10:]]
     spec = "pip install ." + (f"[{args.extras}]" if args.extras else "")
     if args.constraints:
         spec += f" -c {args.constraints}"

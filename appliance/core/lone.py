@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from appliance.core.batch_queue import Pending
+from appliance.core.batch_queue import Pending, fail
 from appliance.core.batching import BatchResult
 from appliance.core.inline import InlineRunner
 from appliance.core.loop_timer import LoopTimer
@@ -119,10 +119,10 @@ class LoneRequests:
         if result is None:
             self._arrive(item)
             return
+        if isinstance(result, ApplianceError):
+            fail(item, result)
+            return
         if item.timer is not None:
             item.timer.cancel()
-        if isinstance(result, ApplianceError):
-            item.future.set_exception(result)
-            return
         result.queue_ns = start_ns - item.enqueued_ns
         item.future.set_result(result)
